@@ -1,0 +1,159 @@
+"""A pool of gloo process groups that stay up for the whole test session.
+
+Spawning a world costs seconds (each process imports torch), so each world size is spawned once
+per test process and runs many test bodies, as PyTorch's ``MultiProcContinuousTest`` does. A
+body is a module-level function; it runs on every rank with the same keyword arguments, and the
+ranks' results come back as a list. A failing rank fails the test with its traceback; a rank that
+hangs hits the collective timeout or the per-body timeout, and the world is then torn down and
+re-spawned for the next test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+COLLECTIVE_TIMEOUT_S = 60
+BODY_TIMEOUT_S = 240
+START_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        results.put((rank, True, "ready"))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, kwargs = task
+        try:
+            out = fn(**kwargs)
+            dist.barrier()
+            results.put((rank, True, out))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    """``world_size`` processes in one gloo process group, running test bodies on request."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._results: mp.Queue = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._collect(START_TIMEOUT_S, what="start")
+
+    @property
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self._procs)
+
+    def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """Run ``fn(**kwargs)`` on every rank; return the ranks' results in rank order."""
+        for tasks in self._tasks:
+            tasks.put((fn, kwargs))
+        return self._collect(BODY_TIMEOUT_S, what=fn.__name__)
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(outcomes) < self.world_size:
+                rank, ok, out = self._results.get(timeout=timeout)
+                outcomes[rank] = (ok, out)
+                if not ok:
+                    # The other ranks may now block in a collective until its timeout.
+                    timeout = COLLECTIVE_TIMEOUT_S + 30
+        except queue.Empty:
+            self.close()
+            missing = sorted(set(range(self.world_size)) - set(outcomes))
+            failures = [out for ok, out in outcomes.values() if not ok]
+            raise AssertionError(
+                f"{what}: ranks {missing} of {self.world_size} did not finish\n" + "\n".join(failures)
+            ) from None
+        failures = [f"--- rank {r} ---\n{out}" for r, (ok, out) in sorted(outcomes.items()) if not ok]
+        if failures:
+            raise AssertionError(f"{what} failed on {len(failures)} rank(s):\n" + "\n".join(failures))
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for tasks in self._tasks:
+            try:
+                tasks.put(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+class WorldPool:
+    """One live ``World`` per world size, re-spawned if a test body left it broken."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, World] = {}
+
+    def get(self, world_size: int) -> World:
+        world = self._worlds.get(world_size)
+        if world is None or not world.alive:
+            world = self._worlds[world_size] = World(world_size)
+        return world
+
+    def run(self, world_size: int, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        world = self.get(world_size)
+        try:
+            return world.run(fn, **kwargs)
+        except AssertionError:
+            # A failed body may leave collectives out of step: start the next test afresh.
+            world.close()
+            del self._worlds[world_size]
+            raise
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()
