@@ -28,7 +28,7 @@ __all__ = ["Bucket", "plan_buckets"]
 class Bucket:
     """A fixed set of parameters and the subset whose gradient has arrived since the last step."""
 
-    __slots__ = ("params", "_arrived")
+    __slots__ = ("_arrived", "params")
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = tuple(params)

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "Batch", "BucketStepper"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "Batch", "BucketStepper", "place_grad_like_param"]
 
 ELEMENTWISE_OPTIMIZERS: frozenset[type[Optimizer]] = frozenset(
     {
@@ -83,19 +83,23 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
     )
 
 
-def _local_grad(param: torch.Tensor) -> torch.Tensor:
+def place_grad_like_param(param: torch.Tensor) -> None:
+    """Make ``param.grad`` a DTensor placed like ``param`` (a no-op for FSDP2 gradients).
+
+    Raises ``TypeError`` for a plain gradient on a DTensor parameter. A gradient placed
+    differently, e.g. the ``Partial`` gradient of a replicated tensor-parallel parameter, is
+    redistributed (a collective, run by every rank in the same bucket order).
+    """
     grad = param.grad
-    assert grad is not None
-    if isinstance(param, DTensor):
-        if not isinstance(grad, DTensor):
-            raise TypeError(
-                f"parameter of shape {tuple(param.shape)} is a DTensor but its gradient is a "
-                f"{type(grad).__name__}; set DTensor gradients on DTensor parameters"
-            )
-        if grad.placements != param.placements:
-            # E.g. a Partial gradient of a replicated tensor-parallel parameter: reduce it first.
-            grad = grad.redistribute(param.device_mesh, param.placements)
-    return _local(grad)
+    if not isinstance(param, DTensor) or grad is None:
+        return
+    if not isinstance(grad, DTensor):
+        raise TypeError(
+            f"parameter of shape {tuple(param.shape)} is a DTensor but its gradient is a "
+            f"{type(grad).__name__}; set DTensor gradients on DTensor parameters"
+        )
+    if grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 class BucketStepper:
@@ -119,6 +123,7 @@ class BucketStepper:
     def step(self, batches: Sequence[Batch], state: defaultdict[torch.Tensor, dict]) -> None:
         """Step every parameter of ``batches`` using its ``.grad``, updating ``state`` in place.
 
+        DTensor gradients must be placed like their parameter (``place_grad_like_param``).
         Gradients are left in place; the caller frees them.
         """
         if self.local_shards:
@@ -137,7 +142,7 @@ class BucketStepper:
                     # A fresh alias of the local shard, so that setting its .grad leaves
                     # FSDP2's own local tensor untouched.
                     shard = param.to_local().detach()
-                    shard.grad = _local_grad(param)
+                    shard.grad = param.grad.to_local()
                     if param in state:
                         local_state[shard] = {k: _local(v) for k, v in state[param].items()}
                     shards.append((param, shard))

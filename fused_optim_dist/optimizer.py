@@ -13,13 +13,23 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fused_optim_dist._buckets import Bucket, plan_buckets
-from fused_optim_dist._stepping import ELEMENTWISE_OPTIMIZERS, Batch, BucketStepper
+from fused_optim_dist._gradients import GradientProcessor
+from fused_optim_dist._stepping import (
+    ELEMENTWISE_OPTIMIZERS,
+    Batch,
+    BucketStepper,
+    place_grad_like_param,
+)
 from fused_optim_dist._torch_internals import (
     current_backward_id,
     ddp_modules_holding,
     queue_end_of_backward,
 )
-from fused_optim_dist._validation import check_param_groups, resolve_optimizer_class
+from fused_optim_dist._validation import (
+    check_options,
+    check_param_groups,
+    resolve_optimizer_class,
+)
 
 __all__ = ["OptimizerInBackward", "in_backward"]
 
@@ -72,6 +82,14 @@ class OptimizerInBackward(Optimizer):
             be stepped as plain tensors (fast). Default: true for the torch.optim classes in
             ``ELEMENTWISE_OPTIMIZERS``, false otherwise (the step runs on the DTensors).
         bucket_numel: elements per bucket for parameters no ``fully_shard`` manages.
+        max_grad_norm: clip gradients by norm while stepping in backward, with the semantics
+            of [Note: clipping inside one backward] (``fused_optim_dist._gradients``).
+        clip_grad_value: clamp every gradient element to ``[-clip_grad_value, clip_grad_value]``
+            (exactly ``torch.nn.utils.clip_grad_value_``). Not combined with ``max_grad_norm``.
+        skip_nonfinite: when a bucket's gradient holds inf/NaN on any rank, no rank updates that
+            bucket; counted in ``nonfinite_steps``. Costs a host sync per bucket.
+        track_grad_norm: compute the total gradient norm reported by :meth:`grad_norm` (one
+            all-reduce of a scalar per step).
         **optimizer_kwargs: passed to ``optimizer_cls``.
 
     Raises:
@@ -88,14 +106,19 @@ class OptimizerInBackward(Optimizer):
         *,
         elementwise: bool | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        max_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        skip_nonfinite: bool = False,
+        track_grad_norm: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         params = list(params)
         if not params:
             raise ValueError("OptimizerInBackward got an empty parameter list")
-        if bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be a positive int, not {bucket_numel}")
+        check_options(
+            bucket_numel=bucket_numel, max_grad_norm=max_grad_norm, clip_grad_value=clip_grad_value
+        )
         # Built on the user's parameters so that groups get exactly optimizer_cls's keys and
         # defaults (and any state its constructor creates, as Adagrad's).
         inner = optimizer_cls(params, **optimizer_kwargs)
@@ -114,11 +137,18 @@ class OptimizerInBackward(Optimizer):
         # The wrapped class's step code, run on one bucket at a time.
         self._stepper = BucketStepper(inner, local_shards=elementwise)
         self._bucket_numel = bucket_numel
+        # Norm, non-finite check and clipping of each bucket's gradients before its step.
+        self._gradients = GradientProcessor(
+            max_grad_norm=max_grad_norm,
+            clip_grad_value=clip_grad_value,
+            skip_nonfinite=skip_nonfinite,
+            track_grad_norm=track_grad_norm,
+        )
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
         weakref.finalize(self, _remove_hooks, self._hook_handles)
-        # Bucket of each parameter (by id), and param group index of each parameter.
-        self._bucket_of: dict[int, Bucket] = {}
+        # Bucket (index, bucket) of each parameter (by id), and param group index of each.
+        self._bucket_of: dict[int, tuple[int, Bucket]] = {}
         self._group_of: dict[int, int] = {}
         self._buckets: list[Bucket] = []
         # Backward-pass bookkeeping: whether any gradient arrived since the last step(), the
@@ -163,7 +193,11 @@ class OptimizerInBackward(Optimizer):
         }
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._buckets = plan_buckets(trainable, self._bucket_numel)
-        self._bucket_of = {id(p): bucket for bucket in self._buckets for p in bucket.params}
+        self._bucket_of = {
+            id(p): (index, bucket)
+            for index, bucket in enumerate(self._buckets)
+            for p in bucket.params
+        }
 
     # ------------------------------------------------------------------ torch.optim.Optimizer
 
@@ -207,6 +241,7 @@ class OptimizerInBackward(Optimizer):
         ready = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if ready:
             self._step_now(ready)
+            self._gradients.end_of_step()
         elif not self._grads_arrived:
             raise RuntimeError(
                 "no gradient reached OptimizerInBackward since the last step(), so nothing was "
@@ -232,6 +267,26 @@ class OptimizerInBackward(Optimizer):
             yield
         finally:
             self._accumulate_depth -= 1
+
+    # ------------------------------------------------------------------ gradient statistics
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total L2 norm of the gradients the last stepping backward consumed.
+
+        Measured before clipping, over all parameters and ranks: the value
+        ``torch.nn.utils.clip_grad_norm_`` would return for the same gradients. Computed during
+        backward, so calling it is local (it never blocks on other ranks); a 0-dim tensor on
+        the gradients' device, inf/NaN if a gradient was not finite.
+
+        Raises:
+            RuntimeError: before the first stepping backward, or with ``track_grad_norm=False``.
+        """
+        return self._gradients.grad_norm()
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """How many bucket updates ``skip_nonfinite`` skipped so far."""
+        return self._gradients.nonfinite_steps
 
     # ------------------------------------------------------------------ detaching
 
@@ -264,44 +319,50 @@ class OptimizerInBackward(Optimizer):
         if backward != -1 and backward != self._callback_backward:
             self._callback_backward = backward
             queue_end_of_backward(self._end_of_backward)
-        bucket = self._bucket_of[id(param)]
+        index, bucket = self._bucket_of[id(param)]
         if bucket.arrive(param):
-            self._step_bucket(bucket.take(), in_backward=backward != -1)
+            self._step_bucket(index, bucket.take())
+            if backward != -1:
+                self._stepped_in_backward.update(id(p) for p in bucket.params)
+        if backward == -1:
+            self._gradients.end_of_step()
 
     def _end_of_backward(self) -> None:
         """Step the buckets that did not complete (parameters unused in this forward)."""
         self._callback_backward = -1
         try:
-            for bucket in self._buckets:
+            for index, bucket in enumerate(self._buckets):
                 if bucket.pending:
-                    self._step_bucket(bucket.take(), in_backward=False)
+                    self._step_bucket(index, bucket.take())
+            self._gradients.end_of_step()
         finally:
             self._stepped_in_backward.clear()
 
     def _step_now(self, params: list[torch.Tensor]) -> None:
         """Step ``params`` outside backward, bucket by bucket, in bucket order."""
         ready = {id(p) for p in params}
-        for bucket in self._buckets:
+        for index, bucket in enumerate(self._buckets):
             bucket.take()
             members = [p for p in bucket.params if id(p) in ready]
             if members:
-                self._step_bucket(members, in_backward=False)
+                self._step_bucket(index, members)
 
-    def _step_bucket(self, params: list[torch.Tensor], *, in_backward: bool) -> None:
-        for param in params:
-            if param.grad.is_sparse:
-                raise RuntimeError(
-                    f"a parameter of shape {tuple(param.shape)} has a sparse gradient, which "
-                    "the in-backward step does not support; use dense gradients (e.g. "
-                    "nn.Embedding(sparse=False))"
-                )
+    def _step_bucket(self, index: int, params: list[torch.Tensor]) -> None:
+        """Clip and step one bucket's parameters, then free their gradients."""
         try:
-            self._stepper.step(self._batches(params), self.state)
+            for param in params:
+                if param.grad.is_sparse:
+                    raise RuntimeError(
+                        f"a parameter of shape {tuple(param.shape)} has a sparse gradient, "
+                        "which the in-backward step does not support; use dense gradients "
+                        "(e.g. nn.Embedding(sparse=False))"
+                    )
+                place_grad_like_param(param)
+            if self._gradients.before_step(index, params):
+                self._stepper.step(self._batches(params), self.state)
         finally:
             for param in params:
                 param.grad = None
-        if in_backward:
-            self._stepped_in_backward.update(id(p) for p in params)
 
     def _batches(self, params: list[torch.Tensor]) -> list[Batch]:
         by_group: dict[int, list[torch.Tensor]] = {}

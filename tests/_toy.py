@@ -87,8 +87,13 @@ def assert_match(model: nn.Module, reference: nn.Module, atol: float = 1e-6) -> 
     for (name, param), (_, ref) in zip(
         model.named_parameters(), reference.named_parameters(), strict=True
     ):
-        torch.testing.assert_close(full(param).detach(), ref.detach(), atol=atol, rtol=1e-5,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            full(param).detach(),
+            ref.detach(),
+            atol=atol,
+            rtol=1e-5,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 def train_reference(

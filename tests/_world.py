@@ -10,6 +10,7 @@ re-spawned for the next test.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -112,19 +113,22 @@ class World:
             missing = sorted(set(range(self.world_size)) - set(outcomes))
             failures = [out for ok, out in outcomes.values() if not ok]
             raise AssertionError(
-                f"{what}: ranks {missing} of {self.world_size} did not finish\n" + "\n".join(failures)
+                f"{what}: ranks {missing} of {self.world_size} did not finish\n"
+                + "\n".join(failures)
             ) from None
-        failures = [f"--- rank {r} ---\n{out}" for r, (ok, out) in sorted(outcomes.items()) if not ok]
+        failures = [
+            f"--- rank {r} ---\n{out}" for r, (ok, out) in sorted(outcomes.items()) if not ok
+        ]
         if failures:
-            raise AssertionError(f"{what} failed on {len(failures)} rank(s):\n" + "\n".join(failures))
+            raise AssertionError(
+                f"{what} failed on {len(failures)} rank(s):\n" + "\n".join(failures)
+            )
         return [outcomes[r][1] for r in range(self.world_size)]
 
     def close(self) -> None:
         for tasks in self._tasks:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 tasks.put(None)
-            except (OSError, ValueError):
-                pass
         for proc in self._procs:
             proc.join(timeout=5)
             if proc.is_alive():

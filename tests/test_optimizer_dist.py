@@ -48,6 +48,8 @@ def test_adamw_parity_across_world_sizes(worlds, world_size):
     worlds.run(world_size, _parity_body, name="AdamW", kwargs=dict(lr=1e-2, weight_decay=0.1))
 
 
-@pytest.mark.parametrize(("name", "kwargs"), OPTIMIZERS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(OPTIMIZERS)])
+@pytest.mark.parametrize(
+    ("name", "kwargs"), OPTIMIZERS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(OPTIMIZERS)]
+)
 def test_optimizer_parity_4_ranks(worlds, name, kwargs):
     worlds.run(4, _parity_body, name=name, kwargs=kwargs)
