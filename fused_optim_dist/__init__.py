@@ -1,5 +1,12 @@
 """Optimizer-in-backward for FSDP2 and DTensor: step each shard as soon as its gradient is ready."""
 
 from fused_optim_dist.optimizer import OptimizerInBackward, in_backward
+from fused_optim_dist.training import accumulate_grads, build_optimizer, clip_grad_norm_
 
-__all__ = ["OptimizerInBackward", "in_backward"]
+__all__ = [
+    "OptimizerInBackward",
+    "accumulate_grads",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "in_backward",
+]

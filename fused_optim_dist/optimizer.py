@@ -284,6 +284,11 @@ class OptimizerInBackward(Optimizer):
         return self._gradients.grad_norm()
 
     @property
+    def max_grad_norm(self) -> float | None:
+        """The norm gradients are clipped to in backward (``None``: no clipping by norm)."""
+        return self._gradients.max_grad_norm
+
+    @property
     def nonfinite_steps(self) -> int:
         """How many bucket updates ``skip_nonfinite`` skipped so far."""
         return self._gradients.nonfinite_steps

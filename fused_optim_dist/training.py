@@ -1,0 +1,93 @@
+"""Training-loop calls that work the same for a plain optimizer and an in-backward one.
+
+A loop written with these has no ``if in_backward:`` branch::
+
+    optim = build_optimizer(model.parameters(), "torch.optim.AdamW", in_backward=True,
+                            max_grad_norm=1.0, lr=3e-4)
+    for micro_batches in loader:
+        for mb in micro_batches[:-1]:
+            with accumulate_grads(optim):
+                (loss_fn(model(mb)) / len(micro_batches)).backward()
+        (loss_fn(model(micro_batches[-1])) / len(micro_batches)).backward()
+        grad_norm = clip_grad_norm_(optim, 1.0)
+        optim.step()
+        optim.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from fused_optim_dist._validation import resolve_optimizer_class
+from fused_optim_dist.optimizer import OptimizerInBackward
+
+__all__ = ["accumulate_grads", "build_optimizer", "clip_grad_norm_"]
+
+
+def build_optimizer(
+    params: Iterable[Any],
+    optimizer_cls: type[Optimizer] | str,
+    *,
+    in_backward: bool,
+    max_grad_norm: float | None = None,
+    **optimizer_kwargs: Any,
+) -> Optimizer:
+    """Build ``optimizer_cls`` on ``params``, stepped in backward or after it.
+
+    ``max_grad_norm`` configures clipping in backward for the in-backward optimizer; a plain
+    optimizer clips when the loop calls :func:`clip_grad_norm_`, so it is not needed there.
+    """
+    if in_backward:
+        return OptimizerInBackward(
+            params, optimizer_cls, max_grad_norm=max_grad_norm, **optimizer_kwargs
+        )
+    return resolve_optimizer_class(optimizer_cls)(params, **optimizer_kwargs)
+
+
+def accumulate_grads(optimizer: Optimizer) -> contextlib.AbstractContextManager[None]:
+    """Context for the backward passes of all micro-batches but the last.
+
+    A plain optimizer only steps when asked, so this does nothing for it; an
+    ``OptimizerInBackward`` would otherwise step in every backward.
+    """
+    if isinstance(optimizer, OptimizerInBackward):
+        return optimizer.accumulate()
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torch.Tensor:
+    """Clip the gradients ``optimizer`` is about to step (if ``max_norm``); return their norm.
+
+    Call it once per step, after the last backward and before ``optimizer.step()``.
+
+    * Plain optimizer: ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters
+      (DTensor gradients give the norm over all ranks: collective).
+    * ``OptimizerInBackward``: the gradients were already stepped and clipped in backward;
+      returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks).
+
+    The result is a 0-dim, non-DTensor tensor, the norm before clipping.
+
+    Raises:
+        ValueError: if ``max_norm`` differs from an in-backward optimizer's ``max_grad_norm``:
+            clipping there is configured at construction, and silently using another value
+            would clip by a norm the loop did not ask for.
+    """
+    if isinstance(optimizer, OptimizerInBackward):
+        configured = optimizer.max_grad_norm
+        if max_norm != configured:
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}) on an OptimizerInBackward built with "
+                f"max_grad_norm={configured}: clipping happens in backward, so pass the same "
+                "value to the optimizer (e.g. build_optimizer(..., max_grad_norm=...))"
+            )
+        return optimizer.grad_norm()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
