@@ -6,8 +6,9 @@ hold an empty shard (e.g. a (3, 6) weight on 4 ranks: rows 1, 1, 1, 0).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -110,3 +111,42 @@ def train_reference(
         optim.zero_grad()
         if scheduler is not None:
             scheduler.step()
+
+
+@contextlib.contextmanager
+def bypassed(*modules: nn.Module) -> Iterator[None]:
+    """Run ``modules`` as the identity: their parameters get no gradient in this forward.
+
+    The modules are still called, so FSDP2's hooks on them run as usual.
+    """
+    for module in modules:
+        module.forward = lambda x: x
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
+
+
+def assert_same_state_dict(actual: object, expected: object, path: str = "") -> None:
+    """Same keys and nesting, and bitwise-equal tensors; DTensors also placed alike."""
+    assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), f"{path}: {actual.keys()} != {expected.keys()}"
+        for key in expected:
+            assert_same_state_dict(actual[key], expected[key], f"{path}/{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), f"{path}: lengths differ"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_state_dict(a, e, f"{path}/{i}")
+    elif isinstance(expected, DTensor):
+        assert (actual.device_mesh, actual.placements, actual.shape) == (
+            expected.device_mesh,
+            expected.placements,
+            expected.shape,
+        ), f"{path}: {actual} placed unlike {expected}"
+        torch.testing.assert_close(actual.to_local(), expected.to_local(), rtol=0, atol=0, msg=path)
+    elif isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=path)
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"

@@ -3,13 +3,19 @@ plain (unsharded) modules, each against plain torch.optim on an identical copy."
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
-from _toy import assert_match, batch, loss_fn, make_models, train_reference
+from _toy import (
+    assert_match,
+    assert_same_state_dict,
+    batch,
+    bypassed,
+    loss_fn,
+    make_models,
+    train_reference,
+)
 from torch import nn
 
 from fused_optim_dist import OptimizerInBackward, in_backward
@@ -36,35 +42,6 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, start: in
         loss_fn(model, x, y).backward()
         optim.step()
         optim.zero_grad()
-
-
-@contextlib.contextmanager
-def _bypassed(*modules: nn.Module) -> Iterator[None]:
-    """Run ``modules`` as the identity: their parameters get no gradient in this forward."""
-    for module in modules:
-        module.forward = lambda x: x
-    try:
-        yield
-    finally:
-        for module in modules:
-            del module.forward
-
-
-def assert_same_state_dict(actual: dict, expected: dict) -> None:
-    """Same keys and nesting, equal tensors (compared exactly, as the same math ran)."""
-    assert type(actual) is type(expected)
-    if isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), (actual.keys(), expected.keys())
-        for key in expected:
-            assert_same_state_dict(actual[key], expected[key])
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected)
-        for a, e in zip(actual, expected, strict=True):
-            assert_same_state_dict(a, e)
-    elif isinstance(expected, torch.Tensor):
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-    else:
-        assert actual == expected, (actual, expected)
 
 
 # ---------------------------------------------------------------------------------- refusals
@@ -253,7 +230,7 @@ def test_plain_module_buckets_step_during_backward_and_flush_unused():
         x, y = batch(step)
         for net, opt in ((model, optim), (reference, ref_optim)):
             head_before.append(model.head.weight.detach().clone())
-            with _bypassed(*skips.get(step, lambda m: [])(net)):
+            with bypassed(*skips.get(step, lambda m: [])(net)):
                 loss_fn(net, x, y).backward()
             if net is model:
                 assert all(p.grad is None for p in model.parameters()), "grads not freed"
