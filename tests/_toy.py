@@ -90,7 +90,7 @@ def assert_match(model: nn.Module, reference: nn.Module, atol: float = 1e-6) -> 
     ):
         torch.testing.assert_close(
             full(param).detach(),
-            ref.detach(),
+            full(ref).detach(),
             atol=atol,
             rtol=1e-5,
             msg=lambda m, name=name: f"{name}: {m}",

@@ -1,0 +1,314 @@
+"""Gradient accumulation, grad norm, clipping and the non-finite guard, in backward.
+
+Each distributed run is compared with plain torch.optim on an unsharded copy trained on the same
+global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _toy import assert_match, batch, full, loss_fn, make_models, rank_slice, shard
+from torch import nn
+
+from fused_optim_dist import OptimizerInBackward, accumulate_grads, clip_grad_norm_
+
+STEPS = 3
+KWARGS = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _accumulation_body(micro_batches: int, mode: str) -> None:
+    """``mode``: "sharded" (optim.accumulate), "no_sync" (set_requires_gradient_sync(False)),
+    or "plain" (an unsharded module on each rank)."""
+    model, reference = make_models()
+    if mode != "plain":
+        shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **KWARGS)
+    ref_optim = torch.optim.AdamW(reference.parameters(), **KWARGS)
+    for step in range(STEPS):
+        x, y = batch(step)
+        # plain: every rank trains its own copy on the whole batch.
+        xs, ys = (x, y) if mode == "plain" else (rank_slice(x), rank_slice(y))
+        chunks = list(zip(xs.chunk(micro_batches), ys.chunk(micro_batches), strict=True))
+        for i, (xm, ym) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            if mode == "no_sync":
+                # FSDP2 skips the reduce-scatter, so no hook fires until the last micro-batch.
+                model.set_requires_gradient_sync(last)
+                context = contextlib.nullcontext()
+            else:
+                context = contextlib.nullcontext() if last else optim.accumulate()
+            with context:
+                (loss_fn(model, xm, ym) / micro_batches).backward()
+            if not last and mode != "no_sync":
+                assert all(p.grad is not None for p in model.parameters()), "grads must be kept"
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, x, y).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    assert_match(model, reference)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_accumulation_matches_whole_batch(worlds, world_size):
+    for mode in ("sharded", "no_sync", "plain"):
+        for micro_batches in (2, 4):
+            worlds.run(world_size, _accumulation_body, micro_batches=micro_batches, mode=mode)
+
+
+def _grad_norm_body(freeze: tuple[str, ...], hsdp: bool) -> list[float]:
+    model, reference = make_models(freeze=freeze)
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        shard(model, mesh=mesh)
+    else:
+        shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_optim = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+        loss_fn(reference, x, y).backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf)
+        # The one loop call, for both kinds of optimizer.
+        got = clip_grad_norm_(optim)
+        assert got.shape == ()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(clip_grad_norm_(ref_optim), expected, rtol=0, atol=0)
+        norms.append(got.item())
+        optim.step()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    assert_match(model, reference)
+    # Only rank 0 asks for the norm: nothing is collective, so no rank waits for the others.
+    if dist.get_rank() == 0:
+        optim.grad_norm()
+    return norms
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_grad_norm_equals_clip_grad_norm(worlds, world_size):
+    results = worlds.run(world_size, _grad_norm_body, freeze=("layers.1.up",), hsdp=False)
+    assert all(r == results[0] for r in results), "every rank reports the same norm"
+
+
+def test_grad_norm_hsdp(worlds):
+    worlds.run(4, _grad_norm_body, freeze=(), hsdp=True)
+
+
+def _mixed_precision_body() -> None:
+    """bf16 compute, fp32 reduction: accumulation and norm against the plain optimizer on the
+    same FSDP2 setup (same casts, so the same numbers); the loop is the same code for both."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    runs = []
+    for in_backward in (True, False):
+        model, _ = make_models()
+        shard(model, mp_policy=policy)
+        params = model.parameters()
+        optim = (
+            OptimizerInBackward(params, torch.optim.AdamW, **KWARGS)
+            if in_backward
+            else torch.optim.AdamW(params, **KWARGS)
+        )
+        norms = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            chunks = zip(rank_slice(x).chunk(2), rank_slice(y).chunk(2), strict=True)
+            for i, (xm, ym) in enumerate(chunks):
+                with accumulate_grads(optim) if i == 0 else contextlib.nullcontext():
+                    (loss_fn(model, xm, ym.bfloat16()).float() / 2).backward()
+            norms.append(clip_grad_norm_(optim))
+            optim.step()
+            optim.zero_grad()
+        runs.append((model, torch.stack(norms)))
+    (ours, our_norms), (plain, plain_norms) = runs
+    torch.testing.assert_close(our_norms, plain_norms, rtol=1e-5, atol=0)
+    assert_match(ours, plain, atol=1e-6)
+
+
+def test_mixed_precision_accumulation_and_norm(worlds):
+    worlds.run(2, _mixed_precision_body)
+
+
+# -- clipping: the documented semantics, on hand-computed cases --------------------------------
+
+
+class _TwoParams(nn.Module):
+    """loss = scale_a * <w_a, a> + scale_b * <w_b, b>: the gradients are a and b, scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_a = nn.Parameter(torch.zeros(2))
+        self.w_b = nn.Parameter(torch.zeros(2))
+
+    def forward(self, scale_a: float, scale_b: float) -> torch.Tensor:
+        a, b = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 5.0])  # both of norm 5
+        return scale_a * (self.w_a * a).sum() + scale_b * (self.w_b * b).sum()
+
+
+def test_clipping_semantics_hand_computed():
+    model = _TwoParams()
+    max_norm = 1.0
+    # bucket_numel=1: each parameter is its own bucket; SGD with lr=1 makes -update = clipped grad.
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.SGD, lr=1.0, max_grad_norm=max_norm, bucket_numel=1
+    )
+
+    def coefficients(scale_a: float, scale_b: float) -> dict[str, float]:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(scale_a, scale_b).backward()
+        optim.step()
+        out = {}
+        for name, p in model.named_parameters():
+            update = before[name] - p.detach()
+            raw = {"w_a": 5.0 * scale_a, "w_b": 5.0 * scale_b}[name]
+            out[name] = (update.norm() / raw).item()
+        return out
+
+    # Step 1, no history: the first bucket sees only itself, the last one the exact total.
+    c = coefficients(1.0, 1.0)
+    first = min(c, key=lambda n: -c[n])  # the bucket stepped first gets the larger coefficient
+    second = "w_b" if first == "w_a" else "w_a"
+    assert c[first] == pytest.approx(max_norm / 5.0, rel=1e-5)
+    assert c[second] == pytest.approx(max_norm / math.sqrt(50.0), rel=1e-5)
+    assert optim.grad_norm().item() == pytest.approx(math.sqrt(50.0), rel=1e-6)
+    # Step 2, same norms: both buckets get exactly the global coefficient.
+    c = coefficients(1.0, 1.0)
+    assert c["w_a"] == pytest.approx(max_norm / math.sqrt(50.0), rel=1e-5)
+    assert c["w_b"] == pytest.approx(max_norm / math.sqrt(50.0), rel=1e-5)
+    # Step 3, the first bucket spikes x10: it is clipped by its own new norm plus the history of
+    # the bucket still to come; the last bucket by the exact new total.
+    scales = {first: 10.0, second: 1.0}
+    c = coefficients(scales["w_a"], scales["w_b"])
+    assert c[first] == pytest.approx(max_norm / math.sqrt(2500.0 + 25.0), rel=1e-5)
+    assert c[second] == pytest.approx(max_norm / math.sqrt(2500.0 + 25.0), rel=1e-5)
+    # Step 4, back to normal: the first bucket predicts the second from history (25), exact.
+    c = coefficients(1.0, 1.0)
+    assert c[first] == pytest.approx(max_norm / math.sqrt(25.0 + 25.0), rel=1e-5)
+    # Step 5, the last bucket spikes: earlier buckets could not know; it is clipped exactly.
+    scales = {first: 1.0, second: 10.0}
+    c = coefficients(scales["w_a"], scales["w_b"])
+    assert c[first] == pytest.approx(max_norm / math.sqrt(50.0), rel=1e-5)
+    assert c[second] == pytest.approx(max_norm / math.sqrt(2525.0), rel=1e-5)
+
+
+def test_clip_grad_value_matches_torch():
+    torch.manual_seed(0)
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1, clip_grad_value=0.05)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss_fn(model, x, y).backward()
+        optim.step()
+        loss_fn(reference, x, y).backward()
+        torch.nn.utils.clip_grad_value_(reference.parameters(), 0.05)
+        ref_optim.step()
+        ref_optim.zero_grad()
+    assert_match(model, reference)
+
+
+def _unit_order(reference) -> list[list[nn.Parameter]]:
+    """The FSDP units of ``shard(model)`` in the order backward completes them."""
+    layers = [list(layer.parameters()) for layer in reversed(reference.layers)]
+    root = [*reference.inp.parameters(), *reference.head.parameters()]
+    return [*layers, root]
+
+
+def _clip_reference_body(max_norm: float) -> None:
+    """FSDP2 with clipping in backward against a single-process reference that applies the
+    documented per-bucket formula to the same units, in the same order."""
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, max_grad_norm=max_norm, **KWARGS
+    )
+    ref_optim = torch.optim.AdamW(reference.parameters(), **KWARGS)
+    previous: dict[int, float] = {}
+    for step in range(4):
+        x, y = batch(step)
+        loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+        optim.step()
+        loss_fn(reference, x, y).backward()
+        units = _unit_order(reference)
+        squares = [sum(p.grad.square().sum().item() for p in unit) for unit in units]
+        total_previous, seen, seen_previous = sum(previous.values()), 0.0, 0.0
+        for index, (unit, sq) in enumerate(zip(units, squares, strict=True)):
+            seen += sq
+            seen_previous += previous.get(index, 0.0)
+            predicted = seen + total_previous - seen_previous
+            coefficient = min(1.0, max_norm / (math.sqrt(predicted) + 1e-6))
+            for p in unit:
+                p.grad.mul_(coefficient)
+        previous = dict(enumerate(squares))
+        torch.testing.assert_close(optim.grad_norm(), torch.tensor(math.sqrt(sum(squares))))
+        ref_optim.step()
+        ref_optim.zero_grad()
+    assert_match(model, reference, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_clipping_matches_documented_reference(worlds, world_size):
+    worlds.run(world_size, _clip_reference_body, max_norm=0.05)
+
+
+# -- the non-finite guard ---------------------------------------------------------------------
+
+POISONED = "layers.1.up.weight"  # (3, 6): rows 1, 1, 1, 0 on 4 ranks; rank 1 holds a row
+
+
+def _nonfinite_body(poison_rank: int) -> int:
+    model, reference = make_models()
+    shard(model)
+    params = dict(model.named_parameters())
+    poison_step = 1
+
+    def poison(param: torch.Tensor) -> None:
+        if state["step"] == poison_step and dist.get_rank() == poison_rank:
+            param.grad.to_local().fill_(float("nan"))
+
+    state = {"step": 0}
+    # Registered before the optimizer's hook, so it runs first.
+    params[POISONED].register_post_accumulate_grad_hook(poison)
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, skip_nonfinite=True, **KWARGS
+    )
+    ref_optim = torch.optim.AdamW(reference.parameters(), **KWARGS)
+    layer_before = None
+    for step in range(STEPS):
+        state["step"] = step
+        x, y = batch(step)
+        if step == poison_step:
+            layer_before = {n: full(p).clone() for n, p in model.layers[1].named_parameters()}
+        loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+        optim.step()
+        if step == poison_step:
+            for n, p in model.layers[1].named_parameters():
+                assert torch.equal(full(p), layer_before[n]), f"{n} changed on a skipped step"
+            assert not math.isfinite(optim.grad_norm().item())
+            assert optim.nonfinite_steps == 1
+        loss_fn(reference, x, y).backward()
+        if step == poison_step:
+            for p in reference.layers[1].parameters():
+                p.grad = None  # the reference skips the same update
+        ref_optim.step()
+        ref_optim.zero_grad()
+    assert_match(model, reference)
+    for p in model.parameters():
+        assert torch.isfinite(full(p)).all()
+    return optim.nonfinite_steps
+
+
+def test_nonfinite_gradient_skips_the_bucket_on_every_rank(worlds):
+    counts = worlds.run(4, _nonfinite_body, poison_rank=1)
+    assert counts == [1, 1, 1, 1]
