@@ -36,8 +36,14 @@ __all__ = ["OptimizerInBackward", "in_backward"]
 DEFAULT_BUCKET_NUMEL = 1 << 24
 """Elements per bucket for parameters outside FSDP units (64 MiB of fp32 gradients)."""
 
-# Parameter -> the live OptimizerInBackward whose hooks step it.
+# Parameter -> weak reference to the OptimizerInBackward whose hooks step it. Both sides are
+# weak: a model must not keep an optimizer alive, nor an optimizer a parameter.
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _owner(param: torch.Tensor) -> OptimizerInBackward | None:
+    ref = _OWNERS.get(param)
+    return None if ref is None else ref()
 
 
 def _grad_ready_hook(optimizer: OptimizerInBackward) -> Callable[[torch.Tensor], None]:
@@ -163,7 +169,7 @@ class OptimizerInBackward(Optimizer):
 
     def _check_not_driven_elsewhere(self, trainable: list[torch.Tensor]) -> None:
         for param in trainable:
-            owner = _OWNERS.get(param)
+            owner = _owner(param)
             if owner is not None and owner is not self and owner._hook_handles:
                 raise ValueError(
                     f"a parameter of shape {tuple(param.shape)} is already stepped in backward "
@@ -181,7 +187,7 @@ class OptimizerInBackward(Optimizer):
         hook = _grad_ready_hook(self)
         for param in new_params:
             self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
-            _OWNERS[param] = self
+            _OWNERS[param] = weakref.ref(self)
         self._plan()
 
     def _plan(self) -> None:
@@ -305,7 +311,7 @@ class OptimizerInBackward(Optimizer):
         _remove_hooks(self._hook_handles)
         for group in self.param_groups:
             for param in group["params"]:
-                if _OWNERS.get(param) is self:
+                if _owner(param) is self:
                     del _OWNERS[param]
 
     # ------------------------------------------------------------------ the backward path
