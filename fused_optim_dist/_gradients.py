@@ -57,13 +57,21 @@ def _shares(
     params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's squared-norm shares: (of sharded DTensor grads, of plain local grads)."""
-    squares = [n.square() for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
-    zero = squares[0].new_zeros(())
-    sharded = [
-        sq / _replicas(p) for p, sq in zip(params, squares, strict=True) if isinstance(p, DTensor)
-    ]
-    local = [sq for p, sq in zip(params, squares, strict=True) if not isinstance(p, DTensor)]
-    return sum(sharded, zero), sum(local, zero)
+    squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
+    sharded = [isinstance(p, DTensor) for p in params]
+    if all(sharded):
+        scale = [1.0 / _replicas(p) for p in params]
+        if all(s == 1.0 for s in scale):
+            return squares.sum(), squares.new_zeros(())
+        return (squares * squares.new_tensor(scale)).sum(), squares.new_zeros(())
+    if not any(sharded):
+        return squares.new_zeros(()), squares.sum()
+    mask = torch.tensor(sharded, device=squares.device)
+    scale = squares.new_tensor(
+        [1.0 / _replicas(p) if s else 1.0 for p, s in zip(params, sharded, strict=True)]
+    )
+    # torch.where, not a 0/1 weight: 0 * inf would turn an infinite norm into NaN.
+    return torch.where(mask, squares * scale, 0.0).sum(), torch.where(mask, 0.0, squares).sum()
 
 
 class GradientProcessor:

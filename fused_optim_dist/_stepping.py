@@ -134,7 +134,8 @@ class BucketStepper:
     def _step_local(self, batches: Sequence[Batch], state: defaultdict[torch.Tensor, dict]):
         groups: list[dict[str, Any]] = []
         local_state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-        shards: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (parameter, its local-shard alias, the local views of its state before the step)
+        shards: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
         for group, params in batches:
             local_params = []
             for param in params:
@@ -143,9 +144,10 @@ class BucketStepper:
                     # FSDP2's own local tensor untouched.
                     shard = param.to_local().detach()
                     shard.grad = param.grad.to_local()
-                    if param in state:
-                        local_state[shard] = {k: _local(v) for k, v in state[param].items()}
-                    shards.append((param, shard))
+                    entry = state.get(param)
+                    views = {k: _local(v) for k, v in entry.items()} if entry else {}
+                    local_state[shard] = dict(views)
+                    shards.append((param, shard, views))
                 else:
                     shard = param
                     local_state[shard] = state[param]
@@ -154,18 +156,13 @@ class BucketStepper:
         try:
             self._run(groups, local_state)
         finally:
-            for _, shard in shards:
+            for _, shard, _ in shards:
                 shard.grad = None
-        for param, shard in shards:
-            self._adopt(state[param], local_state.get(shard, {}), param, shard)
-
-    @staticmethod
-    def _adopt(entry: dict, local_entry: dict, param: torch.Tensor, shard: torch.Tensor) -> None:
-        """Bring state the step created or replaced on the local shard into ``entry``."""
-        for key, value in local_entry.items():
-            old = entry.get(key)
-            if old is None or _local(old) is not value:
-                entry[key] = _placed_like(value, param, shard)
+        for param, shard, views in shards:
+            # Bring back the state the step created or replaced (e.g. on the first step).
+            for key, value in local_state[shard].items():
+                if views.get(key) is not value:
+                    state[param][key] = _placed_like(value, param, shard)
 
     def _run(self, groups: list[dict[str, Any]], state: defaultdict[torch.Tensor, dict]) -> None:
         optimizer = self.optimizer
