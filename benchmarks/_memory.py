@@ -1,0 +1,141 @@
+"""Peak memory of one training step, by kind, and its analytic lower bound.
+
+The tracker is PyTorch's ``FSDPMemTracker`` (``torch.distributed._tools``): a
+``TorchDispatchMode`` that accounts every tensor storage and frees it through weakref
+finalizers, and that labels FSDP2's sharded/unsharded parameters and gradients and its
+communication buffers by hooking FSDP2's pre-forward and post-backward. It works on CPU, with
+our hooks and with the per-parameter hooks, since it sees every allocation whatever runs it.
+Two things are adapted here:
+
+* Optimizer state is labelled by identity: the tensors in the optimizers' ``state`` (created
+  during warm-up) are marked as optimizer state on entry. ``FSDPMemTracker`` would instead
+  label by the optimizer's step hooks, which an in-backward step never fires, and it would
+  count the plain step's temporaries as state.
+* Allocations made while the training loop runs the optimizer after backward (``phase``) are
+  temporaries, like those of an in-backward step.
+
+On CUDA the allocator's peak (``max_memory_allocated`` above what was allocated before the
+method was built) is recorded next to the tracker's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = ["KINDS", "StepTracker", "lower_bound"]
+
+KINDS: dict[str, tuple[_FSDPRefType, ...]] = {
+    "parameters": (
+        _FSDPRefType.SHARDED_PARAM,
+        _FSDPRefType.UNSHARDED_PARAM,
+        _FSDPRefType.ALL_GATHER,
+        _FSDPRefType.BUFFER,
+    ),
+    "gradients": (
+        _FSDPRefType.SHARDED_GRAD,
+        _FSDPRefType.UNSHARDED_GRAD,
+        _FSDPRefType.REDUCE_SCATTER,
+    ),
+    "optimizer_state": (_FSDPRefType.OPT,),
+    "activations": (_FSDPRefType.ACT, _FSDPRefType.INP),
+    "temporaries": (_FSDPRefType.TEMP,),
+}
+"""The reported kinds of memory, and the tracker's categories each one sums."""
+
+_TOTAL = "Total"
+
+
+class StepTracker(FSDPMemTracker):
+    """``FSDPMemTracker`` with optimizer state labelled by identity (see the module docstring).
+
+    Args:
+        model: the root ``fully_shard`` module.
+        state: the optimizer state tensors that exist on entry.
+    """
+
+    def __init__(self, model: nn.Module, state: Iterable[torch.Tensor]) -> None:
+        super().__init__(model, None)
+        self._state = list(state)
+        self._after_backward = False
+        self.activation_peak = 0
+        """Largest activation memory (activations and inputs) seen at once, in bytes."""
+
+    def __enter__(self) -> StepTracker:
+        super().__enter__()
+        for tensor in self._state:
+            self._update_and_maybe_create_winfos(tensor, _FSDPRefType.OPT)
+        return self
+
+    @contextlib.contextmanager
+    def after_backward(self) -> Iterator[None]:
+        """Label what the loop allocates after backward (optimizer step, clipping) temporary."""
+        self._after_backward = True
+        try:
+            yield
+        finally:
+            self._after_backward = False
+
+    def _track(self, reftype: _FSDPRefType, t: torch.Tensor) -> None:
+        super()._track(_FSDPRefType.TEMP if self._after_backward else reftype, t)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        for snap in self._curr_mem_snap.values():
+            active = sum(snap.get(ref, 0) for ref in KINDS["activations"])
+            self.activation_peak = max(self.activation_peak, active)
+
+    def peak(self) -> tuple[int, dict[str, int]]:
+        """The peak total in bytes and, at that moment, the bytes of each of ``KINDS``."""
+        snaps = list(self.get_tracker_snapshot("peak").values())
+        if len(snaps) != 1:
+            raise RuntimeError(f"expected one device in the tracker's peak, found {len(snaps)}")
+        snap = snaps[0]
+        by_kind = {kind: sum(snap.get(ref, 0) for ref in refs) for kind, refs in KINDS.items()}
+        return snap[_TOTAL], by_kind
+
+
+def _local_nbytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _unit_params(unit: nn.Module) -> Iterator[nn.Parameter]:
+    """Parameters ``unit``'s own ``fully_shard`` manages (not those of nested units)."""
+    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
+              for p in m.parameters()}
+    return (p for p in unit.parameters() if id(p) not in nested)
+
+
+def lower_bound(
+    model: nn.Module,
+    state: Iterable[torch.Tensor],
+    activations: int,
+    compute_dtype: torch.dtype | None,
+) -> dict[str, int]:
+    """This rank's floor: sharded params + optimizer state + the largest unit unsharded
+    (params and grads, in ``compute_dtype`` or the params' dtype) + ``activations`` bytes.
+
+    Returns the terms and their sum (``"total"``), in bytes.
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def unsharded(unit: nn.Module) -> int:
+        return sum(
+            2 * p.numel() * (compute_dtype or p.dtype).itemsize for p in _unit_params(unit)
+        )
+
+    terms = {
+        "sharded_params": sum(_local_nbytes(p) for p in model.parameters()),
+        "optimizer_state": sum(_local_nbytes(t) for t in state),
+        "largest_unit_unsharded": max(map(unsharded, units), default=0),
+        "activations": activations,
+    }
+    return {**terms, "total": sum(terms.values())}
