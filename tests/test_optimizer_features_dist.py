@@ -8,8 +8,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 from _toy import (
     assert_match,
+    assert_same_state_dict,
     batch,
     bypassed,
     full,
@@ -20,12 +22,14 @@ from _toy import (
     train_reference,
 )
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR
 
 from fused_optim_dist import OptimizerInBackward
 
 STEPS = 4
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
+SGD_MOMENTUM = dict(lr=0.1, momentum=0.9)
 DIFFERENT = 1e-4
 """A parameter that moved by more than this between two runs took a different update."""
 
@@ -315,3 +319,205 @@ def _fsdp_tp_body() -> None:
 @pytest.mark.parametrize("body", [_hsdp_body, _fsdp_tp_body], ids=["HSDP", "FSDP+TP"])
 def test_two_dimensional_meshes(worlds, body):
     worlds.run(4, body)
+
+
+# ---------------------------------------------------------------------------------- precision
+
+
+def _local_shards_match(model: nn.Module, other: nn.Module, atol: float) -> None:
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(
+            p.to_local(), q.to_local(), atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+BF16_ATOL = 5e-3
+"""bf16 forward/backward against fp32, after STEPS steps of ADAMW or SGD_MOMENTUM.
+
+bf16 keeps 8 significant bits, so weights, activations and gradients carry relative errors of
+about 2**-9 each; the gradients differ by about 1e-2 relative. SGD moves a weight by lr * g and
+so inherits that error: measured 1.1e-3 after 4 steps, while the weights move by 0.45. AdamW
+normalises the update, so an element whose gradient is near zero can move by up to lr = 1e-2
+per step either way: measured 6.7e-4, the weights moving by 4.3e-2. 5e-3 leaves a margin of
+about 5x over what was measured and still catches a missed or doubled AdamW step (1e-2)."""
+
+
+def _mixed_precision_body() -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name, kwargs in (("AdamW", ADAMW), ("SGD", SGD_MOMENTUM)):
+        cls = getattr(torch.optim, name)
+        model, reference = make_models()
+        plain_model, _ = make_models()
+        shard(model, mp_policy=policy)
+        shard(plain_model, mp_policy=policy)
+        optim = OptimizerInBackward(model.parameters(), cls, **kwargs)
+        plain = cls(plain_model.parameters(), **kwargs)
+        for step in range(STEPS):
+            for net, opt in ((model, optim), (plain_model, plain)):
+                _backward(net, step)
+                opt.step()
+                opt.zero_grad()
+            # The same bf16 forward, fp32 reduction and fp32 update on the same shards: the
+            # in-backward step sees exactly the gradients the plain optimizer sees.
+            _local_shards_match(model, plain_model, atol=1e-6)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        key = "exp_avg" if name == "AdamW" else "momentum_buffer"
+        assert all(s[key].dtype == torch.float32 for s in optim.state.values())
+        # Against the fp32 single-process run only bf16 rounding separates the two.
+        train_reference(reference, cls(reference.parameters(), **kwargs), STEPS)
+        assert_match(model, reference, atol=BF16_ATOL)
+
+
+def test_mixed_precision(worlds):
+    worlds.run(4, _mixed_precision_body)
+
+
+# ---------------------------------------------------------------------------------- checkpointing
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of each Block's forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.layers:
+        forward = layer.forward
+        layer.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+
+
+def _activation_checkpointing_body() -> None:
+    model, reference = make_models()
+    _checkpoint_blocks(model)
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    # Registered after the optimizer's hooks: counts the gradients each parameter receives.
+    arrivals: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda _, name=name: arrivals.__setitem__(name, arrivals.get(name, 0) + 1)
+        )
+    for step in range(STEPS):
+        arrivals.clear()
+        _backward(model, step)
+        _assert_grads_freed(model)
+        optim.step()
+        expected = {n: 1 for n, p in model.named_parameters() if p.to_local().numel()}
+        assert {n: c for n, c in arrivals.items() if n in expected} == expected
+    assert all(s["step"].item() == STEPS for s in optim.state.values())
+    train_reference(reference, torch.optim.AdamW(reference.parameters(), **ADAMW), STEPS)
+    assert_match(model, reference)
+
+
+def test_activation_checkpointing(worlds):
+    worlds.run(4, _activation_checkpointing_body)
+
+
+def _compiled_blocks_body() -> None:
+    model, reference = make_models()
+    for index, layer in enumerate(model.layers):
+        model.layers[index] = torch.compile(layer)
+    shard(model)
+    _train_and_match(model, reference, rank_slice, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_blocks(worlds):
+    worlds.run(2, _compiled_blocks_body)
+
+
+# ---------------------------------------------------------------------------------- unused params
+
+
+def _unused_in_fsdp_unit_body() -> None:
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    ref_optim = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    # Step 1 skips the norm inside Block 1 (the rest of that unit is used), step 2 skips the
+    # whole Block 2 (the unit runs no reduce-scatter at all), step 3 skips both.
+    skips = {
+        1: lambda m: [m.layers[1].norm],
+        2: lambda m: [m.layers[2]],
+        3: lambda m: [m.layers[1].norm, m.layers[2]],
+    }
+    for step in range(STEPS):
+        skip = skips.get(step, lambda m: [])
+        _backward(model, step, skip)
+        _assert_grads_freed(model)
+        optim.step()
+        optim.zero_grad()
+        _reference_step(reference, ref_optim, step, skip)
+        assert_match(model, reference)
+    # Not stepped when unused (the plain optimizer skips a parameter whose grad is None).
+    assert optim.state[model.layers[1].norm.weight]["step"].item() == STEPS - 2
+    assert optim.state[model.layers[2].up.weight]["step"].item() == STEPS - 2
+    assert optim.state[model.layers[1].up.weight]["step"].item() == STEPS
+    state, ref_state = _local_state(optim), _local_state(ref_optim, like=model)
+    assert state.keys() == ref_state.keys()
+    for index, entry in state.items():
+        assert entry.keys() == ref_state[index].keys()
+        for key, value in entry.items():
+            torch.testing.assert_close(value, ref_state[index][key], atol=1e-6, rtol=1e-5)
+
+
+def _local_state(optim: torch.optim.Optimizer, like: nn.Module | None = None) -> dict:
+    """``optim.state`` keyed by parameter index, each value as this rank's local part.
+
+    With ``like``, ``optim`` is an unsharded reference and its values are cut into the shards
+    of ``like``'s parameters (FSDP2 dim-0 chunks).
+    """
+    params = [p for g in optim.param_groups for p in g["params"]]
+    shards = list(like.parameters()) if like is not None else params
+    out = {}
+    for index, (param, sharded) in enumerate(zip(params, shards, strict=True)):
+        if param not in optim.state:
+            continue
+        entry = {}
+        for key, value in optim.state[param].items():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            elif like is not None and value.dim() > 0:
+                start = _shard_offset(sharded)
+                value = value[start : start + sharded.to_local().shape[0]]
+            entry[key] = value
+        out[index] = entry
+    return out
+
+
+def _shard_offset(param: DTensor) -> int:
+    """First global row of this rank's dim-0 shard (FSDP2 pads to equal chunks of ceil(n/w))."""
+    rows = param.shape[0]
+    chunk = -(-rows // dist.get_world_size())
+    return min(chunk * dist.get_rank(), rows)
+
+
+def test_unused_parameters_in_fsdp_units(worlds):
+    worlds.run(4, _unused_in_fsdp_unit_body)
+
+
+def _plain_module_body() -> None:
+    # No FSDP: every rank trains its own copy on its own data, with small buckets.
+    rank = dist.get_rank()
+    model, reference = make_models(seed=rank)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=30, **ADAMW)
+    ref_optim = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    skips = {1: lambda m: [m.layers[1].norm], 2: lambda m: [m.layers[2]]}
+    for step in range(STEPS):
+        x, y = batch(100 * rank + step)
+        skip = skips.get(step, lambda m: [])
+        for net, opt in ((model, optim), (reference, ref_optim)):
+            with bypassed(*skip(net)):
+                loss_fn(net, x, y).backward()
+            if net is model:
+                _assert_grads_freed(model)
+            opt.step()
+            opt.zero_grad()
+        assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), ref_optim.state_dict())
+    return full(model.head.weight).sum().item()
+
+
+def test_plain_module_on_each_rank(worlds):
+    results = worlds.run(2, _plain_module_body)
+    assert results[0] != results[1], "the ranks should have trained different models"
