@@ -4,6 +4,7 @@ the same global batch, parameter by parameter."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -521,3 +522,156 @@ def _plain_module_body() -> None:
 def test_plain_module_on_each_rank(worlds):
     results = worlds.run(2, _plain_module_body)
     assert results[0] != results[1], "the ranks should have trained different models"
+
+
+# ---------------------------------------------------------------------------------- state
+
+
+def _copy_weights(source: nn.Module, target: nn.Module) -> None:
+    with torch.no_grad():
+        for p, q in zip(source.parameters(), target.parameters(), strict=True):
+            q.to_local().copy_(p.to_local())
+
+
+def _state_dict_body() -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    freeze = ("layers.1.norm",)
+    kwargs = dict(amsgrad=True, **ADAMW)
+    model, reference = make_models(freeze=freeze)
+    plain_model, _ = make_models(freeze=freeze)
+    for net in (model, plain_model):
+        shard(net)
+    optim = OptimizerInBackward(_two_groups(model), torch.optim.AdamW, **kwargs)
+    plain = torch.optim.AdamW(_two_groups(plain_model), **kwargs)
+    ref_optim = torch.optim.AdamW(_two_groups(reference), **kwargs)
+    for step in range(STEPS):
+        for net, opt in ((model, optim), (plain_model, plain)):
+            _backward(net, step)
+            opt.step()
+            opt.zero_grad()
+        _reference_step(reference, ref_optim, step)
+
+    # The same math on the same shards: equal to the plain optimizer's, bit for bit.
+    saved = optim.state_dict()
+    assert_same_state_dict(saved, plain.state_dict())
+    for param, entry in optim.state.items():
+        for key, value in entry.items():
+            if key == "step":
+                assert not isinstance(value, DTensor)
+                continue
+            assert isinstance(value, DTensor), key
+            assert (value.device_mesh, value.placements, value.shape) == (
+                param.device_mesh,
+                param.placements,
+                param.shape,
+            )
+    assert_same_state_dict(
+        get_optimizer_state_dict(model, optim), get_optimizer_state_dict(plain_model, plain)
+    )
+
+    # Three ways back in, each into a fresh model holding the trained weights.
+    restored = {}
+    for how in ("load_state_dict", "from_plain", "dcp"):
+        net, _ = make_models(freeze=freeze)
+        shard(net)
+        _copy_weights(model, net)
+        opt = OptimizerInBackward(_two_groups(net), torch.optim.AdamW, **kwargs)
+        if how == "load_state_dict":
+            opt.load_state_dict(copy.deepcopy(saved))
+        elif how == "from_plain":
+            opt.load_state_dict(copy.deepcopy(plain.state_dict()))
+        else:
+            set_optimizer_state_dict(net, opt, get_optimizer_state_dict(plain_model, plain))
+        assert_same_state_dict(opt.state_dict(), saved)
+        restored[how] = (net, opt)
+
+    for step in range(STEPS, STEPS + 2):
+        for net, opt in restored.values():
+            _backward(net, step)
+            opt.step()
+            opt.zero_grad()
+        _reference_step(reference, ref_optim, step)
+    for net, _ in restored.values():
+        assert_match(net, reference)
+
+
+def test_state_dict_like_plain_optimizer_and_round_trip(worlds):
+    worlds.run(4, _state_dict_body)
+
+
+def _add_param_group_body() -> None:
+    model, reference = make_models()
+    shard(model)
+    head = lambda m: list(m.head.parameters())  # noqa: E731
+    rest = lambda m: [p for n, p in m.named_parameters() if not n.startswith("head")]  # noqa: E731
+    optim = OptimizerInBackward(rest(model), torch.optim.AdamW, **ADAMW)
+    ref_optim = torch.optim.AdamW(rest(reference), **ADAMW)
+    assert all(_hooks(p) == 0 for p in head(model))
+    for step in range(STEPS):
+        if step == 2:
+            # Nobody trained the head so far; drop the gradients it accumulated.
+            for net in (model, reference):
+                for p in head(net):
+                    p.grad = None
+            optim.add_param_group({"params": head(model), "lr": 0.05, "weight_decay": 0.0})
+            ref_optim.add_param_group({"params": head(reference), "lr": 0.05, "weight_decay": 0.0})
+            assert all(_hooks(p) == 1 for p in head(model))
+        _backward(model, step)
+        # The optimizer's parameters were stepped and their gradients freed in backward; the
+        # head keeps its (sharded) gradients while no optimizer holds it.
+        assert all(p.grad is None for p in rest(model))
+        assert all((p.grad is not None) == (step < 2) for p in head(model))
+        optim.step()
+        optim.zero_grad()
+        _reference_step(reference, ref_optim, step)
+        assert_match(model, reference)
+    assert all(optim.state[p]["step"].item() == STEPS - 2 for p in head(model))
+
+    # zero_grad frees gradients the optimizer's parameters hold, as the plain one does.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optim.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_add_param_group_and_zero_grad(worlds):
+    worlds.run(2, _add_param_group_body)
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+
+def _ddp_refused_body() -> None:
+    model, _ = make_models()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(ValueError, match="trained by DistributedDataParallel"):
+        OptimizerInBackward(ddp.parameters(), torch.optim.AdamW, **ADAMW)
+    with pytest.raises(ValueError, match="trained by DistributedDataParallel"):
+        OptimizerInBackward(model.head.parameters(), torch.optim.SGD, lr=0.1)
+    assert all(_hooks(p) == 0 for p in model.parameters())
+    # A model DDP does not hold, in the same job, is accepted.
+    other, _ = make_models()
+    OptimizerInBackward(other.parameters(), torch.optim.AdamW, **ADAMW)
+    del ddp
+
+
+def _built_before_fully_shard_body() -> None:
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    shard(model)
+    before = _snapshot(model)
+    _backward(model, 0)
+    with pytest.raises(RuntimeError, match=r"building the optimizer before fully_shard\(\)"):
+        optim.step()
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), before, strict=True))
+
+
+@pytest.mark.parametrize(
+    "body", [_ddp_refused_body, _built_before_fully_shard_body], ids=["DDP", "before-fully_shard"]
+)
+def test_refusals_on_a_world(worlds, body):
+    worlds.run(2, body)
