@@ -1,0 +1,460 @@
+"""Fine-tune a language model with FSDP2, the optimizer stepped inside backward.
+
+The default run fine-tunes the ``small`` Llama preset on the Python standard library's own
+source (byte tokens, read at run time, nothing downloaded); on two CPU cores it takes about two
+minutes and writes its outputs to ``outputs/finetune``::
+
+    torchrun --nproc_per_node 2 scripts/finetune.py
+    python scripts/finetune.py --model tiny --max-steps 50           # one process, no torchrun
+    torchrun --nproc_per_node 2 scripts/finetune.py --max-steps 600 --resume  # continue a run
+    torchrun --nproc_per_node 2 scripts/finetune.py --no-in-backward  # plain optimizer, same loop
+    torchrun --nproc_per_node 8 scripts/finetune.py --model 1b --seq-len 2048 --batch-size 64 \\
+        --mixed-precision bf16 --activation-checkpointing             # GPUs: CUDA + NCCL
+    torchrun --nproc_per_node 2 scripts/finetune.py --hf-model DIR --data corpus.jsonl
+
+``--hf-model DIR`` needs ``pip install 'fused_optim_dist[hf]'``. Two nodes (here both on one
+machine; on a cluster put node 0's address in ``--rdzv-endpoint`` and run one command per node)::
+
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:29500 --rdzv-id job1 scripts/finetune.py
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 1 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:29500 --rdzv-id job1 scripts/finetune.py
+
+``--batch-size`` is the GLOBAL batch: sequences per optimizer step over all ranks and
+micro-batches. Each step's batch depends only on (seed, step), so results do not depend on how
+it is split, and a resumed run sees the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from fused_optim_dist import accumulate_grads, build_optimizer, checkpoint, clip_grad_norm_, hf
+from fused_optim_dist.data import BatchSampler, ByteTokenizer, Tokenizer, read_documents, tokenize
+from fused_optim_dist.metrics import (
+    MetricsLog,
+    ProgressLine,
+    format_bytes,
+    memory_budget_bytes,
+    peak_memory_bytes,
+    plot_loss_curve,
+)
+from fused_optim_dist.models import PRESETS, Llama, apply_fsdp
+
+DEFAULT_MODEL = "small"
+CHECKPOINT_SUBDIR = "checkpoints"
+CONFIG_FILE, METRICS_FILE, SUMMARY_FILE = "config.json", "metrics.jsonl", "summary.json"
+LOSS_PLOT_FILE, WEIGHTS_FILE, HF_EXPORT_DIR = "loss.png", "weights.pt", "hf_model"
+DCP_METADATA_FILE = ".metadata"
+"""The file torch.distributed.checkpoint writes into every checkpoint folder."""
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+MIN_LR_RATIO = 0.1
+"""The cosine schedule decays the learning rate to this fraction of --lr."""
+OPTIMIZER_SHORT_NAMES = {
+    name.lower(): f"torch.optim.{name}"
+    for name in torch.optim.__all__
+    if isinstance(getattr(torch.optim, name), type)
+}
+
+
+# ---------------------------------------------------------------------------------- arguments
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg}): {text}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object like '{{\"betas\": [0.9, 0.95]}}', got {text}"
+        )
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Fine-tune a language model with FSDP2 and the optimizer step in backward.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--model", choices=sorted(PRESETS), default=None,
+                       help=f"Llama preset (default {DEFAULT_MODEL})")
+    model.add_argument("--dim", type=_positive_int, help="override the preset's width "
+                       "(the feed-forward width scales with it)")
+    model.add_argument("--n-layers", type=_positive_int, help="override the preset's depth")
+    model.add_argument("--hf-model", type=Path, metavar="DIR",
+                       help="fine-tune a local transformers causal LM directory instead")
+    model.add_argument("--init-from", type=Path, metavar="PATH",
+                       help="initial weights: a checkpoint directory or an exported weights file")
+    model.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute each block's activations in backward")
+    model.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                       help="bf16: compute in bfloat16, reduce gradients in float32")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", type=Path, metavar="PATH", help="text file, .jsonl file with a "
+                      "'text' field, or directory of them (default: the stdlib's .py files)")
+    data.add_argument("--seq-len", type=_positive_int, default=128)
+    data.add_argument("--batch-size", type=_positive_int, default=16,
+                      help="GLOBAL sequences per optimizer step (all ranks, all micro-batches)")
+    data.add_argument("--grad-accum", type=_positive_int, default=1,
+                      help="micro-batches per optimizer step")
+    optim = p.add_argument_group("optimization")
+    optim.add_argument("--max-steps", type=_positive_int, default=300)
+    optim.add_argument("--lr", type=_positive_float, default=3e-3)
+    optim.add_argument("--warmup-steps", type=_non_negative_int, default=20,
+                       help="linear warmup, then cosine decay to "
+                       f"{MIN_LR_RATIO:g} x lr at --max-steps")
+    optim.add_argument("--optimizer", default="adamw", help="short name ("
+                       + ", ".join(sorted(OPTIMIZER_SHORT_NAMES)) + ") or dotted class path")
+    optim.add_argument("--optimizer-kwargs", type=_json_object, default={}, metavar="JSON",
+                       help="extra keyword arguments for the optimizer, as a JSON object")
+    optim.add_argument("--no-in-backward", action="store_true",
+                       help="step the plain optimizer after backward (same loop, same results)")
+    optim.add_argument("--max-grad-norm", type=float, default=1.0,
+                       help="clip the global gradient norm to this; 0 disables clipping")
+    run = p.add_argument_group("run")
+    run.add_argument("--output-dir", type=Path, default=Path("outputs/finetune"))
+    run.add_argument("--save-every", type=_non_negative_int, default=100,
+                     help="checkpoint every N steps (0: only at the end)")
+    run.add_argument("--keep-last", type=_positive_int, default=3,
+                     help="keep only the newest N checkpoints")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the newest complete checkpoint in --output-dir")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    run.add_argument("--log-every", type=_positive_int, default=10,
+                     help="print a progress line every N steps when not on a terminal")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check the flags; errors exit with argparse's usage message (status 2)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.hf_model is not None:
+        if args.model or args.dim or args.n_layers:
+            parser.error("--hf-model fine-tunes the model in DIR; drop --model/--dim/--n-layers")
+        if not (args.hf_model / "config.json").is_file():
+            parser.error(f"--hf-model {args.hf_model}: no config.json there; pass the "
+                         "directory that model.save_pretrained() wrote")
+    args.model = args.model or DEFAULT_MODEL
+    for flag in ("data", "init_from"):
+        path = getattr(args, flag)
+        if path is not None and not path.exists():
+            parser.error(f"--{flag.replace('_', '-')} {path} does not exist")
+    if args.batch_size % args.grad_accum:
+        parser.error(f"--batch-size {args.batch_size} is not a multiple of --grad-accum "
+                     f"{args.grad_accum}; each micro-batch must hold the same number of sequences")
+    if args.warmup_steps >= args.max_steps:
+        parser.error(f"--warmup-steps {args.warmup_steps} must be below --max-steps "
+                     f"{args.max_steps}")
+    if args.max_grad_norm < 0 or not math.isfinite(args.max_grad_norm):
+        parser.error(f"--max-grad-norm must be a finite number >= 0, got {args.max_grad_norm}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch.cuda.is_available() is False")
+    if args.backend == "nccl" and args.device == "cpu":
+        parser.error("--backend nccl needs CUDA tensors; use --backend gloo with --device cpu")
+    optimizer = args.optimizer
+    if "." not in optimizer and optimizer.lower() not in OPTIMIZER_SHORT_NAMES:
+        parser.error(f"--optimizer {optimizer!r}: expected one of "
+                     f"{sorted(OPTIMIZER_SHORT_NAMES)} or a dotted path like torch.optim.AdamW")
+    args.optimizer = OPTIMIZER_SHORT_NAMES.get(optimizer.lower(), optimizer)
+    return args
+
+
+# ---------------------------------------------------------------------------------- wiring
+
+def _setup_distributed(args: argparse.Namespace) -> tuple[torch.device, bool]:
+    """Pick the device, join (or create) the process group; return (device, created_group)."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else (
+        torch.device("cpu"))
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device, False
+    backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    else:  # plain `python`: a one-rank group, so FSDP2 and checkpoints work unchanged
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=COLLECTIVE_TIMEOUT)
+    return device, True
+
+
+@dataclasses.dataclass
+class _Model:
+    module: nn.Module
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    tokenizer: Tokenizer
+    vocab_size: int
+    description: dict[str, Any]
+
+
+def _build_model(args: argparse.Namespace, device: torch.device) -> _Model:
+    """Build the model on ``device`` (same weights on every rank) and shard it with FSDP2."""
+    torch.manual_seed(args.seed)
+    if args.hf_model is not None:
+        module = hf.load_causal_lm(args.hf_model).to(device)
+        blocks = hf.decoder_blocks(module)
+        vocab_size = module.config.vocab_size
+        tokenizer = hf.load_tokenizer(args.hf_model, vocab_size)
+        description = {"hf_model": str(args.hf_model), **module.config.to_diff_dict()}
+        logits = lambda tokens: hf.hf_logits(module, tokens)  # noqa: E731
+    else:
+        preset = PRESETS[args.model]
+        dim = args.dim or preset.dim
+        config = dataclasses.replace(
+            preset,
+            dim=dim,
+            n_layers=args.n_layers or preset.n_layers,
+            ffn_hidden=preset.ffn_hidden * dim // preset.dim,
+            max_seq_len=max(preset.max_seq_len, args.seq_len),
+        )
+        with device:
+            module = Llama(config)
+        blocks, vocab_size, tokenizer = list(module.layers), config.vocab_size, ByteTokenizer()
+        description = {"preset": args.model, **dataclasses.asdict(config)}
+        logits = module
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer needs {tokenizer.vocab_size} ids but the model has "
+                         f"{vocab_size}; use a model with a larger vocabulary")
+    description["num_params"] = sum(p.numel() for p in module.parameters())
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if args.mixed_precision == "bf16" else None)
+    apply_fsdp(module, blocks=blocks, mp_policy=mp_policy,
+               activation_checkpointing=args.activation_checkpointing)
+    return _Model(module, logits, tokenizer, vocab_size, description)
+
+
+def warmup_cosine(warmup_steps: int, max_steps: int) -> Callable[[int], float]:
+    """LR multiplier: linear from 1/(warmup+1) to 1, then cosine down to ``MIN_LR_RATIO``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, default=str) + "\n")
+
+
+def _init_from(path: Path, model: nn.Module) -> None:
+    """Load model weights (only) from an exported weights file or a checkpoint. Collective."""
+    if path.is_file():
+        checkpoint.load_weights(model, path)
+        return
+    found = checkpoint.latest(path) or path
+    if not (found / DCP_METADATA_FILE).is_file():
+        raise FileNotFoundError(
+            f"--init-from {path}: no checkpoint there; pass a run's checkpoints/ folder, one "
+            "of its step_<N> folders, or a weights file written by checkpoint.export_weights"
+        )
+    state = {checkpoint.MODEL_KEY: get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=found)
+    set_model_state_dict(model, state[checkpoint.MODEL_KEY])
+
+
+def _train_step(
+    args: argparse.Namespace, model: _Model, optim: Optimizer, sampler: BatchSampler, step: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on the global batch of ``step``; return (mean loss, grad norm).
+
+    The same code for the in-backward and the plain optimizer. Each rank's loss is its
+    micro-batch mean divided by the number of micro-batches, and FSDP2 averages gradients over
+    ranks, so the gradient is that of the mean loss over the global batch. The returned loss is
+    this rank's share of that mean (not yet averaged over ranks).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(args.grad_accum):
+        inputs, targets = (t.to(device) for t in sampler.micro_batch(
+            step, micro=micro, grad_accum=args.grad_accum, rank=rank, world_size=world))
+        last = micro == args.grad_accum - 1
+        # Every micro-batch but the last only accumulates gradients.
+        with contextlib.nullcontext() if last else accumulate_grads(optim):
+            logits = model.logits(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            (loss / args.grad_accum).backward()
+        loss_sum += loss.detach() / args.grad_accum
+    grad_norm = clip_grad_norm_(optim, args.max_grad_norm or None)
+    optim.step()
+    optim.zero_grad()
+    return loss_sum, grad_norm
+
+
+def _banner(args: argparse.Namespace, model: _Model, sampler: BatchSampler, device: torch.device,
+            start_step: int) -> str:
+    world = dist.get_world_size()
+    steps = (f"steps {start_step + 1}..{args.max_steps}" if start_step < args.max_steps
+             else "no steps left")
+    return (
+        f"fine-tuning {model.description['num_params'] / 1e6:.2f}M parameters on {world} "
+        f"rank(s), {device} ({format_bytes(memory_budget_bytes(device))} per device), "
+        f"{dist.get_backend()}\n"
+        f"  optimizer {args.optimizer} {'after' if args.no_in_backward else 'in'} backward, "
+        f"{args.batch_size * args.seq_len:,} tokens/step ({args.batch_size} x {args.seq_len}, "
+        f"{args.grad_accum} micro-batch(es)), {sampler.tokens.numel():,} tokens of data\n"
+        f"  {steps}" + (f" (resumed from step {start_step})" if start_step else "")
+    )
+
+
+def _summary_text(summary: dict[str, Any], args: argparse.Namespace, outputs: list[str]) -> str:
+    if summary["steps"]:
+        trained = (f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, loss "
+                   f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, peak memory "
+                   f"{format_bytes(summary['peak_mem_bytes'])} (rank 0)")
+    else:
+        trained = f"nothing to train: the checkpoint is already at --max-steps {args.max_steps}"
+    return f"{trained}\noutputs in {args.output_dir}/: {', '.join(outputs)}"
+
+
+# ---------------------------------------------------------------------------------- the job
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the fine-tuning job; return the final summary (the same on every rank)."""
+    args = parse_args(argv)
+    device, created_group = _setup_distributed(args)
+    try:
+        return _run(args, device)
+    finally:
+        if created_group:
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    world, is_main = dist.get_world_size(), dist.get_rank() == 0
+    if args.batch_size % (args.grad_accum * world):
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x "
+                         f"world size = {args.grad_accum} x {world}")
+    model = _build_model(args, device)
+    if args.init_from is not None:
+        _init_from(args.init_from, model.module)
+    sampler = BatchSampler(tokenize(read_documents(args.data), model.tokenizer),
+                           seq_len=args.seq_len, global_batch=args.batch_size, seed=args.seed)
+    optim = build_optimizer(
+        model.module.parameters(), args.optimizer, in_backward=not args.no_in_backward,
+        max_grad_norm=args.max_grad_norm or None, lr=args.lr, **args.optimizer_kwargs,
+    )
+    scheduler = LambdaLR(optim, warmup_cosine(args.warmup_steps, args.max_steps))
+    checkpoint_dir = args.output_dir / CHECKPOINT_SUBDIR
+    start_step = 0
+    if args.resume and checkpoint.latest(checkpoint_dir) is not None:
+        start_step, extra = checkpoint.load(checkpoint_dir, model.module, optim)
+        scheduler.load_state_dict(extra["scheduler"])
+
+    tokens_per_step = args.batch_size * args.seq_len
+    config = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "world_size": world, "device": str(device), "tokens_per_step": tokens_per_step,
+        "micro_batch_per_rank": args.batch_size // (args.grad_accum * world),
+        "model_config": model.description,
+    }
+    metrics_path = args.output_dir / METRICS_FILE
+    if is_main:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(args.output_dir / CONFIG_FILE, config)
+        metrics = MetricsLog(metrics_path, resume_step=start_step)
+        progress = ProgressLine(args.max_steps, every=args.log_every)
+        print(_banner(args, model, sampler, device, start_step), flush=True)
+
+    losses: list[float] = []
+    pending = None
+    started = time.perf_counter()
+    for step in range(start_step + 1, args.max_steps + 1):
+        step_started = time.perf_counter()
+        lr = optim.param_groups[0]["lr"]
+        loss, grad_norm = _train_step(args, model, optim, sampler, step, device)
+        scheduler.step()
+        # Host sync, once per step: the global mean loss and the gradient norm for the log.
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        losses.append(loss.item() / world)
+        row = {
+            "step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - step_started),
+            "peak_mem_bytes": peak_memory_bytes(device),
+        }
+        if is_main:
+            metrics.write(row)
+            progress.update(row)
+        if step == args.max_steps or (args.save_every and step % args.save_every == 0):
+            # Written in the background while training goes on; committed by the next save.
+            pending = checkpoint.save(
+                checkpoint_dir, model.module, optim, step=step, async_=True,
+                keep_last=args.keep_last,
+                extra={"scheduler": scheduler.state_dict(), "config": config},
+            )
+    elapsed = time.perf_counter() - started
+    if pending is not None:
+        pending.wait()
+
+    outputs = [CONFIG_FILE, METRICS_FILE, LOSS_PLOT_FILE, SUMMARY_FILE, f"{CHECKPOINT_SUBDIR}/"]
+    if args.hf_model is not None:
+        hf.save_pretrained(model.module, args.hf_model, args.output_dir / HF_EXPORT_DIR)
+        outputs.append(f"{HF_EXPORT_DIR}/")
+    else:
+        checkpoint.export_weights(model.module, args.output_dir / WEIGHTS_FILE)
+        outputs.append(WEIGHTS_FILE)
+    summary = {
+        "steps": len(losses), "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None, "seconds": elapsed,
+        "tokens_per_s": tokens_per_step * len(losses) / elapsed if losses else None,
+        "peak_mem_bytes": peak_memory_bytes(device), "output_dir": str(args.output_dir),
+    }
+    if is_main:
+        progress.close()
+        metrics.close()
+        plot_loss_curve(metrics_path, args.output_dir / LOSS_PLOT_FILE,
+                        title=f"{model.description.get('preset', 'hf')} fine-tuning")
+        _write_json(args.output_dir / SUMMARY_FILE, summary)
+        print(_summary_text(summary, args, outputs), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
