@@ -111,10 +111,11 @@ def _memory_step(runner: Runner, batch: Batch, baseline: int, config: SweepConfi
         runner.forward_backward(*batch, between_micro_batches=tracker.reset_mod_stats)
         with tracker.after_backward():
             runner.optimizer_step()
-    peak, by_kind = tracker.peak()
+    peak, by_kind, by_category = tracker.peak()
     bound = lower_bound(runner.model, runner.state_tensors(), tracker.activation_peak,
                         torch.bfloat16 if config.bf16 else None)
-    memory = {"peak_bytes": peak, "peak_by_kind": by_kind, "lower_bound": bound}
+    memory = {"peak_bytes": peak, "peak_by_kind": by_kind, "peak_by_category": by_category,
+              "lower_bound": bound}
     if config.device == "cuda":
         _sync(config.device)
         memory["allocator_peak_bytes"] = torch.cuda.max_memory_allocated() - baseline

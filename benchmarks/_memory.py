@@ -92,14 +92,16 @@ class StepTracker(FSDPMemTracker):
             active = sum(snap.get(ref, 0) for ref in KINDS["activations"])
             self.activation_peak = max(self.activation_peak, active)
 
-    def peak(self) -> tuple[int, dict[str, int]]:
-        """The peak total in bytes and, at that moment, the bytes of each of ``KINDS``."""
+    def peak(self) -> tuple[int, dict[str, int], dict[str, int]]:
+        """The peak total in bytes and, at that moment, the bytes of each of ``KINDS`` and of
+        each of the tracker's own categories."""
         snaps = list(self.get_tracker_snapshot("peak").values())
         if len(snaps) != 1:
             raise RuntimeError(f"expected one device in the tracker's peak, found {len(snaps)}")
         snap = snaps[0]
         by_kind = {kind: sum(snap.get(ref, 0) for ref in refs) for kind, refs in KINDS.items()}
-        return snap[_TOTAL], by_kind
+        by_category = {ref.value: snap.get(ref, 0) for ref in _FSDPRefType}
+        return snap[_TOTAL], by_kind, by_category
 
 
 def _local_nbytes(tensor: torch.Tensor) -> int:

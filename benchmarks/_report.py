@@ -45,7 +45,7 @@ def describe_machine(config: SweepConfig) -> dict[str, Any]:
         "platform": platform.platform(),
         "device": config.device,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average_1min_at_start": os.getloadavg()[0],
+        "load_average_1min_at_start": round(os.getloadavg()[0], 2),
     }
     if config.device == "cuda":
         machine["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -59,7 +59,7 @@ def write_results(
 ) -> list[Path]:
     """Write ``scaling.json``, ``scaling.md`` and the plots into ``out``; return the paths."""
     out.mkdir(parents=True, exist_ok=True)
-    machine = {**machine, "load_average_1min_at_end": os.getloadavg()[0]}
+    machine = {**machine, "load_average_1min_at_end": round(os.getloadavg()[0], 2)}
     payload = {"machine": machine, "config": dataclasses.asdict(config), "records": records}
     paths = [out / JSON_NAME, out / MARKDOWN_NAME]
     paths[0].write_text(json.dumps(payload, indent=1) + "\n")

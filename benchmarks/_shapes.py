@@ -133,14 +133,14 @@ def _llama_shape(
 SHAPES: dict[str, Shape] = {
     shape.name: shape
     for shape in (
-        # 8 units x 16 sublayers x 6 tensors = 768 tensors of 32-1024 elements.
-        _stack_shape("many-small", "optimizer overhead", n_blocks=8, depth=16, dim=32,
+        # 4 units x 12 sublayers x 6 tensors = 288 tensors of 32-1024 elements.
+        _stack_shape("many-small", "optimizer overhead", n_blocks=4, depth=12, dim=32,
                      hidden=32, batch_size=8, seq=16),
         # 4 units x 6 tensors, 2.1M elements per unit.
         _stack_shape("few-large", "compute", n_blocks=4, depth=1, dim=512, hidden=2048,
-                     batch_size=8, seq=64),
-        _llama_shape("llama-12x256", "12x256", batch_size=8, seq=128, checkpointing=True),
-        _llama_shape("llama-12x256-noac", "12x256", batch_size=8, seq=128,
+                     batch_size=4, seq=32),
+        _llama_shape("llama-12x256", "12x256", batch_size=4, seq=64, checkpointing=True),
+        _llama_shape("llama-12x256-noac", "12x256", batch_size=4, seq=64,
                      checkpointing=False),
         _llama_shape("llama-tiny", "tiny", batch_size=4, seq=32, checkpointing=True),
         _llama_shape("llama-1b", "1b", batch_size=4, seq=1024, checkpointing=False),
@@ -151,7 +151,7 @@ SHAPES: dict[str, Shape] = {
 QUICK_SHAPES: dict[str, Shape] = {
     shape.name: shape
     for shape in (
-        _stack_shape("many-small", "optimizer overhead", n_blocks=2, depth=4, dim=16,
+        _stack_shape("many-small", "optimizer overhead", n_blocks=2, depth=2, dim=16,
                      hidden=16, batch_size=4, seq=4),
         _stack_shape("few-large", "compute", n_blocks=2, depth=1, dim=64, hidden=256,
                      batch_size=4, seq=8),

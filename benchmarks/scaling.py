@@ -28,7 +28,7 @@ from benchmarks._report import describe_machine, write_results
 from benchmarks._shapes import SHAPES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-QUICK = {"world_sizes": (1, 2), "warmup_steps": 1, "timed_steps": 2, "quick": True}
+QUICK = {"world_sizes": (1, 2), "warmup_steps": 1, "timed_steps": 1, "quick": True}
 """Overrides of ``--quick``: a smoke run of every shape, method and scaling."""
 
 

@@ -1,0 +1,64 @@
+"""Smoke test of the scaling benchmark: ``--quick`` into a temporary directory.
+
+Checks the structure of what it writes, never its speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300  # generous: the run takes about a minute on two idle cores
+KINDS = {"parameters", "gradients", "optimizer_state", "activations", "temporaries"}
+
+
+@pytest.mark.slow
+def test_quick_run_writes_json_markdown_and_plots(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scaling", "--quick", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    payload = json.loads((tmp_path / "scaling.json").read_text())
+    assert {"cpu", "logical_cores", "torch"} <= payload["machine"].keys()
+    config = payload["config"]
+    assert config["quick"] is True
+    assert config["world_sizes"] == [1, 2] and config["scalings"] == ["strong", "weak"]
+    assert len(config["shapes"]) >= 3
+    expected = {
+        (world, shape, scaling, method)
+        for world in config["world_sizes"]
+        for shape in config["shapes"]
+        for scaling in (["both"] if world == 1 else config["scalings"])
+        for method in config["methods"]
+    }
+    records = payload["records"]
+    assert {(r["world_size"], r["shape"], r["scaling"], r["method"]) for r in records} == expected
+    assert len(records) == len(expected)
+
+    measured = [r for r in records if r["skipped"] is None]
+    assert {r["method"] for r in measured} >= {"plain", "per-param", "ours", "ours+accum+clip"}
+    for r in records:
+        assert r["skipped"] is None or (isinstance(r["skipped"], str) and r["skipped"])
+    for r in measured:
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
+        assert len(r["step_ms_all"]) == config["timed_steps"]
+        assert set(r["peak_by_kind"]) == KINDS
+        assert sum(r["peak_by_kind"].values()) == r["peak_bytes"] > 0
+        bound = r["lower_bound"]
+        assert bound["total"] == sum(v for k, v in bound.items() if k != "total") > 0
+
+    table = (tmp_path / "scaling.md").read_text()
+    assert "## Summary" in table
+    for shape in config["shapes"]:
+        assert f"## {shape} (" in table
+    if importlib.util.find_spec("matplotlib") is not None:
+        for scaling in config["scalings"]:
+            assert (tmp_path / f"scaling_{scaling}.png").stat().st_size > 0
