@@ -182,7 +182,7 @@ def test_param_groups_scheduler_and_frozen_params(worlds, world_size, scheduler)
         ),
         (
             "SGD",
-            dict(lr=0.1, momentum=0.9),
+            SGD_MOMENTUM,
             {1: [(1, "momentum", 0.0)], 2: [(0, "momentum", 0.3), (0, "nesterov", True)]},
         ),
     ],
@@ -379,18 +379,27 @@ def test_mixed_precision(worlds):
 # ---------------------------------------------------------------------------------- checkpointing
 
 
-def _checkpoint_blocks(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing of each Block's forward."""
+def _checkpoint_blocks(model: nn.Module) -> list[int]:
+    """Non-reentrant activation checkpointing of each Block's forward.
+
+    Returns a list that grows by one each time a Block's forward runs (recomputation included).
+    """
     from torch.utils.checkpoint import checkpoint
 
-    for layer in model.layers:
-        forward = layer.forward
+    runs: list[int] = []
+    for index, layer in enumerate(model.layers):
+
+        def forward(x, inner=layer.forward, index=index):
+            runs.append(index)
+            return inner(x)
+
         layer.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+    return runs
 
 
 def _activation_checkpointing_body() -> None:
     model, reference = make_models()
-    _checkpoint_blocks(model)
+    runs = _checkpoint_blocks(model)
     shard(model)
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     # Registered after the optimizer's hooks: counts the gradients each parameter receives.
@@ -401,9 +410,13 @@ def _activation_checkpointing_body() -> None:
         )
     for step in range(STEPS):
         arrivals.clear()
+        runs.clear()
         _backward(model, step)
         _assert_grads_freed(model)
         optim.step()
+        # Each Block ran twice (forward, then recomputed in backward) and each parameter
+        # received its gradient once.
+        assert sorted(runs) == [0, 0, 1, 1, 2, 2]
         assert arrivals == {n: 1 for n, _ in model.named_parameters()}
     assert all(s["step"].item() == STEPS for s in optim.state.values())
     train_reference(reference, torch.optim.AdamW(reference.parameters(), **ADAMW), STEPS)
@@ -502,27 +515,10 @@ def test_unused_parameters_in_fsdp_units(worlds):
     worlds.run(4, _unused_in_fsdp_unit_body)
 
 
-class _Referent:
-    pass
-
-
-def _dead_weakref_proxy() -> weakref.ProxyType:
-    """A ``weakref.proxy`` whose referent is gone, as ``torch.compile`` leaves behind.
-
-    Touching it in any way (even ``isinstance``) raises ``ReferenceError``; a scan of the
-    garbage collector's objects must cope with it.
-    """
-    referent = _Referent()
-    proxy = weakref.proxy(referent)
-    del referent
-    return proxy
-
-
 def _plain_module_body() -> None:
     # No FSDP: every rank trains its own copy on its own data, with small buckets.
     rank = dist.get_rank()
     model, reference = make_models(seed=rank)
-    proxy = _dead_weakref_proxy()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=30, **ADAMW)
     ref_optim = torch.optim.AdamW(reference.parameters(), **ADAMW)
     skips = {1: lambda m: [m.layers[1].norm], 2: lambda m: [m.layers[2]]}
@@ -538,7 +534,6 @@ def _plain_module_body() -> None:
             opt.zero_grad()
         assert_match(model, reference)
     assert_same_state_dict(optim.state_dict(), ref_optim.state_dict())
-    del proxy
     return full(model.head.weight).sum().item()
 
 
@@ -671,7 +666,6 @@ def test_add_param_group_and_zero_grad(worlds):
 def _ddp_refused_body() -> None:
     model, _ = make_models()
     ddp = nn.parallel.DistributedDataParallel(model)
-    proxy = _dead_weakref_proxy()
     with pytest.raises(ValueError, match="trained by DistributedDataParallel"):
         OptimizerInBackward(ddp.parameters(), torch.optim.AdamW, **ADAMW)
     with pytest.raises(ValueError, match="trained by DistributedDataParallel"):
@@ -680,7 +674,7 @@ def _ddp_refused_body() -> None:
     # A model DDP does not hold, in the same job, is accepted.
     other, _ = make_models()
     OptimizerInBackward(other.parameters(), torch.optim.AdamW, **ADAMW)
-    del ddp, proxy
+    del ddp
 
 
 def _built_before_fully_shard_body() -> None:
@@ -699,3 +693,41 @@ def _built_before_fully_shard_body() -> None:
 )
 def test_refusals_on_a_world(worlds, body):
     worlds.run(2, body)
+
+
+class _Referent:
+    pass
+
+
+def _dead_weakref_proxy() -> weakref.ProxyType:
+    """A ``weakref.proxy`` whose referent is gone, as ``torch.compile`` leaves behind.
+
+    Touching it in any way (even ``isinstance``) raises ``ReferenceError``; a scan of the
+    garbage collector's objects must cope with it.
+    """
+    referent = _Referent()
+    proxy = weakref.proxy(referent)
+    del referent
+    return proxy
+
+
+def _dead_weakref_proxy_body() -> None:
+    # Building the optimizer on plain tensors in a multi-process job scans for DDP modules;
+    # a dead proxy among the scanned objects must not break it (nor hide a DDP module).
+    proxy = _dead_weakref_proxy()
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    ref_optim = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for net, opt in ((model, optim), (reference, ref_optim)):
+        loss_fn(net, *batch(0)).backward()
+        opt.step()
+    assert_match(model, reference)
+    other, _ = make_models()
+    ddp = nn.parallel.DistributedDataParallel(other)
+    with pytest.raises(ValueError, match="trained by DistributedDataParallel"):
+        OptimizerInBackward(ddp.parameters(), torch.optim.AdamW, **ADAMW)
+    del proxy, ddp
+
+
+def test_construction_survives_dead_weakref_proxies(worlds):
+    worlds.run(2, _dead_weakref_proxy_body)
