@@ -1,0 +1,166 @@
+"""What a checkpoint records about the model and optimizer, and the check before a load.
+
+A description is a JSON-able dict: the format version, the wrapped optimizer class, every tensor
+of the model state dict (name, global shape, dtype) and the parameter names of each param group.
+``load`` describes the live model and optimizer the same way and compares the two before it
+changes anything, so that a mismatch is reported by name rather than as a failure halfway
+through DCP's load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from fused_optim_dist.optimizer import OptimizerInBackward
+
+__all__ = [
+    "FORMAT_VERSION",
+    "describe",
+    "mismatches",
+    "optimizer_class",
+    "tensor_mismatches",
+    "tensor_specs",
+]
+
+FORMAT_VERSION = 1
+"""Bumped when the layout or the description changes incompatibly."""
+
+# Module wrappers whose attribute name DCP drops from parameter names: activation checkpointing
+# (checkpoint_wrapper) and torch.compile (OptimizedModule). fully_shard adds none.
+_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def optimizer_class(optim: Optimizer) -> type[Optimizer]:
+    """The class whose update ``optim`` runs: the wrapped one for ``OptimizerInBackward``."""
+    return optim.optimizer_cls if isinstance(optim, OptimizerInBackward) else type(optim)
+
+
+def tensor_specs(state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Name -> global shape and dtype of each tensor in a model state dict (DTensors included)."""
+    return {
+        name: {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        for name, value in state_dict.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    names = {}
+    for name, param in model.named_parameters():
+        names[id(param)] = ".".join(p for p in name.split(".") if p not in _WRAPPER_NAMES)
+    return names
+
+
+def _param_groups(model: nn.Module, optim: Optimizer) -> list[dict[str, list[str]]]:
+    names = _param_names(model)
+    groups = []
+    for index, group in enumerate(optim.param_groups):
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(
+                    f"param group {index} of the optimizer holds a parameter of shape "
+                    f"{tuple(param.shape)} that is not a parameter of the model; build the "
+                    "optimizer from model.parameters() after fully_shard()"
+                )
+        groups.append(
+            {
+                "params": [names[id(p)] for p in group["params"]],
+                "frozen": [names[id(p)] for p in group["params"] if not p.requires_grad],
+            }
+        )
+    return groups
+
+
+def describe(model_state: dict[str, Any], model: nn.Module, optim: Optimizer) -> dict[str, Any]:
+    """Describe ``model`` (through its DCP state dict ``model_state``) and ``optim``.
+
+    Raises:
+        ValueError: if the optimizer holds a parameter that is not the model's.
+    """
+    return {
+        "format_version": FORMAT_VERSION,
+        "optimizer": _class_path(optimizer_class(optim)),
+        "in_backward": isinstance(optim, OptimizerInBackward),
+        "tensors": tensor_specs(model_state),
+        "param_groups": _param_groups(model, optim),
+    }
+
+
+def tensor_mismatches(
+    saved: dict[str, dict], current: dict[str, dict], where: str = "the checkpoint"
+) -> list[str]:
+    """Differences between two ``tensor_specs``, one line per tensor, naming it; ``where``
+    names the saved side in the messages.
+    """
+    problems = [
+        f"{name!r} is in the model but not in {where}" for name in current.keys() - saved.keys()
+    ]
+    problems += [
+        f"{name!r} is in {where} but not in the model" for name in saved.keys() - current.keys()
+    ]
+    for name in current.keys() & saved.keys():
+        if current[name]["shape"] != saved[name]["shape"]:
+            problems.append(
+                f"{name!r} has shape {tuple(current[name]['shape'])} in the model but "
+                f"{tuple(saved[name]['shape'])} in {where}"
+            )
+    return sorted(problems)
+
+
+def _group_mismatches(saved: list[dict], current: list[dict], names: set[str]) -> list[str]:
+    """Differences in the param groups, for the tensors in ``names`` (those both sides have)."""
+    if len(saved) != len(current):
+        return [
+            f"the checkpoint has {len(saved)} param group(s) but the optimizer has {len(current)}"
+        ]
+    saved_group = {n: i for i, g in enumerate(saved) for n in g["params"]}
+    current_group = {n: i for i, g in enumerate(current) for n in g["params"]}
+    problems = []
+    for name in sorted(names):
+        where_saved, where_now = saved_group.get(name), current_group.get(name)
+        if where_saved == where_now:
+            continue
+        saved_text = "not optimized" if where_saved is None else f"in param group {where_saved}"
+        now_text = "not optimized" if where_now is None else f"in param group {where_now}"
+        problems.append(
+            f"{name!r} is {now_text} by the optimizer but was {saved_text} in the checkpoint"
+        )
+    saved_frozen = {n for g in saved for n in g["frozen"]}
+    current_frozen = {n for g in current for n in g["frozen"]}
+    for name in sorted(names & current_group.keys() - current_frozen):
+        if name in saved_frozen:
+            problems.append(
+                f"{name!r} requires grad but was frozen when the checkpoint was written, so the "
+                "checkpoint holds no optimizer state for it"
+            )
+    return problems
+
+
+def mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Why the checkpoint described by ``saved`` cannot be loaded into ``current``'s model and
+    optimizer, one line per problem; empty when it can.
+    """
+    version = saved.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        return [
+            f"the checkpoint has format version {version!r}; this release reads versions up to "
+            f"{FORMAT_VERSION}: upgrade fused_optim_dist"
+        ]
+    problems = []
+    if saved["optimizer"] != current["optimizer"]:
+        problems.append(
+            f"the checkpoint holds {saved['optimizer']} state but the optimizer in use runs "
+            f"{current['optimizer']}"
+        )
+    problems += tensor_mismatches(saved["tensors"], current["tensors"])
+    names = saved["tensors"].keys() & current["tensors"].keys()
+    problems += _group_mismatches(saved["param_groups"], current["param_groups"], names)
+    return problems
