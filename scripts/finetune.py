@@ -6,7 +6,7 @@ minutes and writes its outputs to ``outputs/finetune``::
 
     torchrun --nproc_per_node 2 scripts/finetune.py
     python scripts/finetune.py --model tiny --max-steps 50           # one process, no torchrun
-    torchrun --nproc_per_node 2 scripts/finetune.py --max-steps 600 --resume  # continue a run
+    torchrun --nproc_per_node 2 scripts/finetune.py --resume  # continue from the newest checkpoint
     torchrun --nproc_per_node 2 scripts/finetune.py --no-in-backward  # plain optimizer, same loop
     torchrun --nproc_per_node 8 scripts/finetune.py --model 1b --seq-len 2048 --batch-size 64 \\
         --mixed-precision bf16 --activation-checkpointing             # GPUs: CUDA + NCCL
@@ -23,6 +23,18 @@ machine; on a cluster put node 0's address in ``--rdzv-endpoint`` and run one co
 ``--batch-size`` is the GLOBAL batch: sequences per optimizer step over all ranks and
 micro-batches. Each step's batch depends only on (seed, step), so results do not depend on how
 it is split, and a resumed run sees the batches the uninterrupted run would have seen.
+
+Outputs (rank 0 writes them): ``config.json`` (the resolved configuration), ``metrics.jsonl``
+(one JSON object per step: step, loss, lr, grad_norm, tokens_per_s, peak_mem_bytes),
+``loss.png``, ``summary.json``, ``checkpoints/step_<N>/`` (sharded; resumable with or without
+``--no-in-backward``, on any number of ranks) and the final weights: ``weights.pt`` (for
+``--init-from``) or, with ``--hf-model``, ``hf_model/`` in transformers format.
+
+Clipping: with ``--max-grad-norm`` the in-backward optimizer clips each FSDP unit as it steps,
+predicting the norm of the units not yet reduced from the previous step (see
+``fused_optim_dist._gradients``). Runs then differ slightly from ``--no-in-backward``, and a
+resumed run from the uninterrupted one, because that history is not checkpointed.
+``--max-grad-norm 0`` turns clipping off; both are then exact.
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ from fused_optim_dist.metrics import (
     peak_memory_bytes,
     plot_loss_curve,
 )
-from fused_optim_dist.models import PRESETS, Llama, apply_fsdp
+from fused_optim_dist.models import PRESETS, Llama, LlamaConfig, apply_fsdp
 
 DEFAULT_MODEL = "small"
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -180,6 +192,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--hf-model {args.hf_model}: no config.json there; pass the "
                          "directory that model.save_pretrained() wrote")
     args.model = args.model or DEFAULT_MODEL
+    if args.hf_model is None:
+        try:
+            _llama_config(args)
+        except ValueError as error:
+            parser.error(f"--model {args.model} with --dim/--n-layers: {error}")
     for flag in ("data", "init_from"):
         path = getattr(args, flag)
         if path is not None and not path.exists():
@@ -196,6 +213,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--device cuda, but torch.cuda.is_available() is False")
     if args.backend == "nccl" and args.device == "cpu":
         parser.error("--backend nccl needs CUDA tensors; use --backend gloo with --device cpu")
+    newest = checkpoint.latest(args.output_dir / CHECKPOINT_SUBDIR)
+    if newest is not None and not args.resume:
+        parser.error(f"--output-dir {args.output_dir} already holds checkpoints (newest: "
+                     f"{newest.name}); pass --resume to continue that run, or choose another "
+                     "--output-dir")
     optimizer = args.optimizer
     if "." not in optimizer and optimizer.lower() not in OPTIMIZER_SHORT_NAMES:
         parser.error(f"--optimizer {optimizer!r}: expected one of "
@@ -224,12 +246,24 @@ def _setup_distributed(args: argparse.Namespace) -> tuple[torch.device, bool]:
     return device, True
 
 
+def _llama_config(args: argparse.Namespace) -> LlamaConfig:
+    """The preset with the flags' overrides; ``--dim`` scales the feed-forward width too."""
+    preset = PRESETS[args.model]
+    dim = args.dim or preset.dim
+    return dataclasses.replace(
+        preset,
+        dim=dim,
+        n_layers=args.n_layers or preset.n_layers,
+        ffn_hidden=preset.ffn_hidden * dim // preset.dim,
+        max_seq_len=max(preset.max_seq_len, args.seq_len),
+    )
+
+
 @dataclasses.dataclass
 class _Model:
     module: nn.Module
     logits: Callable[[torch.Tensor], torch.Tensor]
     tokenizer: Tokenizer
-    vocab_size: int
     description: dict[str, Any]
 
 
@@ -239,34 +273,22 @@ def _build_model(args: argparse.Namespace, device: torch.device) -> _Model:
     if args.hf_model is not None:
         module = hf.load_causal_lm(args.hf_model).to(device)
         blocks = hf.decoder_blocks(module)
-        vocab_size = module.config.vocab_size
-        tokenizer = hf.load_tokenizer(args.hf_model, vocab_size)
+        tokenizer = hf.load_tokenizer(args.hf_model, module.config.vocab_size)
         description = {"hf_model": str(args.hf_model), **module.config.to_diff_dict()}
         logits = lambda tokens: hf.hf_logits(module, tokens)  # noqa: E731
     else:
-        preset = PRESETS[args.model]
-        dim = args.dim or preset.dim
-        config = dataclasses.replace(
-            preset,
-            dim=dim,
-            n_layers=args.n_layers or preset.n_layers,
-            ffn_hidden=preset.ffn_hidden * dim // preset.dim,
-            max_seq_len=max(preset.max_seq_len, args.seq_len),
-        )
+        config = _llama_config(args)
         with device:
             module = Llama(config)
-        blocks, vocab_size, tokenizer = list(module.layers), config.vocab_size, ByteTokenizer()
+        blocks, tokenizer = list(module.layers), ByteTokenizer()
         description = {"preset": args.model, **dataclasses.asdict(config)}
         logits = module
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"the tokenizer needs {tokenizer.vocab_size} ids but the model has "
-                         f"{vocab_size}; use a model with a larger vocabulary")
     description["num_params"] = sum(p.numel() for p in module.parameters())
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if args.mixed_precision == "bf16" else None)
     apply_fsdp(module, blocks=blocks, mp_policy=mp_policy,
                activation_checkpointing=args.activation_checkpointing)
-    return _Model(module, logits, tokenizer, vocab_size, description)
+    return _Model(module, logits, tokenizer, description)
 
 
 def warmup_cosine(warmup_steps: int, max_steps: int) -> Callable[[int], float]:
@@ -340,7 +362,8 @@ def _banner(args: argparse.Namespace, model: _Model, sampler: BatchSampler, devi
         f"  optimizer {args.optimizer} {'after' if args.no_in_backward else 'in'} backward, "
         f"{args.batch_size * args.seq_len:,} tokens/step ({args.batch_size} x {args.seq_len}, "
         f"{args.grad_accum} micro-batch(es)), {sampler.tokens.numel():,} tokens of data\n"
-        f"  {steps}" + (f" (resumed from step {start_step})" if start_step else "")
+        f"  {steps}" + (f" (resumed from step {start_step})" if start_step else
+                        " (--resume: no checkpoint yet)" if args.resume else "")
     )
 
 
@@ -384,7 +407,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     scheduler = LambdaLR(optim, warmup_cosine(args.warmup_steps, args.max_steps))
     checkpoint_dir = args.output_dir / CHECKPOINT_SUBDIR
     start_step = 0
-    if args.resume and checkpoint.latest(checkpoint_dir) is not None:
+    # parse_args refused existing checkpoints without --resume.
+    if checkpoint.latest(checkpoint_dir) is not None:
         start_step, extra = checkpoint.load(checkpoint_dir, model.module, optim)
         scheduler.load_state_dict(extra["scheduler"])
 

@@ -224,11 +224,12 @@ def test_warmup_then_cosine():
         (["--init-from", "/nonexistent/ckpt"], "--init-from /nonexistent/ckpt does not exist"),
         (["--hf-model", "/nonexistent/model"], "no config.json there"),
         (["--lr", "nan"], "expected a finite number > 0"),
+        (["--dim", "30"], "n_heads (4) must divide dim (30)"),
     ],
 )
-def test_bad_flags_exit_with_a_clear_message(argv, message, capsys):
+def test_bad_flags_exit_with_a_clear_message(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        finetune.main(argv)
+        finetune.main([*argv, "--output-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -272,9 +273,12 @@ def _copy_without_last_checkpoint(source: Path, target: Path) -> None:
     shutil.rmtree(checkpoint.latest(target / "checkpoints"))
 
 
-def _assert_losses_match(run: Path, reference: Path, steps: range, atol: float) -> None:
+def _assert_losses_match(
+    run: Path, reference: Path, steps: range, atol: float, same_steps: bool = True
+) -> None:
     got, want = _losses(run), _losses(reference)
-    assert sorted(got) == sorted(want), "the resumed run's metrics.jsonl has other steps"
+    if same_steps:
+        assert sorted(got) == sorted(want), "the resumed run's metrics.jsonl has other steps"
     for step in steps:
         assert abs(got[step] - want[step]) <= atol, (step, got[step], want[step])
 
@@ -316,6 +320,12 @@ def test_resume_gives_the_uninterrupted_losses(worlds, straight_run, tmp_path):
     _assert_losses_match(back, straight_run, range(16, 21), atol=1e-5)
 
 
+def test_existing_checkpoints_need_resume(straight_run, capsys):
+    with pytest.raises(SystemExit):
+        finetune.main([*RESUMABLE, "--output-dir", str(straight_run)])
+    assert "already holds checkpoints (newest: step_" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="in-backward clipping predicts each bucket's norm from "
                    "the previous backward, and that history is not in the optimizer's state_dict")
@@ -326,6 +336,24 @@ def test_resume_with_clipping_in_backward_gives_the_uninterrupted_losses(worlds,
     _copy_without_last_checkpoint(straight, resumed)
     worlds.run(2, _run_main, argv=[*clipped, "--resume", "--output-dir", str(resumed)])
     _assert_losses_match(resumed, straight, range(1, 21), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_bf16_flags(worlds, straight_run, tmp_path):
+    straight = _losses(straight_run)
+    # Steps 1-3 do not depend on --max-steps (warmup, then the top of the cosine).
+    short = [*RESUMABLE, "--max-steps", "3"]
+    worlds.run(2, _run_main, argv=[*short, "--activation-checkpointing",
+                                   "--output-dir", str(tmp_path / "ac")])
+    _assert_losses_match(tmp_path / "ac", straight_run, range(1, 4), atol=1e-6,
+                         same_steps=False)
+    worlds.run(2, _run_main, argv=[*short, "--mixed-precision", "bf16", "--optimizer", "sgd",
+                                   "--optimizer-kwargs", '{"momentum": 0.9}',
+                                   "--output-dir", str(tmp_path / "bf16")])
+    first = _losses(tmp_path / "bf16")[1]
+    assert first != straight[1] and abs(first - straight[1]) < 0.05, (first, straight[1])
+    config = json.loads((tmp_path / "bf16" / finetune.CONFIG_FILE).read_text())
+    assert config["optimizer"] == "torch.optim.SGD" and config["mixed_precision"] == "bf16"
 
 
 @pytest.mark.slow
