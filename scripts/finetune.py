@@ -162,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     optim.add_argument("--optimizer-kwargs", type=_json_object, default={}, metavar="JSON",
                        help="extra keyword arguments for the optimizer, as a JSON object")
     optim.add_argument("--no-in-backward", action="store_true",
-                       help="step the plain optimizer after backward (same loop, same results)")
+                       help="step the plain optimizer after backward (same loop; same results "
+                       "unless clipping)")
     optim.add_argument("--max-grad-norm", type=float, default=1.0,
                        help="clip the global gradient norm to this; 0 disables clipping")
     run = p.add_argument_group("run")
@@ -223,6 +224,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--optimizer {optimizer!r}: expected one of "
                      f"{sorted(OPTIMIZER_SHORT_NAMES)} or a dotted path like torch.optim.AdamW")
     args.optimizer = OPTIMIZER_SHORT_NAMES.get(optimizer.lower(), optimizer)
+    if "lr" in args.optimizer_kwargs:
+        parser.error("--optimizer-kwargs sets 'lr'; set the learning rate with --lr")
+    try:  # the class and its keyword arguments, tried on a stand-in parameter
+        build_optimizer([torch.zeros(1, requires_grad=True)], args.optimizer, in_backward=False,
+                        lr=args.lr, **args.optimizer_kwargs)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--optimizer {optimizer} --optimizer-kwargs "
+                     f"'{json.dumps(args.optimizer_kwargs)}': {error}")
     return args
 
 

@@ -225,6 +225,10 @@ def test_warmup_then_cosine():
         (["--hf-model", "/nonexistent/model"], "no config.json there"),
         (["--lr", "nan"], "expected a finite number > 0"),
         (["--dim", "30"], "n_heads (4) must divide dim (30)"),
+        (["--optimizer-kwargs", '{"betaz": 1}'], "unexpected keyword argument 'betaz'"),
+        (["--optimizer-kwargs", '{"lr": 1}'], "set the learning rate with --lr"),
+        (["--optimizer", "torch.optim.Nope"], "cannot import optimizer class"),
+        (["--optimizer", "lbfgs"], "requires a closure"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(argv, message, capsys, tmp_path):
