@@ -68,10 +68,12 @@ def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:
     if not wanted:
         return []
     ddp_cls = nn.parallel.DistributedDataParallel
+    # type(), not isinstance(): isinstance reads __class__, which raises ReferenceError on a
+    # dead weakref.proxy (torch.compile leaves some in the heap).
     return [
         obj
         for obj in gc.get_objects()
-        if isinstance(obj, ddp_cls) and any(id(p) in wanted for p in obj.parameters())
+        if issubclass(type(obj), ddp_cls) and any(id(p) in wanted for p in obj.parameters())
     ]
 
 
