@@ -238,6 +238,7 @@ def save(
         FileExistsError: if the checkpoint of ``step`` already exists.
         RuntimeError, OSError: if writing or committing failed (earlier checkpoints are intact).
     """
+    global _PENDING
     _check_save_args(step, keep_last)
     directory = Path(directory)
     _wait_pending()
@@ -253,7 +254,6 @@ def save(
     state = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
     tmp = layout.tmp_dir(final)
     if async_:
-        global _PENDING
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=async_save_group())
         _PENDING = SaveHandle(final, metadata, keep_last, future)
         return _PENDING
@@ -370,8 +370,10 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
                     f"weights {path} do not fit the model; nothing was loaded:\n  "
                     + "\n  ".join(problems)
                 )
-        except (OSError, RuntimeError) as e:
-            error = e if isinstance(e, OSError) else ValueError(f"cannot read {path}: {e}")
+        except OSError as e:
+            error = e
+        except Exception as e:  # not a torch.save file of plain tensors
+            error = ValueError(f"cannot read {path} as exported weights: {e}")
     agree(error)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=is_distributed())
     set_model_state_dict(model, weights, options=options)
