@@ -85,7 +85,8 @@ MIN_LR_RATIO = 0.1
 OPTIMIZER_SHORT_NAMES = {
     name.lower(): f"torch.optim.{name}"
     for name in torch.optim.__all__
-    if isinstance(getattr(torch.optim, name), type)
+    if isinstance(cls := getattr(torch.optim, name), type)
+    and issubclass(cls, Optimizer) and cls is not Optimizer
 }
 
 
@@ -124,10 +125,19 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the ``None`` of optional flags."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Fine-tune a language model with FSDP2 and the optimizer step in backward.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     model = p.add_argument_group("model")
     model.add_argument("--model", choices=sorted(PRESETS), default=None,
@@ -146,14 +156,15 @@ def _parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--data", type=Path, metavar="PATH", help="text file, .jsonl file with a "
                       "'text' field, or directory of them (default: the stdlib's .py files)")
-    data.add_argument("--seq-len", type=_positive_int, default=128)
+    data.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sequence")
     data.add_argument("--batch-size", type=_positive_int, default=16,
                       help="GLOBAL sequences per optimizer step (all ranks, all micro-batches)")
     data.add_argument("--grad-accum", type=_positive_int, default=1,
                       help="micro-batches per optimizer step")
     optim = p.add_argument_group("optimization")
-    optim.add_argument("--max-steps", type=_positive_int, default=300)
-    optim.add_argument("--lr", type=_positive_float, default=3e-3)
+    optim.add_argument("--max-steps", type=_positive_int, default=300,
+                       help="optimizer steps of the whole run (a resumed run continues to it)")
+    optim.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
     optim.add_argument("--warmup-steps", type=_non_negative_int, default=20,
                        help="linear warmup, then cosine decay to "
                        f"{MIN_LR_RATIO:g} x lr at --max-steps")
@@ -167,16 +178,19 @@ def _parser() -> argparse.ArgumentParser:
     optim.add_argument("--max-grad-norm", type=float, default=1.0,
                        help="clip the global gradient norm to this; 0 disables clipping")
     run = p.add_argument_group("run")
-    run.add_argument("--output-dir", type=Path, default=Path("outputs/finetune"))
+    run.add_argument("--output-dir", type=Path, default=Path("outputs/finetune"),
+                     help="where config, metrics, plot, checkpoints and weights go")
     run.add_argument("--save-every", type=_non_negative_int, default=100,
                      help="checkpoint every N steps (0: only at the end)")
     run.add_argument("--keep-last", type=_positive_int, default=3,
                      help="keep only the newest N checkpoints")
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest complete checkpoint in --output-dir")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    run.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="auto: CUDA when available")
+    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                     help="auto: nccl on CUDA, gloo on CPU")
     run.add_argument("--log-every", type=_positive_int, default=10,
                      help="print a progress line every N steps when not on a terminal")
     return p
