@@ -32,6 +32,7 @@ buckets still to come had in the previous stepping backward. So:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -165,6 +166,21 @@ class GradientProcessor:
         self._sharded_sq = self._local_sq = None
         self._bucket_sq = {}
         self._previous_seen = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to clip exactly as the uninterrupted one: the clipping
+        history (each bucket's squared norm in the last stepping backward) and the count of
+        skipped updates. Identical on every rank. Reads the history back to the host."""
+        return {
+            "previous_sq": {k: float(v) for k, v in self._previous_sq.items()},
+            "nonfinite_steps": self.nonfinite_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        previous = {int(k): torch.tensor(v) for k, v in state["previous_sq"].items()}
+        self._previous_sq = previous
+        self._previous_total = sum(previous.values(), 0.0)
+        self.nonfinite_steps = int(state["nonfinite_steps"])
 
     def grad_norm(self) -> torch.Tensor:
         if not self.track_grad_norm and not self._reduce_per_bucket:

@@ -299,6 +299,21 @@ class OptimizerInBackward(Optimizer):
         """How many bucket updates ``skip_nonfinite`` skipped so far."""
         return self._gradients.nonfinite_steps
 
+    def gradient_state_dict(self) -> dict[str, Any]:
+        """State of the in-backward gradient handling that ``state_dict()`` leaves out.
+
+        ``state_dict()`` stays exactly the wrapped optimizer's, so checkpoints remain
+        interchangeable with the plain optimizer. This holds the clipping history of
+        ``max_grad_norm`` (see [Note: clipping inside one backward]) and ``nonfinite_steps``,
+        the same on every rank; ``fused_optim_dist.checkpoint`` saves and restores it. Without
+        it a resumed run clips its first step as a first step (no history).
+        """
+        return self._gradients.state_dict()
+
+    def load_gradient_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`gradient_state_dict` returned."""
+        self._gradients.load_state_dict(state)
+
     # ------------------------------------------------------------------ detaching
 
     def detach(self) -> None:
