@@ -221,8 +221,13 @@ def _set(run: Run, model_state: dict, optim_state: dict, options: StateDictOptio
         set_model_state_dict(run.model, model_state, options=options)
         set_optimizer_state_dict(run.model, run.optim, optim_state, options=options)
     else:
-        set_state_dict(run.model, run.optim, model_state_dict=model_state,
-                       optim_state_dict=optim_state, options=options)  # fmt: skip
+        set_state_dict(
+            run.model,
+            run.optim,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=options,
+        )
 
 
 def _moments(optim_state: dict, fqn: str, key: str, flat: bool) -> object:
@@ -321,8 +326,9 @@ def _assert_resumes_at(root: Path, step: int) -> None:
     run = _run(seed=1)
     loaded_step, extra = checkpoint.load(root, run.model, run.optim)
     assert loaded_step == step
-    assert extra == {"scheduler": _reference("AdamW", step).scheduler.state_dict()}
-    assert_match(run.model, _reference("AdamW", step).model, atol=RESUME_ATOL)
+    reference = _reference("AdamW", step)
+    assert extra == {"scheduler": reference.scheduler.state_dict()}
+    assert_match(run.model, reference.model, atol=RESUME_ATOL)
 
 
 def _crash_body(root: str) -> None:
