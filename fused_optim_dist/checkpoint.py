@@ -70,6 +70,7 @@ from fused_optim_dist._checkpoint_metadata import (
     tensor_mismatches,
     tensor_specs,
 )
+from fused_optim_dist.optimizer import OptimizerInBackward
 
 __all__ = ["SaveHandle", "export_weights", "latest", "load", "load_weights", "save"]
 
@@ -248,6 +249,11 @@ def save(
         "step": step,
         "world_size": world_size(),
         "torch_version": torch.__version__,
+        # Outside the wrapped optimizer's state_dict (which stays interchangeable with the
+        # plain optimizer's): the in-backward clipping history, needed to resume exactly.
+        "gradient_state": (
+            optim.gradient_state_dict() if isinstance(optim, OptimizerInBackward) else None
+        ),
     }
     _prepare_on_rank0(final, extra)
     model_state, optim_state = get_state_dict(model, optim)
@@ -316,6 +322,8 @@ def load(directory: str | os.PathLike, model: nn.Module, optim: Optimizer) -> tu
     set_state_dict(
         model, optim, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY]
     )
+    if isinstance(optim, OptimizerInBackward) and saved.get("gradient_state") is not None:
+        optim.load_gradient_state_dict(saved["gradient_state"])
     extra = torch.load(path / layout.EXTRA_FILE, weights_only=False)
     return saved["step"], extra
 

@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -50,7 +51,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
             world_size=world_size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
-        results.put((rank, True, "ready"))
+        results.put((rank, True, pickle.dumps("ready")))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -62,7 +63,9 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
         try:
             out = fn(**kwargs)
             dist.barrier()
-            results.put((rank, True, out))
+            # Pickled here, not in the queue's feeder thread, so that an unpicklable result
+            # fails this rank with a traceback instead of never arriving.
+            results.put((rank, True, pickle.dumps(out)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -123,7 +126,7 @@ class World:
             raise AssertionError(
                 f"{what} failed on {len(failures)} rank(s):\n" + "\n".join(failures)
             )
-        return [outcomes[r][1] for r in range(self.world_size)]
+        return [pickle.loads(outcomes[r][1]) for r in range(self.world_size)]
 
     def close(self) -> None:
         for tasks in self._tasks:

@@ -288,7 +288,8 @@ def _assert_losses_match(
 
 
 # 20 steps on 2 ranks with 2 micro-batches per step and checkpoints at steps 10 and 20. Without
-# clipping, a resumed run must reproduce the uninterrupted one exactly (see the xfail below).
+# clipping, a resumed run must reproduce the uninterrupted one exactly; with in-backward
+# clipping too, as the checkpoint carries its history (test below).
 RESUMABLE = [*TINY, "--max-steps", "20", "--grad-accum", "2", "--save-every", "10",
              "--max-grad-norm", "0"]
 
@@ -331,8 +332,6 @@ def test_existing_checkpoints_need_resume(straight_run, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="in-backward clipping predicts each bucket's norm from "
-                   "the previous backward, and that history is not in the optimizer's state_dict")
 def test_resume_with_clipping_in_backward_gives_the_uninterrupted_losses(worlds, tmp_path):
     clipped = [*RESUMABLE[:-2], "--max-grad-norm", "0.5"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
