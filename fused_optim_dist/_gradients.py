@@ -42,7 +42,9 @@ __all__ = ["GradientProcessor"]
 
 
 def _replicas(param: torch.Tensor) -> int:
-    """How many ranks hold each element of ``param``'s local shard."""
+    """How many ranks hold each element of ``param``'s local shard (1 for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return 1
     replicas = 1
     for size, placement in zip(param.device_mesh.shape, param.placements, strict=True):
         if isinstance(placement, Replicate):
@@ -54,25 +56,28 @@ def _local_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
 
 
-def _shares(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's squared-norm shares: (of sharded DTensor grads, of plain local grads)."""
-    squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
-    sharded = [isinstance(p, DTensor) for p in params]
-    if all(sharded):
+class _ShareWeights:
+    """Per bucket: which gradients are sharded (summed over ranks), and 1 / their replicas."""
+
+    def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.sharded = [isinstance(p, DTensor) for p in params]
         scale = [1.0 / _replicas(p) for p in params]
-        if all(s == 1.0 for s in scale):
+        self.scale = None if all(s == 1.0 for s in scale) else torch.tensor(scale, device=device)
+        self.mask = torch.tensor(self.sharded, device=device)
+
+    def shares(self, squares: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's squared-norm shares: (of sharded DTensor grads, of plain local grads)."""
+        if self.scale is not None:
+            squares = squares * self.scale
+        if all(self.sharded):
             return squares.sum(), squares.new_zeros(())
-        return (squares * squares.new_tensor(scale)).sum(), squares.new_zeros(())
-    if not any(sharded):
-        return squares.new_zeros(()), squares.sum()
-    mask = torch.tensor(sharded, device=squares.device)
-    scale = squares.new_tensor(
-        [1.0 / _replicas(p) if s else 1.0 for p, s in zip(params, sharded, strict=True)]
-    )
-    # torch.where, not a 0/1 weight: 0 * inf would turn an infinite norm into NaN.
-    return torch.where(mask, squares * scale, 0.0).sum(), torch.where(mask, 0.0, squares).sum()
+        if not any(self.sharded):
+            return squares.new_zeros(()), squares.sum()
+        # torch.where, not a 0/1 weight: 0 * inf would turn an infinite norm into NaN.
+        return (
+            torch.where(self.mask, squares, 0.0).sum(),
+            torch.where(self.mask, 0.0, squares).sum(),
+        )
 
 
 class GradientProcessor:
@@ -113,15 +118,20 @@ class GradientProcessor:
         self._previous_seen: torch.Tensor | float = 0.0
         self._last_norm: torch.Tensor | None = None
         self.nonfinite_steps = 0
+        # Cached per (bucket, number of parameters stepped).
+        self._share_weights: dict[tuple[int, int], _ShareWeights] = {}
 
     def before_step(self, bucket_id: int, params: Sequence[torch.Tensor]) -> bool:
         """Account for and clip the bucket's gradients in place; return whether to step it.
 
         Collective (an all-reduce) when clipping by norm or skipping non-finite gradients.
         """
+        if not self._needs_norm and self.clip_grad_value is None:
+            return True
         grads = _local_grads(params)
         if self._needs_norm:
-            sharded, local = _shares(params, grads)
+            squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
+            sharded, local = self._weights(bucket_id, params, squares.device).shares(squares)
             if self._reduce_per_bucket and dist.is_initialized():
                 dist.all_reduce(sharded)
             self._sharded_sq = sharded if self._sharded_sq is None else self._sharded_sq + sharded
@@ -138,6 +148,15 @@ class GradientProcessor:
             torch._foreach_clamp_min_(grads, -self.clip_grad_value)
             torch._foreach_clamp_max_(grads, self.clip_grad_value)
         return True
+
+    def _weights(
+        self, bucket_id: int, params: Sequence[torch.Tensor], device: torch.device
+    ) -> _ShareWeights:
+        key = (bucket_id, len(params))  # a bucket stepped partially has other weights
+        weights = self._share_weights.get(key)
+        if weights is None or len(weights.sharded) != len(params):
+            weights = self._share_weights[key] = _ShareWeights(params, device)
+        return weights
 
     def _clip_coefficient(self, bucket_id: int) -> torch.Tensor:
         seen = self._sharded_sq + self._local_sq

@@ -373,6 +373,7 @@ class OptimizerInBackward(Optimizer):
             if members:
                 self._step_bucket(index, members)
 
+    @torch.no_grad()
     def _step_bucket(self, index: int, params: list[torch.Tensor]) -> None:
         """Clip and step one bucket's parameters, then free their gradients."""
         try:
