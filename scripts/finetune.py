@@ -62,6 +62,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from fused_optim_dist import accumulate_grads, build_optimizer, checkpoint, clip_grad_norm_, hf
+from fused_optim_dist._faults import inject as inject_fault
 from fused_optim_dist.data import BatchSampler, ByteTokenizer, Tokenizer, read_documents, tokenize
 from fused_optim_dist.metrics import (
     MetricsLog,
@@ -457,6 +458,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         step_started = time.perf_counter()
         lr = optim.param_groups[0]["lr"]
         loss, grad_norm = _train_step(args, model, optim, sampler, step, device)
+        inject_fault("after_backward", step=step, rank=dist.get_rank())  # tests only
         scheduler.step()
         # Host sync, once per step: the global mean loss and the gradient norm for the log.
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
@@ -476,6 +478,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 keep_last=args.keep_last,
                 extra={"scheduler": scheduler.state_dict(), "config": config},
             )
+            inject_fault("during_save", step=step, rank=dist.get_rank())  # tests only
     elapsed = time.perf_counter() - started
     if pending is not None:
         pending.wait()
