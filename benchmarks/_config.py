@@ -22,9 +22,9 @@ class SweepConfig:
     """Methods, keys of ``_methods.METHODS``; unavailable ones are recorded as skipped."""
     scalings: tuple[str, ...] = SCALINGS
     """Which of ``SCALINGS`` to run (at one rank both are the same run, done once)."""
-    warmup_steps: int = 2
+    warmup_steps: int = 1
     """Untimed steps per method before the memory step (optimizer state is created here)."""
-    timed_steps: int = 6
+    timed_steps: int = 5
     """Timed steps per method after the memory step; the median is reported."""
     device: str = "cpu"
     """``cpu`` (gloo, one process per rank) or ``cuda`` (nccl, one GPU per rank)."""

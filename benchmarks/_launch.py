@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks._config import SweepConfig
+from benchmarks._measure import run_world
+
+Body = Callable[[SweepConfig], list[dict[str, Any]]]
+"""What every rank runs (collective); rank 0's return value comes back to ``launch``."""
 
 __all__ = ["CPU_THREADS_PER_RANK", "launch"]
 
@@ -33,9 +38,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, config: SweepConfig, out: str) -> None:
-    from benchmarks._measure import run_world
-
+def _entry(
+    rank: int, world_size: int, port: int, config: SweepConfig, body: Body, out: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if config.device == "cuda":
         torch.cuda.set_device(rank)
@@ -46,20 +51,21 @@ def _entry(rank: int, world_size: int, port: int, config: SweepConfig, out: str)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
     try:
-        records = run_world(config)
+        records = body(config)
         if rank == 0:
             Path(out).write_text(json.dumps(records))
     finally:
         dist.destroy_process_group()
 
 
-def launch(world_size: int, config: SweepConfig) -> list[dict[str, Any]]:
-    """Run ``config`` on ``world_size`` fresh processes; return rank 0's records.
+def launch(world_size: int, config: SweepConfig, body: Body = run_world) -> list[dict[str, Any]]:
+    """Run ``body(config)`` on ``world_size`` fresh processes; return rank 0's records.
 
-    A failing rank raises here with its traceback (``torch.multiprocessing.spawn``).
+    ``body`` must be a module-level function (it is pickled by name). A failing rank raises
+    here with its traceback (``torch.multiprocessing.spawn``).
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "records.json"
-        mp.spawn(_entry, args=(world_size, _free_port(), config, str(out)), nprocs=world_size,
-                 join=True)
+        mp.spawn(_entry, args=(world_size, _free_port(), config, body, str(out)),
+                 nprocs=world_size, join=True)
         return json.loads(out.read_text())

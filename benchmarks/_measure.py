@@ -11,7 +11,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,22 @@ from benchmarks._methods import METHODS, Runner
 from benchmarks._shapes import Batch, Shape, get_shape
 from fused_optim_dist.models import apply_fsdp
 
-__all__ = ["run_world"]
+__all__ = ["build_runner", "make_batches", "per_rank_batch", "run_world"]
 
 MS_PER_S = 1e3
+
+
+class StepTime(NamedTuple):
+    """One timed step on one rank, in seconds."""
+
+    fwd_bwd: float
+    """Wall time of forward and backward (an in-backward optimizer steps in here)."""
+    after_backward: float
+    """Wall time of what the loop runs after backward (clipping, ``step()``, ``zero_grad()``)."""
+    cpu: float
+    """CPU time the rank's process used in the whole step (all its threads): unlike wall time,
+    it does not grow when other processes compete for the cores."""
+
 ONE_RANK_SCALING = "both"
 """The scaling recorded for one-rank runs, which serve strong and weak scaling alike."""
 
@@ -57,7 +70,7 @@ def _allocated(device: str) -> int:
     return torch.cuda.memory_allocated() if device == "cuda" else 0
 
 
-def _per_rank_batch(shape: Shape, scaling: str, world_size: int, config: SweepConfig) -> int:
+def per_rank_batch(shape: Shape, scaling: str, world_size: int, config: SweepConfig) -> int:
     per_rank = shape.batch_size // world_size if scaling == "strong" else shape.batch_size
     if scaling == "strong" and shape.batch_size % world_size:
         raise ValueError(
@@ -72,7 +85,7 @@ def _per_rank_batch(shape: Shape, scaling: str, world_size: int, config: SweepCo
     return per_rank
 
 
-def _batches(shape: Shape, config: SweepConfig, per_rank: int) -> Callable[[int], Batch]:
+def make_batches(shape: Shape, config: SweepConfig, per_rank: int) -> Callable[[int], Batch]:
     """Step -> this rank's share of the step's global batch (the same for every method)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
@@ -85,7 +98,7 @@ def _batches(shape: Shape, config: SweepConfig, per_rank: int) -> Callable[[int]
     return batch
 
 
-def _build(shape: Shape, config: SweepConfig, mesh: DeviceMesh, method: str) -> Runner:
+def build_runner(shape: Shape, config: SweepConfig, mesh: DeviceMesh, method: str) -> Runner:
     torch.manual_seed(config.seed)
     with torch.device(config.device):
         model = shape.build()
@@ -104,7 +117,7 @@ def _memory_step(runner: Runner, batch: Batch, baseline: int, config: SweepConfi
     if config.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    tracker = StepTracker(runner.model, runner.state_tensors())
+    tracker = StepTracker(runner.model, runner.state_tensors(), config.device)
     with tracker:
         tracker.track_inputs(batch)
         # FSDPMemTracker follows one forward of the root per step unless told a new one starts.
@@ -125,10 +138,10 @@ def _memory_step(runner: Runner, batch: Batch, baseline: int, config: SweepConfi
 def _timed_steps(
     runners: dict[str, Runner], batch: Callable[[int], Batch], first_step: int,
     config: SweepConfig,
-) -> dict[str, list[tuple[float, float]]]:
-    """(forward+backward, after-backward) seconds of each method's timed steps, this rank."""
+) -> dict[str, list[StepTime]]:
+    """Each method's timed steps on this rank, the methods interleaved."""
     names = list(runners)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    times: dict[str, list[StepTime]] = {name: [] for name in names}
     gc.collect()
     for index in range(config.timed_steps):
         inputs, targets = batch(first_step + index)
@@ -137,13 +150,17 @@ def _timed_steps(
             runner = runners[name]
             dist.barrier()
             _sync(config.device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             runner.forward_backward(inputs, targets)
             _sync(config.device)
             backward_done = time.perf_counter()
             runner.optimizer_step()
             _sync(config.device)
-            times[name].append((backward_done - start, time.perf_counter() - backward_done))
+            times[name].append(StepTime(
+                fwd_bwd=backward_done - start,
+                after_backward=time.perf_counter() - backward_done,
+                cpu=time.process_time() - start_cpu,
+            ))
     return times
 
 
@@ -161,8 +178,8 @@ def _run_case(
     config: SweepConfig, shape: Shape, scaling: str, mesh: DeviceMesh
 ) -> list[dict[str, Any]]:
     world_size = dist.get_world_size()
-    per_rank = _per_rank_batch(shape, scaling, world_size, config)
-    batch = _batches(shape, config, per_rank)
+    per_rank = per_rank_batch(shape, scaling, world_size, config)
+    batch = make_batches(shape, config, per_rank)
     case = {
         "world_size": world_size,
         "shape": shape.name,
@@ -180,7 +197,7 @@ def _run_case(
             skipped[name] = reason
             continue
         baseline = _allocated(config.device)
-        runner = _build(shape, config, mesh, name)
+        runner = build_runner(shape, config, mesh, name)
         for step in range(config.warmup_steps):
             runner.forward_backward(*batch(step))
             runner.optimizer_step()
@@ -201,19 +218,22 @@ def _run_case(
     return records
 
 
-def _combine(memories: list[dict], times: list[list[tuple[float, float]]], tokens: int) -> dict:
+def _combine(memories: list[dict], times: list[list[StepTime]], tokens: int) -> dict:
     """Across ranks: the slowest rank at every step, the rank with the highest peak."""
-    steps = list(zip(*times, strict=True))  # per step: every rank's (fwd+bwd, after-backward)
-    fwd_bwd = [max(t[0] for t in step) for step in steps]
-    after = [max(t[1] for t in step) for step in steps]
-    total = [max(t[0] + t[1] for t in step) for step in steps]
+    steps = list(zip(*times, strict=True))  # per step: every rank's StepTime
+
+    def median_ms(value: Callable[[StepTime], float]) -> float:
+        return statistics.median(max(map(value, step)) for step in steps) * MS_PER_S
+
+    total = [max(t.fwd_bwd + t.after_backward for t in step) for step in steps]
     step_s = statistics.median(total)
     worst = max(memories, key=lambda m: m["peak_bytes"])
     return {
         "step_ms": step_s * MS_PER_S,
         "step_ms_all": [t * MS_PER_S for t in total],
-        "fwd_bwd_ms": statistics.median(fwd_bwd) * MS_PER_S,
-        "after_backward_ms": statistics.median(after) * MS_PER_S,
+        "fwd_bwd_ms": median_ms(lambda t: t.fwd_bwd),
+        "after_backward_ms": median_ms(lambda t: t.after_backward),
+        "step_cpu_ms": median_ms(lambda t: t.cpu),
         "tokens_per_s": tokens / step_s,
         **worst,
     }

@@ -59,11 +59,14 @@ class StepTracker(FSDPMemTracker):
     Args:
         model: the root ``fully_shard`` module.
         state: the optimizer state tensors that exist on entry.
+        device: the device type to report (on CUDA, host tensors such as optimizers' ``step``
+            counters are tracked apart and left out).
     """
 
-    def __init__(self, model: nn.Module, state: Iterable[torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, state: Iterable[torch.Tensor], device: str) -> None:
         super().__init__(model, None)
         self._state = list(state)
+        self._device = device
         self._after_backward = False
         self.activation_peak = 0
         """Largest activation memory (activations and inputs) seen at once, in bytes."""
@@ -88,16 +91,19 @@ class StepTracker(FSDPMemTracker):
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
-        for snap in self._curr_mem_snap.values():
-            active = sum(snap.get(ref, 0) for ref in KINDS["activations"])
-            self.activation_peak = max(self.activation_peak, active)
+        for device, snap in self._curr_mem_snap.items():
+            if device.type == self._device:
+                active = sum(snap.get(ref, 0) for ref in KINDS["activations"])
+                self.activation_peak = max(self.activation_peak, active)
 
     def peak(self) -> tuple[int, dict[str, int], dict[str, int]]:
         """The peak total in bytes and, at that moment, the bytes of each of ``KINDS`` and of
         each of the tracker's own categories."""
-        snaps = list(self.get_tracker_snapshot("peak").values())
+        snaps = [s for d, s in self.get_tracker_snapshot("peak").items() if d.type == self._device]
         if len(snaps) != 1:
-            raise RuntimeError(f"expected one device in the tracker's peak, found {len(snaps)}")
+            raise RuntimeError(
+                f"expected one {self._device} device in the tracker, found {len(snaps)}"
+            )
         snap = snaps[0]
         by_kind = {kind: sum(snap.get(ref, 0) for ref in refs) for kind, refs in KINDS.items()}
         by_category = {ref.value: snap.get(ref, 0) for ref in _FSDPRefType}

@@ -96,9 +96,10 @@ def _get(case: dict[str, dict[str, Any]], method: str, key: str) -> float | None
 
 def _summary(records: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| shape | ranks | scaling | ours / plain step | per-param / ours step | "
-        "ours / plain peak | ours peak / bound | plain after-backward ms | ours saves ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | ranks | scaling | ours / plain step | (CPU time) | per-param / ours step "
+        "| (CPU time) | ours / plain peak | ours peak / bound | plain after-backward ms "
+        "| ours saves ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (shape, world, scaling), case in _cases(records).items():
         ours_bound = case[OURS]["lower_bound"]["total"] if OURS in case else None
@@ -110,7 +111,9 @@ def _summary(records: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {shape} | {world} | {scaling} "
             f"| {_ratio(_get(case, OURS, 'step_ms'), _get(case, BASELINE, 'step_ms'))} "
+            f"| {_ratio(_get(case, OURS, 'step_cpu_ms'), _get(case, BASELINE, 'step_cpu_ms'))} "
             f"| {_ratio(_get(case, PER_PARAM, 'step_ms'), _get(case, OURS, 'step_ms'))} "
+            f"| {_ratio(_get(case, PER_PARAM, 'step_cpu_ms'), _get(case, OURS, 'step_cpu_ms'))} "
             f"| {_ratio(_get(case, OURS, 'peak_bytes'), _get(case, BASELINE, 'peak_bytes'))} "
             f"| {_ratio(_get(case, OURS, 'peak_bytes'), ours_bound)} "
             f"| {'' if after is None else f'{after:.1f}'} "
@@ -122,7 +125,8 @@ def _summary(records: list[dict[str, Any]]) -> list[str]:
 def _shape_table(records: list[dict[str, Any]], shape: str) -> list[str]:
     kinds = list(KINDS)
     allocator = any("allocator_peak_bytes" in r for r in records)
-    head = ["ranks", "scaling", "method", "step ms", "fwd+bwd ms", "after-bwd ms", "tokens/s",
+    head = ["ranks", "scaling", "method", "step ms", "fwd+bwd ms", "after-bwd ms",
+            "step CPU ms", "tokens/s",
             "peak MiB", *(f"{k.replace('_', ' ')} MiB" for k in kinds), "bound MiB",
             "peak / bound"]
     if allocator:
@@ -133,7 +137,7 @@ def _shape_table(records: list[dict[str, Any]], shape: str) -> list[str]:
             continue
         row = [str(r["world_size"]), r["scaling"], r["method"], f"{r['step_ms']:.1f}",
                f"{r['fwd_bwd_ms']:.1f}", f"{r['after_backward_ms']:.1f}",
-               f"{r['tokens_per_s']:.0f}", _mib(r["peak_bytes"]),
+               f"{r['step_cpu_ms']:.1f}", f"{r['tokens_per_s']:.0f}", _mib(r["peak_bytes"]),
                *(_mib(r["peak_by_kind"][k]) for k in kinds), _mib(r["lower_bound"]["total"]),
                _ratio(r["peak_bytes"], r["lower_bound"]["total"])]
         if allocator:
@@ -152,7 +156,9 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         f"Config: warm-up {config['warmup_steps']} steps, then 1 tracked step (memory), then "
         f"{config['timed_steps']} timed steps with the methods interleaved; step time is the "
-        "median over timed steps of the slowest rank; peak memory is the rank with the highest "
+        "median over timed steps of the slowest rank (wall clock; CPU time is the process time "
+        "of the busiest rank, which other load on the machine does not inflate); peak memory "
+        "is the rank with the highest "
         "peak; the bound is sharded params + optimizer state + largest unit unsharded "
         "(params + grads) + measured activation peak. "
         + ("Quick (reduced) shapes. " if config["quick"] else "")

@@ -133,12 +133,12 @@ def _llama_shape(
 SHAPES: dict[str, Shape] = {
     shape.name: shape
     for shape in (
-        # 4 units x 12 sublayers x 6 tensors = 288 tensors of 32-1024 elements.
-        _stack_shape("many-small", "optimizer overhead", n_blocks=4, depth=12, dim=32,
+        # 4 units x 8 sublayers x 6 tensors = 192 tensors of 32-1024 elements.
+        _stack_shape("many-small", "optimizer overhead", n_blocks=4, depth=8, dim=32,
                      hidden=32, batch_size=8, seq=16),
-        # 4 units x 6 tensors, 2.1M elements per unit.
-        _stack_shape("few-large", "compute", n_blocks=4, depth=1, dim=512, hidden=2048,
-                     batch_size=4, seq=32),
+        # 4 units x 6 tensors of up to 262K elements; 512 rows per step at one rank.
+        _stack_shape("few-large", "compute", n_blocks=4, depth=1, dim=256, hidden=1024,
+                     batch_size=8, seq=64),
         _llama_shape("llama-12x256", "12x256", batch_size=4, seq=64, checkpointing=True),
         _llama_shape("llama-12x256-noac", "12x256", batch_size=4, seq=64,
                      checkpointing=False),
