@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "EXTRA_FILE",
     "METADATA_FILE",
+    "check_shards",
     "commit",
     "complete_checkpoints",
     "latest",
@@ -39,6 +40,8 @@ __all__ = [
 METADATA_FILE = "checkpoint.json"
 """Written last, just before the rename: a folder without it is not a checkpoint."""
 EXTRA_FILE = "extra.pt"
+DCP_METADATA_FILE = ".metadata"
+"""Written by DCP's coordinator once every rank has written its shards."""
 """The caller's ``extra`` object, ``torch.save``'d by rank 0."""
 _TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -140,5 +143,45 @@ def read_metadata(path: Path) -> dict[str, Any]:
             f"{path} is not a checkpoint written by fused_optim_dist.checkpoint.save (no "
             f"{METADATA_FILE}); load plain DCP checkpoints with torch.distributed.checkpoint.load"
         )
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"{file} is corrupt (not valid JSON: {e}); load an earlier checkpoint"
+        ) from e
+
+
+def check_shards(path: Path) -> None:
+    """Check that DCP's ``.metadata`` of ``path`` is readable and every shard file it points to
+    is at least as long as it says, before anything is read into live tensors.
+
+    DCP loads shards in place, so a shard that fails half-way would leave the model half
+    loaded; this catches truncated and missing files up front (not bit flips within a file).
+
+    Raises:
+        ValueError: naming the unreadable ``.metadata`` or the missing or truncated shard file.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise ValueError(
+            f"{path / DCP_METADATA_FILE} is corrupt or unreadable ({type(e).__name__}: {e}); "
+            "load an earlier checkpoint"
+        ) from e
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing: the checkpoint is incomplete")
+        actual = file.stat().st_size
+        if actual < size:
+            raise ValueError(
+                f"{file} is truncated (corrupt): {actual} bytes, but the checkpoint's metadata "
+                f"needs {size}; load an earlier checkpoint"
+            )

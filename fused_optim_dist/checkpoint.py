@@ -281,6 +281,15 @@ def _resolve(directory: Path) -> Path | None:
     return layout.latest(directory)
 
 
+def _read_extra(file: Path) -> Any:
+    try:
+        return torch.load(file, weights_only=False)
+    except Exception as e:
+        raise ValueError(
+            f"{file} is corrupt or unreadable ({type(e).__name__}: {e}); load an earlier checkpoint"
+        ) from e
+
+
 def load(directory: str | os.PathLike, model: nn.Module, optim: Optimizer) -> tuple[int, Any]:
     """Load the newest complete checkpoint under ``directory`` into ``model`` and ``optim``.
     Collective.
@@ -296,7 +305,9 @@ def load(directory: str | os.PathLike, model: nn.Module, optim: Optimizer) -> tu
         FileNotFoundError: if there is no complete checkpoint.
         ValueError: if the checkpoint does not fit: a tensor missing on either side or shaped
             differently, another optimizer class, other param groups, or a parameter trainable
-            now that was frozen then. Each problem is named; nothing has been changed.
+            now that was frozen then; or if a file of it is corrupt (unreadable metadata, a
+            missing or truncated shard file, an unreadable ``extra``). Each problem is named;
+            nothing has been changed.
     """
     directory = Path(directory)
     _wait_pending()
@@ -313,6 +324,10 @@ def load(directory: str | os.PathLike, model: nn.Module, optim: Optimizer) -> tu
                 + "\n  ".join(problems)
                 + f"\nBuild them as the checkpoint was written (see {layout.METADATA_FILE})."
             )
+        else:
+            # Everything that can fail is read or checked before a live tensor changes.
+            layout.check_shards(path)
+            extra = _read_extra(path / layout.EXTRA_FILE)
     except Exception as e:  # e.g. an unreadable file: every rank must hear of it
         error = e
     agree(error)
@@ -324,7 +339,6 @@ def load(directory: str | os.PathLike, model: nn.Module, optim: Optimizer) -> tu
     )
     if isinstance(optim, OptimizerInBackward) and saved.get("gradient_state") is not None:
         optim.load_gradient_state_dict(saved["gradient_state"])
-    extra = torch.load(path / layout.EXTRA_FILE, weights_only=False)
     return saved["step"], extra
 
 

@@ -170,33 +170,20 @@ def test_checkpoint_of_another_model_is_refused_by_name(outcomes):
     )
 
 
-def _not_checked_yet(why: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason="fused_optim_dist."
-                             f"checkpoint.load does not check this yet (fix proposed): {why}")
-
-
-@_not_checked_yet("DCP reads the shards into the live tensors, so a truncated file leaves "
-                  "them half loaded, and its error (a BaseException) names no file")
 def test_truncated_shard_is_refused_by_name_and_changes_nothing(outcomes):
     _assert_refused(outcomes, "truncated_shard", rf"{{dir}}/{re.escape(SHARD_FILE)}",
                     "(?i)truncated|corrupt")
 
 
-@_not_checked_yet("DCP raises a BaseException about 'global metadata' and '__0.metadata', "
-                  "not about the checkpoint's .metadata")
 def test_garbage_dcp_metadata_is_refused_by_name_and_changes_nothing(outcomes):
     _assert_refused(outcomes, "dcp_metadata", rf"{{dir}}/{re.escape(DCP_METADATA_FILE)}",
                     "(?i)corrupt|unreadable|cannot be read")
 
 
-@_not_checked_yet("the error is the bare decoding error ('utf-8' codec can't decode, or "
-                  "JSONDecodeError: Expecting value), naming no file")
 def test_garbage_library_metadata_is_refused_by_name_and_changes_nothing(outcomes):
     _assert_refused(outcomes, "library_metadata",
                     rf"{{dir}}/{re.escape(layout.METADATA_FILE)}", "(?i)corrupt|not valid JSON")
 
 
-@_not_checked_yet("extra.pt is read after the model and optimizer were loaded, so its "
-                  "unpickling error (naming no file) leaves them changed")
 def test_garbage_extra_is_refused_by_name_and_changes_nothing(outcomes):
     _assert_refused(outcomes, "extra", rf"{{dir}}/{re.escape(layout.EXTRA_FILE)}")
