@@ -1,0 +1,77 @@
+"""The soak benchmark's probes and verdict, and a short soak on the 2-rank world.
+
+The full soak (``python -m benchmarks.soak``, 3000 steps) is a benchmark; here 200 steps check
+that the live tensors do not grow at all and RSS not faster than a leak would make it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import soak
+from fused_optim_dist.metrics import KIB
+
+MIB = KIB * KIB
+CI = soak.SoakConfig(steps=200, sample_every=40, save_every=50, warmup_fraction=0.4)
+"""200 steps, 4 checkpoints; slopes over the last 80 steps (3 samples: a sample costs as much
+as ten steps)."""
+CI_RSS_LIMIT = 32 * KIB
+"""Per step. Looser than the full soak's: 100 steps after a short warm-up still see the
+allocator settle (a few KiB per step measured). Leaking the tiny model's gradients each step
+(about 150 KiB) exceeds it."""
+
+
+def _series(key: str, values: list[float], every: int = 25) -> list[dict[str, float]]:
+    other = {"rss_bytes": 300 * MIB, "tensors": 291, "tensor_bytes": 200 * KIB}
+    return [{**other, "step": (i + 1) * every, key: v} for i, v in enumerate(values)]
+
+
+def test_verdict_flags_growth_only():
+    flat = _series("tensors", [291] * 20)
+    assert soak.analyse(flat, warmup_steps=100)["flat"]
+    shrinking = _series("rss_bytes", [300 * MIB - 25 * 40 * KIB * i for i in range(20)])
+    assert soak.analyse(shrinking, warmup_steps=100)["flat"]
+    one_tensor_per_step = _series("tensors", [291 + 25 * i for i in range(20)])
+    verdict = soak.analyse(one_tensor_per_step, warmup_steps=100)
+    assert not verdict["flat"] and not verdict["tensors"]["flat"]
+    assert verdict["tensors"]["slope_per_step"] == pytest.approx(1.0)
+    gradient_per_step = _series("rss_bytes", [300 * MIB + 25 * 40 * KIB * i for i in range(20)])
+    assert not soak.analyse(gradient_per_step, warmup_steps=100)["rss_bytes"]["flat"]
+    with pytest.raises(ValueError, match="2 samples after step 450; need at least 3"):
+        soak.analyse(flat, warmup_steps=450)
+
+
+def test_probes_see_what_is_alive():
+    count, nbytes = soak.live_tensors()
+    held = torch.zeros(1000)
+    view = held[10:]
+    count_after, nbytes_after = soak.live_tensors()
+    assert count_after == count + 2  # the view is a tensor of its own ...
+    assert nbytes_after == nbytes + held.untyped_storage().nbytes()  # ... on the same storage
+    rss = soak.rss_bytes()
+    touched = torch.ones(16 * MIB // 4)  # 16 MiB, written, so resident
+    assert soak.rss_bytes() - rss > 12 * MIB
+    del held, view, touched
+
+
+def test_config_rejects_runs_without_enough_samples():
+    with pytest.raises(ValueError, match="fewer than 3 samples after warm-up"):
+        soak.SoakConfig(steps=100, sample_every=50)
+
+
+def _soak_body(config: soak.SoakConfig) -> list[dict[str, float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return soak.run_rank(config, Path(tmp))
+
+
+@pytest.mark.slow
+def test_short_soak_leaks_nothing(worlds):
+    warmup = int(CI.steps * CI.warmup_fraction)
+    for rank, samples in enumerate(worlds.run(2, _soak_body, config=CI)):
+        assert all(torch.isfinite(torch.tensor(s["loss"])) for s in samples)
+        verdict = soak.analyse(samples, warmup_steps=warmup, rss_limit=CI_RSS_LIMIT)
+        assert verdict["flat"], f"rank {rank}: {verdict}"
