@@ -26,13 +26,14 @@ RUN_TIMEOUT_S = 300
 TOLERANCE = 1e-6
 """Eager CPU runs on the same global batches: resumed and uninterrupted runs agree to this."""
 MAX_STEPS, SAVE_EVERY, KEEP_LAST = 12, 3, 2
-# Without clipping, so that a resumed run must match the uninterrupted one exactly.
+# Accumulation and in-backward clipping (the default --max-grad-norm), whose history the
+# checkpoints carry: a resumed run must match the uninterrupted one exactly.
+JOB = [*TINY, "--max-steps", str(MAX_STEPS), "--grad-accum", "2", "--save-every",
+       str(SAVE_EVERY), "--keep-last", str(KEEP_LAST)]
 # torchrun's agent keeps one TCPStore for all attempts by default, so a restarted worker may read
 # the address a killed worker published and fail to connect (pytorch/pytorch#135712); a store
 # per attempt, hosted by rank 0, avoids it.
 FRESH_STORE_PER_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-JOB = [*TINY, "--max-steps", str(MAX_STEPS), "--grad-accum", "2", "--save-every",
-       str(SAVE_EVERY), "--keep-last", str(KEEP_LAST), "--max-grad-norm", "0"]
 
 
 # ---------------------------------------------------------------------------------- the switch
