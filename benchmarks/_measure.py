@@ -24,7 +24,7 @@ from benchmarks._methods import METHODS, Runner
 from benchmarks._shapes import Batch, Shape, get_shape
 from fused_optim_dist.models import apply_fsdp
 
-__all__ = ["build_runner", "make_batches", "per_rank_batch", "run_world"]
+__all__ = ["build_runner", "check_batches", "make_batches", "per_rank_batch", "run_world"]
 
 MS_PER_S = 1e3
 
@@ -77,12 +77,21 @@ def per_rank_batch(shape: Shape, scaling: str, world_size: int, config: SweepCon
             f"shape {shape.name}: global batch {shape.batch_size} does not split over "
             f"{world_size} ranks for strong scaling; choose world sizes that divide it"
         )
-    if per_rank % config.micro_batches:
+    accumulating = any(METHODS[name].accumulates for name in config.methods)
+    if accumulating and per_rank % config.micro_batches:
         raise ValueError(
             f"shape {shape.name}: {per_rank} samples per rank do not split into "
             f"{config.micro_batches} micro-batches; lower --micro-batches"
         )
     return per_rank
+
+
+def check_batches(config: SweepConfig) -> None:
+    """Raise ``ValueError`` now for any world size, shape and scaling whose batch won't split."""
+    for world_size in config.world_sizes:
+        for name in config.shapes:
+            for scaling in config.scalings:
+                per_rank_batch(get_shape(name, quick=config.quick), scaling, world_size, config)
 
 
 def make_batches(shape: Shape, config: SweepConfig, per_rank: int) -> Callable[[int], Batch]:

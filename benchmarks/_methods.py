@@ -164,6 +164,8 @@ class Method:
 
     name: str
     build: Callable[[nn.Module, LossFn, SweepConfig], Runner]
+    accumulates: bool = False
+    """Whether a step is ``SweepConfig.micro_batches`` backward passes."""
     missing: Callable[[], str | None] = lambda: None
     """Why the method cannot run here, or ``None``."""
 
@@ -174,8 +176,10 @@ METHODS: dict[str, Method] = {
         Method(name="plain", build=lambda m, loss, c: _Plain(m, loss, c, clip=False)),
         Method(name="per-param", build=_PerParam),
         Method(name="ours", build=lambda m, loss, c: _Ours(m, loss, c, clip=False)),
-        Method(name="plain+accum+clip", build=lambda m, loss, c: _Plain(m, loss, c, clip=True)),
-        Method(name="ours+accum+clip", build=lambda m, loss, c: _Ours(m, loss, c, clip=True)),
+        Method(name="plain+accum+clip", accumulates=True,
+               build=lambda m, loss, c: _Plain(m, loss, c, clip=True)),
+        Method(name="ours+accum+clip", accumulates=True,
+               build=lambda m, loss, c: _Ours(m, loss, c, clip=True)),
         Method(name="torchtune", build=_Torchtune, missing=_torchtune_missing),
     )
 }

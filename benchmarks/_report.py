@@ -188,7 +188,8 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def _plots(out: Path, config: SweepConfig, records: list[dict[str, Any]]) -> list[Path]:
-    """One PNG per scaling: peak memory and step time vs ranks, one line per method."""
+    """One PNG per scaling: peak memory, step time and step CPU time vs ranks, a line per
+    method."""
     try:
         import matplotlib
 
@@ -204,21 +205,22 @@ def _plots(out: Path, config: SweepConfig, records: list[dict[str, Any]]) -> lis
         chosen = [r for r in ok if r["scaling"] in (scaling, "both")]
         if not chosen:
             continue
-        fig, axes = plt.subplots(2, len(shapes), figsize=(4.5 * len(shapes), 7), squeeze=False)
+        fig, axes = plt.subplots(3, len(shapes), figsize=(4.5 * len(shapes), 10), squeeze=False)
         for col, shape in enumerate(shapes):
             for method in dict.fromkeys(r["method"] for r in chosen):
                 points = sorted(
-                    (r["world_size"], r["peak_bytes"] / MIB, r["step_ms"])
+                    (r["world_size"], r["peak_bytes"] / MIB, r["step_ms"], r["step_cpu_ms"])
                     for r in chosen if r["shape"] == shape and r["method"] == method
                 )
                 if not points:
                     continue
-                ranks, peaks, steps = zip(*points, strict=True)
-                axes[0][col].plot(ranks, peaks, marker="o", label=method)
-                axes[1][col].plot(ranks, steps, marker="o", label=method)
+                ranks, *series = zip(*points, strict=True)
+                for row, values in zip(axes, series, strict=True):
+                    row[col].plot(ranks, values, marker="o", label=method)
             axes[0][col].set_title(f"{shape} ({scaling} scaling)")
             axes[0][col].set_ylabel("peak memory per rank (MiB)")
-            axes[1][col].set_ylabel("step time (ms)")
+            axes[1][col].set_ylabel("step time, wall (ms)")
+            axes[2][col].set_ylabel("step CPU time, busiest rank (ms)")
             for row in axes:
                 row[col].set_xlabel("ranks")
                 row[col].set_xticks(sorted({r["world_size"] for r in chosen}))

@@ -139,8 +139,8 @@ SHAPES: dict[str, Shape] = {
         # 4 units x 6 tensors of up to 262K elements; 512 rows per step at one rank.
         _stack_shape("few-large", "compute", n_blocks=4, depth=1, dim=256, hidden=1024,
                      batch_size=8, seq=64),
-        _llama_shape("llama-12x256", "12x256", batch_size=4, seq=64, checkpointing=True),
-        _llama_shape("llama-12x256-noac", "12x256", batch_size=4, seq=64,
+        _llama_shape("llama-12x256", "12x256", batch_size=8, seq=32, checkpointing=True),
+        _llama_shape("llama-12x256-noac", "12x256", batch_size=8, seq=32,
                      checkpointing=False),
         _llama_shape("llama-tiny", "tiny", batch_size=4, seq=32, checkpointing=True),
         _llama_shape("llama-1b", "1b", batch_size=4, seq=1024, checkpointing=False),

@@ -23,6 +23,7 @@ import torch
 
 from benchmarks._config import SCALINGS, SweepConfig
 from benchmarks._launch import launch
+from benchmarks._measure import check_batches
 from benchmarks._methods import METHODS
 from benchmarks._report import describe_machine, write_results
 from benchmarks._shapes import SHAPES
@@ -76,7 +77,12 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SweepConfig, Path]:
         value = getattr(args, name)
         if value is not None:
             fields[name] = tuple(value) if isinstance(value, list) else value
-    return dataclasses.replace(defaults, **fields), args.out
+    config = dataclasses.replace(defaults, **fields)
+    try:
+        check_batches(config)
+    except ValueError as error:
+        parser.error(str(error))
+    return config, args.out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
