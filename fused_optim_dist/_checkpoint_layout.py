@@ -39,6 +39,10 @@ __all__ = [
 
 METADATA_FILE = "checkpoint.json"
 """Written last, just before the rename: a folder without it is not a checkpoint."""
+REQUIRED_METADATA_KEYS = frozenset(
+    {"format_version", "optimizer", "tensors", "param_groups", "step"}
+)
+"""Keys ``fused_optim_dist.checkpoint.save`` always writes into ``METADATA_FILE``."""
 EXTRA_FILE = "extra.pt"
 DCP_METADATA_FILE = ".metadata"
 """Written by DCP's coordinator once every rank has written its shards."""
@@ -145,11 +149,18 @@ def read_metadata(path: Path) -> dict[str, Any]:
         )
     try:
         with open(file, encoding="utf-8") as f:
-            return json.load(f)
+            metadata = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(
             f"{file} is corrupt (not valid JSON: {e}); load an earlier checkpoint"
         ) from e
+    missing = REQUIRED_METADATA_KEYS - set(metadata if isinstance(metadata, dict) else ())
+    if missing:
+        raise ValueError(
+            f"{file} is corrupt: it lacks {sorted(missing)}, which every save writes; load an "
+            "earlier checkpoint"
+        )
+    return metadata
 
 
 def check_shards(path: Path) -> None:
