@@ -1,11 +1,11 @@
 """Scaling benchmark: peak memory and step time of plain, per-param and in-backward AdamW
 on FSDP2, over world sizes, model shapes, and strong and weak scaling, in one run.
 
-Run from the repository root::
+Run from the repository root (``python -m benchmarks.scaling`` works too)::
 
-    python -m benchmarks.scaling                  # full CPU sweep: 1, 2, 4 ranks (~20 min)
-    python -m benchmarks.scaling --quick --out /tmp/bench  # smoke run (< 2 min)
-    python -m benchmarks.scaling --device cuda --bf16      # every visible GPU
+    python benchmarks/scaling.py                          # full CPU sweep: 1, 2, 4 ranks
+    python benchmarks/scaling.py --quick --out /tmp/bench # smoke run (< 2 min)
+    python benchmarks/scaling.py --device cuda --bf16     # every visible GPU
 
 Each world size is a fresh set of processes (gloo on CPU, nccl on CUDA). Within a world, every
 method trains the same weights on the same batches. Results go to ``--out`` (default
@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script: make the ``benchmarks`` package importable (here and in the spawned
+    # ranks, which inherit sys.path).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

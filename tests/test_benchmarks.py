@@ -21,7 +21,7 @@ KINDS = {"parameters", "gradients", "optimizer_state", "activations", "temporari
 @pytest.mark.slow
 def test_quick_run_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scaling", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "benchmarks/scaling.py", "--quick", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
