@@ -40,6 +40,7 @@ class StepTime(NamedTuple):
     """CPU time the rank's process used in the whole step (all its threads): unlike wall time,
     it does not grow when other processes compete for the cores."""
 
+
 ONE_RANK_SCALING = "both"
 """The scaling recorded for one-rank runs, which serve strong and weak scaling alike."""
 
@@ -152,7 +153,7 @@ def _timed_steps(
     names = list(runners)
     times: dict[str, list[StepTime]] = {name: [] for name in names}
     gc.collect()
-    for index in range(config.timed_steps):
+    for index in range(config.timed_steps if names else 0):
         inputs, targets = batch(first_step + index)
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
