@@ -6,9 +6,11 @@ A test sets one environment variable on the job it launches::
 
 and the job calls :func:`inject` at its fault points. When the running rank, step and point
 match, the process sends itself ``SIGKILL``, the way a preempted or crashed node disappears: no
-exception, no ``finally``, no flush. The fault fires on a job's first attempt only (torchrun's
-``TORCHELASTIC_RESTART_COUNT`` is 0 or unset), so a job restarted by ``torchrun --max-restarts``
-runs through. Without the variable :func:`inject` does nothing.
+exception, no ``finally``, no flush. A fault fires on one attempt of the job only, the first by
+default (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0 or unset), so the job restarted by
+``torchrun --max-restarts`` runs through; ``attempt=N`` moves it to the N-th restart, and
+several faults separated by ``,`` fail successive attempts. Without the variable :func:`inject`
+does nothing.
 
 Fault points (``when=``):
 
@@ -26,19 +28,22 @@ import signal
 import sys
 from collections.abc import Mapping
 
-__all__ = ["ENV_VAR", "POINTS", "RESTART_COUNT_VAR", "Fault", "active_fault", "inject", "parse"]
+__all__ = ["ENV_VAR", "POINTS", "RESTART_COUNT_VAR", "Fault", "active_faults", "inject", "parse"]
 
 ENV_VAR = "FUSED_OPTIM_DIST_FAULT"
 RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
 """Set by torchrun in every worker: 0 on the first attempt, then the number of restarts."""
 POINTS = ("after_backward", "during_save")
 _ACTIONS = ("kill",)
-_FIELDS = ("rank", "step", "when")
+_REQUIRED = ("rank", "step", "when")
+_OPTIONAL = ("attempt",)
+_GRAMMAR = "kill:rank=R:step=S:when=POINT[:attempt=N], several separated by ','"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fault:
-    """One fault: ``action`` on rank ``rank`` at fault point ``when`` of step ``step``."""
+    """One fault: ``action`` on rank ``rank`` at point ``when`` of step ``step``, on the
+    job's attempt ``attempt``."""
 
     action: str
     """What happens: ``kill`` (the process sends itself SIGKILL)."""
@@ -48,66 +53,70 @@ class Fault:
     """Training step (1-based, as the job logs it) at which it fails."""
     when: str
     """Fault point, one of :data:`POINTS`."""
+    attempt: int = 0
+    """Attempt of the job it fires on: torchrun's restart count (0, the first attempt)."""
 
     def __post_init__(self) -> None:
         if self.action not in _ACTIONS:
             raise ValueError(f"fault action {self.action!r}: expected one of {_ACTIONS}")
         if self.when not in POINTS:
             raise ValueError(f"fault point when={self.when!r}: expected one of {POINTS}")
-        if self.rank < 0 or self.step < 1:
-            raise ValueError(f"fault needs rank >= 0 and step >= 1, got rank={self.rank} "
-                             f"step={self.step}")
+        if self.rank < 0 or self.step < 1 or self.attempt < 0:
+            raise ValueError(f"fault needs rank >= 0, step >= 1 and attempt >= 0, got "
+                             f"rank={self.rank} step={self.step} attempt={self.attempt}")
 
 
-def parse(text: str) -> Fault:
-    """Parse ``kill:rank=R:step=S:when=POINT`` (fields in any order).
+def _parse_one(text: str, whole: str) -> Fault:
+    action, *fields = text.strip().split(":")
+    values: dict[str, str] = {}
+    for field in fields:
+        key, sep, value = field.partition("=")
+        if not sep or key not in _REQUIRED + _OPTIONAL or key in values:
+            raise ValueError(f"{ENV_VAR}={whole!r}: bad field {field!r}; expected {_GRAMMAR}, "
+                             "each field once")
+        values[key] = value
+    missing = [key for key in _REQUIRED if key not in values]
+    if missing:
+        raise ValueError(f"{ENV_VAR}={whole!r}: missing {missing}; expected {_GRAMMAR}")
+    try:
+        numbers = {key: int(values[key]) for key in ("rank", "step", "attempt") if key in values}
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}={whole!r}: rank, step and attempt must be integers") from None
+    return Fault(action=action, when=values["when"], **numbers)
+
+
+def parse(text: str) -> list[Fault]:
+    """Parse ``kill:rank=R:step=S:when=POINT[:attempt=N]``, several separated by ``,`` (fields
+    in any order).
 
     Raises:
         ValueError: naming what is malformed, missing or unknown, so that a typo fails the job
             instead of silently never firing.
     """
-    action, *fields = text.strip().split(":")
-    values: dict[str, str] = {}
-    for field in fields:
-        key, sep, value = field.partition("=")
-        if not sep or key not in _FIELDS or key in values:
-            raise ValueError(f"{ENV_VAR}={text!r}: bad field {field!r}; expected "
-                             "kill:rank=R:step=S:when=POINT, each field once")
-        values[key] = value
-    missing = [key for key in _FIELDS if key not in values]
-    if missing:
-        raise ValueError(f"{ENV_VAR}={text!r}: missing {missing}; expected "
-                         "kill:rank=R:step=S:when=POINT")
-    try:
-        rank, step = int(values["rank"]), int(values["step"])
-    except ValueError:
-        raise ValueError(f"{ENV_VAR}={text!r}: rank and step must be integers") from None
-    return Fault(action=action, rank=rank, step=step, when=values["when"])
+    return [_parse_one(part, text) for part in text.split(",")]
 
 
-def active_fault(environ: Mapping[str, str] = os.environ) -> Fault | None:
-    """The fault ``environ`` asks for, or ``None`` if none is set or this is a restart.
+def active_faults(environ: Mapping[str, str] = os.environ) -> list[Fault]:
+    """The faults ``environ`` asks for on the current attempt of the job (none if unset).
 
     Raises:
         ValueError: if the variable is set but malformed (see :func:`parse`).
     """
     text = environ.get(ENV_VAR)
     if not text:
-        return None
-    fault = parse(text)
-    if int(environ.get(RESTART_COUNT_VAR, "0")) > 0:
-        return None
-    return fault
+        return []
+    attempt = int(environ.get(RESTART_COUNT_VAR, "0"))
+    return [fault for fault in parse(text) if fault.attempt == attempt]
 
 
 def inject(when: str, *, step: int, rank: int) -> None:
-    """Fault point ``when`` of ``step`` on ``rank``: kill this process if the fault says so.
+    """Fault point ``when`` of ``step`` on ``rank``: kill this process if a fault says so.
 
     Prints one line to stderr before the kill, so a test can tell the fault fired.
     """
     assert when in POINTS, when
-    fault = active_fault()
-    if fault is None or (fault.when, fault.step, fault.rank) != (when, step, rank):
-        return
-    print(f"{ENV_VAR}: killing rank {rank} at step {step} ({when})", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    for fault in active_faults():
+        if (fault.when, fault.step, fault.rank) == (when, step, rank):
+            print(f"{ENV_VAR}: killing rank {rank} at step {step} ({when}) on attempt "
+                  f"{fault.attempt}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,10 +1,12 @@
-"""A rank killed mid-training or mid-checkpoint: torchrun restarts the job, which resumes from
-the newest complete checkpoint and ends with the uninterrupted run's weights and losses.
+"""Ranks killed mid-training and mid-checkpoint: torchrun restarts the job, which resumes from
+the newest complete checkpoint each time and ends with the uninterrupted run's weights and losses.
 
-The kill comes from ``fused_optim_dist._faults`` (``FUSED_OPTIM_DIST_FAULT``), a real SIGKILL of
-one worker; ``torchrun --max-restarts 1`` then restarts every worker with the same command line,
+The kills come from ``fused_optim_dist._faults`` (``FUSED_OPTIM_DIST_FAULT``), a real SIGKILL of
+one worker; ``torchrun --max-restarts`` then restarts every worker with the same command line,
 which holds ``--resume`` from the start (on an empty output directory it starts from scratch).
-The reference is the same job run without a fault in the session's 2-rank world.
+Both kinds of kill share one torchrun job, one per attempt, since each launch costs seconds of
+process start-up. The reference is the same job run without a fault in the session's 2-rank
+world.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from test_finetune import REPO, SCRIPT, TINY, _env, _losses, _run_main
 
 from fused_optim_dist import _faults
 from fused_optim_dist._checkpoint_layout import complete_checkpoints
-from fused_optim_dist.data import read_documents
 
 RUN_TIMEOUT_S = 300
 TOLERANCE = 1e-6
@@ -48,23 +49,34 @@ FRESH_STORE_PER_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         ("kill:rank=1:step=0:when=during_save", "step >= 1"),
         ("hang:rank=1:step=7:when=during_save", "fault action 'hang'"),
         ("kill:rank=1:step=7:at=during_save", "bad field 'at=during_save'"),
+        ("kill:rank=1:step=7:when=during_save:attempt=-1", "attempt >= 0"),
+        ("kill:rank=1:step=7:when=during_save,", r"missing \['rank', 'step', 'when'\]"),
     ],
 )
 def test_malformed_fault_is_refused(text, message):
     with pytest.raises(ValueError, match=message):
-        _faults.active_fault({_faults.ENV_VAR: text})
+        _faults.active_faults({_faults.ENV_VAR: text})
 
 
-def test_fault_fires_on_the_first_attempt_only():
-    text = "kill:step=7:when=during_save:rank=1"
-    fault = _faults.Fault(action="kill", rank=1, step=7, when="during_save")
-    assert _faults.active_fault({_faults.ENV_VAR: text}) == fault
-    assert _faults.active_fault({_faults.ENV_VAR: text, _faults.RESTART_COUNT_VAR: "0"}) == fault
-    assert _faults.active_fault({_faults.ENV_VAR: text, _faults.RESTART_COUNT_VAR: "1"}) is None
-    assert _faults.active_fault({}) is None
+def _on_attempt(text: str, attempt: int | None) -> list[_faults.Fault]:
+    environ = {_faults.ENV_VAR: text}
+    if attempt is not None:
+        environ[_faults.RESTART_COUNT_VAR] = str(attempt)
+    return _faults.active_faults(environ)
+
+
+def test_a_fault_fires_on_one_attempt_the_first_by_default():
+    first = _faults.Fault(action="kill", rank=1, step=7, when="during_save")
+    assert _on_attempt("kill:step=7:when=during_save:rank=1", None) == [first]
+    assert _on_attempt("kill:step=7:when=during_save:rank=1", 0) == [first]
+    assert _on_attempt("kill:step=7:when=during_save:rank=1", 1) == []
+    both = "kill:rank=1:step=7:when=during_save,kill:rank=0:step=2:when=after_backward:attempt=1"
+    second = _faults.Fault(action="kill", rank=0, step=2, when="after_backward", attempt=1)
+    assert [_on_attempt(both, attempt) for attempt in (0, 1, 2)] == [[first], [second], []]
+    assert _faults.active_faults({}) == []
     # A malformed switch fails restarts too, rather than being ignored.
     with pytest.raises(ValueError):
-        _faults.active_fault({_faults.ENV_VAR: "kill", _faults.RESTART_COUNT_VAR: "1"})
+        _on_attempt("kill", 1)
 
 
 def test_no_switch_means_no_fault():
@@ -77,9 +89,11 @@ def test_no_switch_means_no_fault():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """A small data file: reading the whole standard library costs seconds per process."""
+    """A small data file, this package's own source: reading the default corpus (the standard
+    library) costs seconds per process."""
+    docs = [f.read_text() for f in sorted((REPO / "fused_optim_dist").glob("*.py"))]
     path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in read_documents()[:3]))
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     return path
 
 
@@ -90,12 +104,13 @@ def uninterrupted(worlds, corpus, tmp_path_factory) -> Path:
     return out
 
 
-def _run_with_fault(fault: str, corpus: Path, out: Path) -> str:
-    """The job under ``torchrun --max-restarts 1`` with ``fault`` set; return its output."""
+def _run_with_faults(faults: str, corpus: Path, out: Path) -> str:
+    """The job under torchrun, restarted after each of ``faults``; return its output."""
+    restarts = len(_faults.parse(faults))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", "--max-restarts", "1", str(SCRIPT), *JOB, "--resume", "--data", str(corpus),
-               "--output-dir", str(out)]
-    env = {**_env(), **FRESH_STORE_PER_ATTEMPT, _faults.ENV_VAR: fault}
+               "2", "--max-restarts", str(restarts), str(SCRIPT), *JOB, "--resume", "--data",
+               str(corpus), "--output-dir", str(out)]
+    env = {**_env(), **FRESH_STORE_PER_ATTEMPT, _faults.ENV_VAR: faults}
     proc = subprocess.run(command, cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=RUN_TIMEOUT_S)
@@ -126,37 +141,41 @@ def _assert_checkpoints_clean(run: Path) -> None:
     assert sorted(p.name for p in directory.iterdir()) == [f"step_{s:06d}" for s in steps]
 
 
-def _assert_killed_then_resumed(output: str, fault: str, resumed_from: int) -> None:
-    fault = _faults.parse(fault)
-    fired = f"killing rank {fault.rank} at step {fault.step} ({fault.when})"
-    assert output.count(fired) == 1, output[-6000:]
-    # The first attempt, on an empty output directory, started from scratch despite --resume.
-    assert f"steps 1..{MAX_STEPS} (--resume: no checkpoint yet)" in output, output[-6000:]
-    assert f"steps {resumed_from + 1}..{MAX_STEPS} (resumed from step {resumed_from})" in output, (
-        output[-6000:])
+def _assert_in_order(output: str, lines: list[str]) -> None:
+    """Each of ``lines`` appears in ``output`` once, in this order."""
+    found = []
+    for line in lines:
+        assert output.count(line) == 1, f"{line!r} appears {output.count(line)} times\n" + (
+            output[-6000:])
+        found.append(output.index(line))
+    assert found == sorted(found), f"out of order: {lines}\n{output[-6000:]}"
+
+
+def _banner(resumed_from: int) -> str:
+    return f"steps {resumed_from + 1}..{MAX_STEPS} (resumed from step {resumed_from})"
+
+
+# Rank 1 dies after step 7's backward on the first attempt; rank 0, which commits checkpoints,
+# dies on the second attempt right after step 9's asynchronous save started writing.
+FAULTS = "kill:rank=1:step=7:when=after_backward,kill:rank=0:step=9:when=during_save:attempt=1"
 
 
 @pytest.mark.slow
-def test_rank_killed_after_backward_resumes_from_the_newest_checkpoint(
+def test_ranks_killed_mid_step_and_mid_save_resume_from_the_newest_complete_checkpoint(
     uninterrupted, corpus, tmp_path
 ):
-    fault = "kill:rank=1:step=7:when=after_backward"
-    output = _run_with_fault(fault, corpus, tmp_path)
-    # Step 6's save was written in the background but is committed only by the next save
-    # (step 9), so step 3 is the newest complete checkpoint when rank 1 dies at step 7.
-    _assert_killed_then_resumed(output, fault, resumed_from=3)
-    _assert_same_run(tmp_path, uninterrupted)
-    _assert_checkpoints_clean(tmp_path)
-
-
-@pytest.mark.slow
-def test_rank_killed_during_a_save_resumes_from_the_previous_checkpoint(
-    uninterrupted, corpus, tmp_path
-):
-    # Rank 0 (which commits) dies while step 9's shards are being written; the save of step 9
-    # committed step 6 first.
-    fault = "kill:rank=0:step=9:when=during_save"
-    output = _run_with_fault(fault, corpus, tmp_path)
-    _assert_killed_then_resumed(output, fault, resumed_from=6)
+    output = _run_with_faults(FAULTS, corpus, tmp_path)
+    _assert_in_order(output, [
+        # The first attempt, on an empty output directory, starts from scratch despite --resume.
+        f"steps 1..{MAX_STEPS} (--resume: no checkpoint yet)",
+        "killing rank 1 at step 7 (after_backward) on attempt 0",
+        # Step 6's save was written in the background but is committed only by the next save
+        # (step 9), so step 3 is the newest complete checkpoint when rank 1 dies at step 7.
+        _banner(resumed_from=3),
+        "killing rank 0 at step 9 (during_save) on attempt 1",
+        # Step 9's save committed step 6 before it started; its own partial folder is ignored
+        # (and removed by the next commit).
+        _banner(resumed_from=6),
+    ])
     _assert_same_run(tmp_path, uninterrupted)
     _assert_checkpoints_clean(tmp_path)
