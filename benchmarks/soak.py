@@ -8,7 +8,7 @@ Every ``--sample-every`` steps, after a full garbage collection, it records its 
 storages). After the warm-up, the least-squares slope of each series must stay under a
 threshold (see ``RSS_FLAT_BYTES_PER_STEP`` and ``TENSORS_FLAT_PER_STEP``)::
 
-    python -m benchmarks.soak                       # 3000 steps on 2 ranks, a few minutes on CPU
+    python -m benchmarks.soak                       # 3000 steps on 2 ranks: 16 min on 2 CPUs
     python -m benchmarks.soak --steps 300 --out /tmp/soak
 
 Writes ``soak.json`` (configuration, samples, slopes, verdict) and ``soak.png`` into ``--out``
@@ -77,7 +77,9 @@ class SoakConfig:
     warmup_fraction: float = 0.2
     """Leading fraction of the run left out of the slopes (allocator and cache warm-up)."""
     micro_batch: int = 4
+    """Sequences per micro-batch and rank (random tokens, new each step)."""
     seq_len: int = 32
+    """Tokens per sequence."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.sample_every < 1 or self.save_every < 0:
