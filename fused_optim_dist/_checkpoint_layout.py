@@ -44,9 +44,9 @@ REQUIRED_METADATA_KEYS = frozenset(
 )
 """Keys ``fused_optim_dist.checkpoint.save`` always writes into ``METADATA_FILE``."""
 EXTRA_FILE = "extra.pt"
+"""The caller's ``extra`` object, ``torch.save``'d by rank 0."""
 DCP_METADATA_FILE = ".metadata"
 """Written by DCP's coordinator once every rank has written its shards."""
-"""The caller's ``extra`` object, ``torch.save``'d by rank 0."""
 _TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
