@@ -22,7 +22,7 @@ from benchmarks._config import SweepConfig
 from benchmarks._memory import StepTracker, lower_bound
 from benchmarks._methods import METHODS, Runner
 from benchmarks._shapes import Batch, Shape, get_shape
-from fused_optim_dist.models import apply_fsdp
+from fused_optim_dist_recipes.models import apply_fsdp
 
 __all__ = ["build_runner", "check_batches", "make_batches", "per_rank_batch", "run_world"]
 

@@ -3,7 +3,7 @@
 * ``many-small``: many small parameters in few FSDP units. The step time is bound by the
   per-tensor cost of the optimizer (and of DTensor dispatch), not by arithmetic.
 * ``few-large``: few large matrices; the step time is bound by the matmuls.
-* ``llama-*``: the Llama-style decoder of ``fused_optim_dist.models`` (one unit per block),
+* ``llama-*``: the Llama-style decoder of ``fused_optim_dist_recipes.models`` (one unit per block),
   with activation checkpointing as memory-bound fine-tuning recipes use it.
 
 Every shape has a reduced ``--quick`` variant of the same structure (``QUICK_SHAPES``).
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fused_optim_dist.models import PRESETS, Llama
+from fused_optim_dist_recipes.models import PRESETS, Llama
 
 __all__ = ["QUICK_SHAPES", "SHAPES", "Shape", "get_shape"]
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fused_optim_dist import OptimizerInBackward
-from fused_optim_dist.models import PRESETS, Llama, apply_fsdp
+from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp
 
 VARIANTS: dict[str, dict] = {
     "bare (no norm)": dict(track_grad_norm=False),

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fused_optim_dist import accumulate_grads, build_optimizer, checkpoint, clip_grad_norm_
-from fused_optim_dist.metrics import KIB, format_bytes
-from fused_optim_dist.models import PRESETS, Llama, apply_fsdp
+from fused_optim_dist_recipes.metrics import KIB, format_bytes
+from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)

@@ -61,10 +61,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_optim_dist import accumulate_grads, build_optimizer, checkpoint, clip_grad_norm_, hf
+from fused_optim_dist import accumulate_grads, build_optimizer, checkpoint, clip_grad_norm_
+from fused_optim_dist_recipes import hf
 from fused_optim_dist._faults import inject as inject_fault
-from fused_optim_dist.data import BatchSampler, ByteTokenizer, Tokenizer, read_documents, tokenize
-from fused_optim_dist.metrics import (
+from fused_optim_dist_recipes.data import BatchSampler, ByteTokenizer, Tokenizer, read_documents, tokenize
+from fused_optim_dist_recipes.metrics import (
     MetricsLog,
     ProgressLine,
     format_bytes,
@@ -72,7 +73,7 @@ from fused_optim_dist.metrics import (
     peak_memory_bytes,
     plot_loss_curve,
 )
-from fused_optim_dist.models import PRESETS, Llama, LlamaConfig, apply_fsdp
+from fused_optim_dist_recipes.models import PRESETS, Llama, LlamaConfig, apply_fsdp
 
 DEFAULT_MODEL = "small"
 CHECKPOINT_SUBDIR = "checkpoints"

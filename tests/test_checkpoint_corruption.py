@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fused_optim_dist import OptimizerInBackward, checkpoint
 from fused_optim_dist import _checkpoint_layout as layout
-from fused_optim_dist.models import PRESETS, Llama, apply_fsdp
+from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp
 
 WORLD_SIZE = 2
 STEP = 1

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fused_optim_dist import checkpoint, hf
-from fused_optim_dist.data import BatchSampler, ByteTokenizer, read_documents, tokenize
-from fused_optim_dist.metrics import METRIC_KEYS, MetricsLog, read_metrics
-from fused_optim_dist.models import PRESETS, Llama, LlamaConfig, apply_fsdp
+from fused_optim_dist import checkpoint
+from fused_optim_dist_recipes import hf
+from fused_optim_dist_recipes.data import BatchSampler, ByteTokenizer, read_documents, tokenize
+from fused_optim_dist_recipes.metrics import METRIC_KEYS, MetricsLog, read_metrics
+from fused_optim_dist_recipes.models import PRESETS, Llama, LlamaConfig, apply_fsdp
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "finetune.py"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks import soak
-from fused_optim_dist.metrics import KIB
+from fused_optim_dist_recipes.metrics import KIB
 
 MIB = KIB * KIB
 CI = soak.SoakConfig(steps=200, sample_every=40, save_every=50, warmup_fraction=0.4)

@@ -4,7 +4,7 @@ A model directory is what ``save_pretrained`` writes: ``config.json`` plus safet
 and optionally tokenizer files. Nothing is downloaded: loading is ``local_files_only``.
 
 Tokenizer choice: the directory's own tokenizer when it has one (``tokenizer.json``,
-``tokenizer.model``, ...); otherwise the byte tokenizer of :mod:`fused_optim_dist.data`,
+``tokenizer.model``, ...); otherwise the byte tokenizer of :mod:`fused_optim_dist_recipes.data`,
 which needs a vocabulary of at least 257 ids (256 bytes and end-of-document).
 """
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fused_optim_dist.data import ByteTokenizer, Tokenizer
+from fused_optim_dist_recipes.data import ByteTokenizer, Tokenizer
 
 __all__ = [
     "HFTokenizer",
@@ -106,7 +106,7 @@ def hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class HFTokenizer:
-    """A transformers tokenizer seen through the :class:`~fused_optim_dist.data.Tokenizer` API."""
+    """A transformers tokenizer seen through the :class:`~fused_optim_dist_recipes.data.Tokenizer` API."""
 
     def __init__(self, tokenizer: object) -> None:
         eos = tokenizer.eos_token_id
