@@ -13,18 +13,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 from torch.optim import AdamW, Optimizer
 
 from benchmarks._config import SweepConfig
-from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist import OptimizerInBackward, backward_micro_batches
 
 __all__ = ["METHODS", "Method", "Runner"]
 
@@ -51,22 +49,19 @@ class Runner:
         chunks = list(
             zip(inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches), strict=True)
         )
-        for index, (x, y) in enumerate(chunks):
-            last = index == len(chunks) - 1
-            with contextlib.nullcontext() if last else self.accumulating():
-                (self.loss(self.model, x, y) / len(chunks)).backward()
-            if not last and between_micro_batches is not None:
-                between_micro_batches()
-
-    def accumulating(self) -> AbstractContextManager[None]:
-        """Context of every backward but the last of a step."""
-        return contextlib.nullcontext()
+        backward_micro_batches(
+            self.optimizers()[0],
+            lambda chunk: self.loss(self.model, *chunk),
+            chunks,
+            between=between_micro_batches,
+        )
 
     def optimizer_step(self) -> None:
         """What the training loop does after backward."""
 
     def optimizers(self) -> list[Optimizer]:
-        """The optimizers holding the state (for memory accounting)."""
+        """The optimizers holding the state (for memory accounting); the first is the one the
+        loop accumulates with (``accumulate_grads`` acts on an in-backward one only)."""
         raise NotImplementedError
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
@@ -121,9 +116,6 @@ class _Ours(Runner):
             foreach=True,
             max_grad_norm=config.max_grad_norm if clip else None,
         )
-
-    def accumulating(self) -> AbstractContextManager[None]:
-        return self.optimizer.accumulate()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()

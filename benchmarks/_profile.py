@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks._config import SweepConfig
-from benchmarks._launch import launch
 from benchmarks._measure import build_runner, make_batches, per_rank_batch
 from benchmarks._methods import METHODS
 from benchmarks._shapes import SHAPES, get_shape
+from fused_optim_dist_recipes.launch import spawn
 
 PATHS: dict[str, tuple[tuple[str, str], ...]] = {
     "whole step": (("benchmarks/_profile.py", "_one_step"),),
@@ -101,7 +101,7 @@ def main() -> None:
         methods=tuple(args.methods), scalings=(args.scaling,), timed_steps=args.steps,
         warmup_steps=2,
     )
-    rows = launch(args.world_size, config, profile_world)
+    rows = spawn(args.world_size, profile_world, config, device=config.device)
     print(f"{args.shape}, {args.world_size} rank(s), {args.scaling} scaling: rank 0, ms per "
           f"step under cProfile, mean of {args.steps} steps")
     width = max(map(len, PATHS))

@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,9 @@ from typing import Any
 import torch
 
 from benchmarks._config import SweepConfig
-from benchmarks._launch import CPU_THREADS_PER_RANK
 from benchmarks._memory import KINDS
+from fused_optim_dist_recipes import metrics
+from fused_optim_dist_recipes.launch import CPU_THREADS_PER_RANK
 
 __all__ = ["describe_machine", "write_results"]
 
@@ -25,31 +25,11 @@ BASELINE, OURS, PER_PARAM = "plain", "ours", "per-param"
 JSON_NAME, MARKDOWN_NAME = "scaling.json", "scaling.md"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def describe_machine(config: SweepConfig) -> dict[str, Any]:
-    """What the numbers were measured on, including how busy the machine was."""
-    machine: dict[str, Any] = {
-        "cpu": _cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": config.device,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average_1min_at_start": round(os.getloadavg()[0], 2),
-    }
-    if config.device == "cuda":
-        machine["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    else:
+    """The machine (``fused_optim_dist_recipes.metrics.describe_machine``) and the threads of a
+    CPU rank."""
+    machine = metrics.describe_machine(config.device)
+    if config.device == "cpu":
         machine["threads_per_rank"] = CPU_THREADS_PER_RANK
     return machine
 

@@ -20,14 +20,13 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from fused_optim_dist_recipes.metrics import describe_machine, machine_summary
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {
@@ -99,15 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     summary = {
         name: _summary(rows, results["plain-global"], tail) for name, rows in results.items()
     }
-    cpu = platform.processor() or platform.machine()
-    machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    machine = describe_machine()
     payload = {"config": vars(args) | {"out": str(args.out)}, "machine": machine,
                "summary": summary, "metrics": results}  # fmt: skip
     (args.out / "clipping_stability.json").write_text(json.dumps(payload, indent=1))
     keys = list(next(iter(summary.values())))
     lines = [
         f"Clipping stability: {args.model}, {args.steps} steps, lr {args.lr}, "
-        f"max_grad_norm {args.max_grad_norm}, {args.nproc} ranks ({machine})",
+        f"max_grad_norm {args.max_grad_norm}, {args.nproc} ranks ({machine_summary(machine)})",
         "",
         "| run | " + " | ".join(keys) + " |",
         "|---|" + "---|" * len(keys),

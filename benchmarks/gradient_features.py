@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist_recipes.launch import free_port
+from fused_optim_dist_recipes.metrics import describe_machine, machine_summary
 from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp
 
 VARIANTS: dict[str, dict] = {
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     config = PRESETS["12x256"]
@@ -68,10 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     base = medians["bare (no norm)"]
-    cpu = platform.processor() or platform.machine()
-    machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    machine = describe_machine()
     lines = [
-        f"In-backward gradient features, Llama 12x256, batch {BATCH}x{SEQ}, 1 rank ({machine})",
+        f"In-backward gradient features, Llama 12x256, batch {BATCH}x{SEQ}, 1 rank ({machine_summary(machine)})",
         "",
         "| variant | median step ms | vs bare |",
         "|---|---|---|",

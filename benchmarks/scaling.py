@@ -28,11 +28,11 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks._config import SCALINGS, SweepConfig
-from benchmarks._launch import launch
-from benchmarks._measure import check_batches
+from benchmarks._measure import check_batches, run_world
 from benchmarks._methods import METHODS
 from benchmarks._report import describe_machine, write_results
 from benchmarks._shapes import SHAPES
+from fused_optim_dist_recipes.launch import spawn
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 QUICK = {"world_sizes": (1, 2), "warmup_steps": 1, "timed_steps": 1, "quick": True}
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"config: {config}\nmachine: {machine}\nresults: {out}", flush=True)
     records: list[dict] = []
     for world_size in config.world_sizes:
-        records += launch(world_size, config)
+        records += spawn(world_size, run_world, config, device=config.device)
         # Rewritten after every world, so a failure later keeps what was measured.
         paths = write_results(out, config, machine, records)
         print(f"{world_size} rank(s) done: " + ", ".join(map(str, paths)), flush=True)

@@ -18,14 +18,10 @@ Writes ``soak.json`` (configuration, samples, slopes, verdict) and ``soak.png`` 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import platform
-import socket
 import sys
 import tempfile
 import time
@@ -35,16 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from fused_optim_dist import accumulate_grads, build_optimizer, checkpoint, clip_grad_norm_
-from fused_optim_dist_recipes.metrics import KIB, format_bytes
+from fused_optim_dist import backward_micro_batches, build_optimizer, checkpoint, clip_grad_norm_
+from fused_optim_dist_recipes.launch import spawn
+from fused_optim_dist_recipes.metrics import KIB, describe_machine, format_bytes
 from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 RSS_FLAT_BYTES_PER_STEP = 1 * KIB
 """RSS is flat if it grows by less than this per step after warm-up (3 MiB over 3000 steps).
@@ -137,23 +132,22 @@ def run_rank(config: SoakConfig, checkpoint_dir: Path) -> list[dict[str, float]]
     optim = build_optimizer(model.parameters(), "torch.optim.AdamW", in_backward=True,
                             max_grad_norm=config.max_grad_norm, lr=1e-3)
     samples, pending, started = [], None, time.perf_counter()
+
+    def loss_fn(tokens: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
     for step in range(1, config.steps + 1):
-        loss_sum = 0.0
-        for micro in range(config.grad_accum):
-            tokens = _batch(config, step, micro)
-            last = micro == config.grad_accum - 1
-            with contextlib.nullcontext() if last else accumulate_grads(optim):
-                loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-                (loss / config.grad_accum).backward()
-            loss_sum += loss.item() / config.grad_accum  # host sync, as a logging loop does
+        micro_batches = [_batch(config, step, micro) for micro in range(config.grad_accum)]
+        loss = backward_micro_batches(optim, loss_fn, micro_batches)
         grad_norm = clip_grad_norm_(optim, config.max_grad_norm)
         optim.step()
         optim.zero_grad()
+        loss_value = loss.item()  # host sync, as a logging loop does
         if step % config.sample_every == 0:
             # Before this step's save, so that every sample sees the same save state.
             count, nbytes = live_tensors()
             samples.append({"step": step, "rss_bytes": rss_bytes(), "tensors": count,
-                            "tensor_bytes": nbytes, "loss": loss_sum,
+                            "tensor_bytes": nbytes, "loss": loss_value,
                             "grad_norm": grad_norm.item(),
                             "seconds": time.perf_counter() - started})
         if config.save_every and step % config.save_every == 0:
@@ -223,43 +217,25 @@ def plot(samples_by_rank: list[list[dict[str, float]]], warmup_steps: int, path:
 
 # ---------------------------------------------------------------------------------- launch
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, config: SoakConfig, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            samples = run_rank(config, Path(tmp))
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, samples)
-        if rank == 0:
-            Path(out).write_text(json.dumps(gathered))
-    finally:
-        dist.destroy_process_group()
+def _soak_world(config: SoakConfig) -> list[list[dict[str, float]]]:
+    """Every rank's samples (on every rank). Collective."""
+    with tempfile.TemporaryDirectory() as tmp:
+        samples = run_rank(config, Path(tmp))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, samples)
+    return gathered
 
 
 def soak(config: SoakConfig, world_size: int, out_dir: Path) -> dict[str, Any]:
     """Run the soak on ``world_size`` fresh processes; write and return the report."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "samples.json"
-        mp.spawn(_entry, args=(world_size, _free_port(), config, str(raw)), nprocs=world_size,
-                 join=True)
-        samples_by_rank = json.loads(raw.read_text())
+    machine, started = describe_machine(), time.perf_counter()
+    samples_by_rank = spawn(world_size, _soak_world, config)
     warmup_steps = int(config.steps * config.warmup_fraction)
     analyses = [analyse(samples, warmup_steps=warmup_steps) for samples in samples_by_rank]
     report = {
         "config": dataclasses.asdict(config), "world_size": world_size,
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "logical_cores": os.cpu_count(), "torch": torch.__version__,
-                    "python": platform.python_version()},
+        "machine": machine,
         "seconds": time.perf_counter() - started, "warmup_steps": warmup_steps,
         "flat": all(a["flat"] for a in analyses), "analysis": analyses,
         "samples": samples_by_rank,

@@ -1,11 +1,17 @@
 """Optimizer-in-backward for FSDP2 and DTensor: step each shard as soon as its gradient is ready."""
 
 from fused_optim_dist.optimizer import OptimizerInBackward, in_backward
-from fused_optim_dist.training import accumulate_grads, build_optimizer, clip_grad_norm_
+from fused_optim_dist.training import (
+    accumulate_grads,
+    backward_micro_batches,
+    build_optimizer,
+    clip_grad_norm_,
+)
 
 __all__ = [
     "OptimizerInBackward",
     "accumulate_grads",
+    "backward_micro_batches",
     "build_optimizer",
     "clip_grad_norm_",
     "in_backward",

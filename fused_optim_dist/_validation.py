@@ -11,6 +11,19 @@ from torch.optim import Optimizer
 
 __all__ = ["check_options", "check_param_groups", "resolve_optimizer_class"]
 
+_IN_BACKWARD_METHODS = ("accumulate", "grad_norm")
+"""Methods of ``OptimizerInBackward`` that no ``torch.optim`` optimizer has."""
+
+
+def _steps_in_backward(optimizer_cls: type[Optimizer]) -> bool:
+    """Whether ``optimizer_cls`` is an in-backward optimizer (``OptimizerInBackward`` or a class
+    made by ``in_backward``), recognised by the two methods only those have.
+
+    Duck-typed on purpose: ``optimizer.py`` imports this module, so importing it back would be
+    a cycle.
+    """
+    return all(callable(getattr(optimizer_cls, name, None)) for name in _IN_BACKWARD_METHODS)
+
 
 def resolve_optimizer_class(optimizer_cls: type[Optimizer] | str) -> type[Optimizer]:
     """Return the optimizer class named by ``optimizer_cls`` (a class or a dotted import path).
@@ -35,9 +48,7 @@ def resolve_optimizer_class(optimizer_cls: type[Optimizer] | str) -> type[Optimi
             f"optimizer_cls must be a torch.optim.Optimizer subclass or its dotted path, "
             f"not {optimizer_cls!r}"
         )
-    from fused_optim_dist.optimizer import OptimizerInBackward
-
-    if issubclass(optimizer_cls, OptimizerInBackward):
+    if _steps_in_backward(optimizer_cls):
         raise TypeError("optimizer_cls is already an in-backward optimizer; pass the plain class")
     if issubclass(optimizer_cls, torch.optim.SparseAdam):
         raise ValueError(

@@ -5,21 +5,25 @@ A loop written with these has no ``if in_backward:`` branch::
     optim = build_optimizer(model.parameters(), "torch.optim.AdamW", in_backward=True,
                             max_grad_norm=1.0, lr=3e-4)
     for micro_batches in loader:
-        for mb in micro_batches[:-1]:
-            with accumulate_grads(optim):
-                (loss_fn(model(mb)) / len(micro_batches)).backward()
-        (loss_fn(model(micro_batches[-1])) / len(micro_batches)).backward()
+        loss = backward_micro_batches(optim, lambda mb: loss_fn(model(mb)), micro_batches)
         grad_norm = clip_grad_norm_(optim, 1.0)
         optim.step()
         optim.zero_grad()
+
+``backward_micro_batches`` is the accumulation loop written out once::
+
+    for mb in micro_batches[:-1]:
+        with accumulate_grads(optim):
+            (loss_fn(model(mb)) / len(micro_batches)).backward()
+    (loss_fn(model(micro_batches[-1])) / len(micro_batches)).backward()
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,7 +32,9 @@ from torch.optim import Optimizer
 from fused_optim_dist._validation import resolve_optimizer_class
 from fused_optim_dist.optimizer import OptimizerInBackward
 
-__all__ = ["accumulate_grads", "build_optimizer", "clip_grad_norm_"]
+__all__ = ["accumulate_grads", "backward_micro_batches", "build_optimizer", "clip_grad_norm_"]
+
+MicroBatch = TypeVar("MicroBatch")
 
 
 def build_optimizer(
@@ -60,6 +66,38 @@ def accumulate_grads(optimizer: Optimizer) -> contextlib.AbstractContextManager[
     if isinstance(optimizer, OptimizerInBackward):
         return optimizer.accumulate()
     return contextlib.nullcontext()
+
+
+def backward_micro_batches(
+    optimizer: Optimizer,
+    loss_fn: Callable[[MicroBatch], torch.Tensor],
+    micro_batches: Sequence[MicroBatch],
+    *,
+    between: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Backward of the mean of ``loss_fn`` over ``micro_batches``: the gradients of one step.
+
+    Every backward but the last runs under :func:`accumulate_grads`, so an
+    ``OptimizerInBackward`` steps once, in the last backward, on the summed gradients; a plain
+    optimizer is left to ``step()``. ``between`` is called after every backward but the last
+    (e.g. to mark a micro-batch boundary for a memory tracker).
+
+    Returns the mean loss, detached, on the loss's device (no host sync). With FSDP2 each rank
+    passes its own micro-batches, so this is the rank's share of the global mean.
+    """
+    if not micro_batches:
+        raise ValueError("backward_micro_batches got no micro-batches; pass at least one")
+    count = len(micro_batches)
+    total = None
+    for index, micro_batch in enumerate(micro_batches):
+        last = index == count - 1
+        with contextlib.nullcontext() if last else accumulate_grads(optimizer):
+            loss = loss_fn(micro_batch) / count
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        if not last and between is not None:
+            between()
+    return total
 
 
 def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torch.Tensor:

@@ -1,12 +1,15 @@
-"""What a training run reports: a progress line, ``metrics.jsonl`` and a loss-curve PNG.
+"""What a run reports: a progress line, ``metrics.jsonl``, a loss-curve PNG, memory figures and
+the machine the numbers were measured on.
 
 Nothing here is collective: the caller creates these objects on rank 0 only.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
 import resource
 import sys
 from collections.abc import Mapping
@@ -19,7 +22,9 @@ __all__ = [
     "METRIC_KEYS",
     "MetricsLog",
     "ProgressLine",
+    "describe_machine",
     "format_bytes",
+    "machine_summary",
     "memory_budget_bytes",
     "peak_memory_bytes",
     "plot_loss_curve",
@@ -55,6 +60,39 @@ def memory_budget_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_machine(device: str = "cpu") -> dict[str, Any]:
+    """What the numbers are measured on, including how busy the machine is right now."""
+    machine: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_1min_at_start": round(os.getloadavg()[0], 2),
+    }
+    if device == "cuda":
+        machine["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return machine
+
+
+def machine_summary(machine: dict[str, Any]) -> str:
+    """One line of :func:`describe_machine`'s result, for the title of a results table."""
+    gpus = f", {len(machine['gpus'])} x {machine['gpus'][0]}" if machine.get("gpus") else ""
+    return f"{machine['cpu']}, {machine['logical_cores']} cores{gpus}, torch {machine['torch']}"
 
 
 class ProgressLine:

@@ -16,20 +16,15 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from fused_optim_dist_recipes.launch import free_port
+
 COLLECTIVE_TIMEOUT_S = 60
 BODY_TIMEOUT_S = 240
 START_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -79,7 +74,7 @@ class World:
         ctx = mp.get_context("spawn")
         self._results: mp.Queue = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(
                 target=_worker,

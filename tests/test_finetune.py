@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from fused_optim_dist import checkpoint
 from fused_optim_dist_recipes import hf
 from fused_optim_dist_recipes.data import BatchSampler, ByteTokenizer, read_documents, tokenize
+from fused_optim_dist_recipes.launch import free_port
 from fused_optim_dist_recipes.metrics import METRIC_KEYS, MetricsLog, read_metrics
 from fused_optim_dist_recipes.models import PRESETS, Llama, LlamaConfig, apply_fsdp
 
@@ -48,12 +48,6 @@ def _load_script():
 
 
 finetune = _load_script()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -380,7 +374,7 @@ def test_two_nodes_on_one_machine(tmp_path):
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in read_documents()[:3]))
     out = tmp_path / "run"
-    port, flags = _free_port(), [*TINY, "--max-steps", "4", "--data", str(data),
+    port, flags = free_port(), [*TINY, "--max-steps", "4", "--data", str(data),
                                  "--output-dir", str(out)]
     nodes = [
         _torchrun(["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
