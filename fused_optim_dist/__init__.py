@@ -1,5 +1,7 @@
 """Optimizer-in-backward for FSDP2 and DTensor: step each shard as soon as its gradient is ready."""
 
+from fused_optim_dist._kinds import Stepping, declare_stepping
+from fused_optim_dist._options import InBackwardOptions
 from fused_optim_dist.optimizer import OptimizerInBackward, in_backward
 from fused_optim_dist.training import (
     accumulate_grads,
@@ -9,10 +11,13 @@ from fused_optim_dist.training import (
 )
 
 __all__ = [
+    "InBackwardOptions",
     "OptimizerInBackward",
+    "Stepping",
     "accumulate_grads",
     "backward_micro_batches",
     "build_optimizer",
     "clip_grad_norm_",
+    "declare_stepping",
     "in_backward",
 ]

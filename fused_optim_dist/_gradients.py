@@ -2,16 +2,21 @@
 
 [Note: the gradient norm without holding the gradients]
 Each bucket adds the squared L2 norm of its gradients to a running sum before the gradients are
-freed. A rank holds only shards, so its share is the sum of squares of its local gradient
-tensors, divided by the number of ranks holding the same values (the replicate dimensions of
-the parameter's mesh, e.g. HSDP replicas); summing the shares over all ranks gives the exact
-squared norm of the full gradients. Gradients of plain (non-DTensor) parameters are local to the
-rank and are not summed across ranks, as ``torch.nn.utils.clip_grad_norm_`` treats them.
+freed. A rank holds only shards, so its share of a DTensor gradient is the sum of squares of its
+local tensor, and the shares are summed over the mesh dimensions the gradient is sharded on
+(never over replicated ones, e.g. HSDP's replicate dimension: those ranks hold the same values).
+Each collective runs on the process group of the parameter's own mesh, never the world group,
+so FSDP on a sub-mesh, pipeline stages or separate inference ranks are not mixed in, and on the
+mesh's device type, so a norm of CPU-offloaded gradients is reduced where the backend runs.
+Gradients of plain (non-DTensor) parameters are local to the rank and not summed, as
+``torch.nn.utils.clip_grad_norm_`` treats them; they need no collective at all.
 
 When nothing needs a bucket's norm before its step, the shares stay on the rank and one
-all-reduce at the end of backward completes the norm. Clipping and the non-finite guard need the
-bucket's global norm before stepping, so then each bucket all-reduces its share (every rank
-steps the buckets in the same order, the order FSDP2 reduces the units in).
+all-reduce per mesh dimension at the end of backward completes the norm. Clipping and the
+non-finite guard need the bucket's global norm before stepping, so then each bucket reduces its
+shares (every rank steps the buckets in the same order, the order FSDP2 reduces the units in).
+No value is read back to the host in backward, except to skip a non-finite bucket of an
+optimizer that takes no ``found_inf`` (see ``BucketVerdict``).
 
 [Note: clipping inside one backward]
 The exact global coefficient ``min(1, max_norm / total_norm)`` needs every gradient before the
@@ -26,183 +31,248 @@ buckets still to come had in the previous stepping backward. So:
 * a spike is clipped in the bucket where it happens and in every later bucket, never missed as
   with the previous step's global norm; only buckets already stepped keep a coefficient computed
   before the spike was seen;
-* in the first backward there is no history, and ``predicted`` is zero.
+* in the first backward there is no history, and ``predicted`` is zero;
+* a bucket skipped by ``skip_nonfinite`` adds nothing to ``seen`` and keeps its previous
+  history, so one bad unit never scales the others by NaN.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["GradientProcessor"]
+from fused_optim_dist._options import InBackwardOptions
+from fused_optim_dist._plan import Bucket
+
+__all__ = ["BackwardNorms", "BucketVerdict", "GradientProcessor"]
+
+# How a share of the squared norm is completed: summed over these dimensions of this mesh, or
+# (None) left local.
+_ReduceKey = tuple[DeviceMesh, tuple[int, ...]] | None
 
 
-def _replicas(param: torch.Tensor) -> int:
-    """How many ranks hold each element of ``param``'s local shard (1 for a plain tensor)."""
+def _reduce_key(param: torch.Tensor) -> _ReduceKey:
     if not isinstance(param, DTensor):
-        return 1
-    replicas = 1
-    for size, placement in zip(param.device_mesh.shape, param.placements, strict=True):
-        if isinstance(placement, Replicate):
-            replicas *= size
-    return replicas
+        return None
+    dims = tuple(
+        dim
+        for dim, placement in enumerate(param.placements)
+        if not isinstance(placement, Replicate)
+    )
+    return (param.device_mesh, dims) if dims else None
+
+
+def _all_reduce(value: torch.Tensor, key: _ReduceKey) -> torch.Tensor:
+    """Sum ``value`` over the ranks ``key`` names, on its mesh's groups and device type."""
+    if key is None or not dist.is_initialized():
+        return value
+    mesh, dims = key
+    if value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    for dim in dims:
+        dist.all_reduce(value, group=mesh.get_group(dim))
+    return value
 
 
 def _local_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
 
 
-class _ShareWeights:
-    """Per bucket: which gradients are sharded (summed over ranks), and 1 / their replicas."""
+def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if total is None else total + value.to(total.device)
+
+
+class _Shares:
+    """Splits a bucket's per-parameter squared norms by how each must be reduced."""
 
     def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
-        self.sharded = [isinstance(p, DTensor) for p in params]
-        scale = [1.0 / _replicas(p) for p in params]
-        self.scale = None if all(s == 1.0 for s in scale) else torch.tensor(scale, device=device)
-        self.mask = torch.tensor(self.sharded, device=device)
-
-    def shares(self, squares: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's squared-norm shares: (of sharded DTensor grads, of plain local grads)."""
-        if self.scale is not None:
-            squares = squares * self.scale
-        if all(self.sharded):
-            return squares.sum(), squares.new_zeros(())
-        if not any(self.sharded):
-            return squares.new_zeros(()), squares.sum()
-        # torch.where, not a 0/1 weight: 0 * inf would turn an infinite norm into NaN.
-        return (
-            torch.where(self.mask, squares, 0.0).sum(),
-            torch.where(self.mask, 0.0, squares).sum(),
+        by_key: dict[_ReduceKey, list[int]] = {}
+        for index, param in enumerate(params):
+            by_key.setdefault(_reduce_key(param), []).append(index)
+        self.keys = list(by_key)
+        self._index = (
+            None if len(by_key) == 1 else [torch.tensor(i, device=device) for i in by_key.values()]
         )
+
+    def split(self, squares: torch.Tensor) -> list[tuple[_ReduceKey, torch.Tensor]]:
+        if self._index is None:
+            return [(self.keys[0], squares.sum())]
+        return [(k, squares[i].sum()) for k, i in zip(self.keys, self._index, strict=True)]
+
+
+@dataclasses.dataclass
+class BucketVerdict:
+    """Whether to step a bucket, and the ``found_inf`` flag a fused kernel skips it with."""
+
+    step: bool = True
+    found_inf: torch.Tensor | None = None
+
+
+class BackwardNorms:
+    """The norm bookkeeping of one backward pass; a new one starts with every backward."""
+
+    def __init__(self) -> None:
+        # Shares not yet reduced across ranks (reduced once, at the end), by reduce key.
+        self.pending: dict[_ReduceKey, torch.Tensor] = {}
+        # Global squared norm of the buckets reduced so far: all of them, and the finite ones.
+        self.reduced: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
+        # Each bucket's global squared norm, by bucket key (for the clipping history).
+        self.bucket_sq: dict[str, torch.Tensor] = {}
+        # The part of the previous backward's squared norm that belongs to buckets seen now.
+        self.previous_seen: torch.Tensor | float = 0.0
+        self.any = False
 
 
 class GradientProcessor:
-    """Per-backward gradient bookkeeping of one ``OptimizerInBackward``.
+    """Norm, non-finite guard and clipping of one ``OptimizerInBackward``, across steps.
 
-    Args:
-        max_grad_norm: clip by norm as in [Note: clipping inside one backward]; ``None``: off.
-        clip_grad_value: clamp each gradient element to ``[-v, v]``; ``None``: off.
-        skip_nonfinite: when a bucket's gradient holds inf/NaN on any rank, skip its update on
-            every rank (its gradients are dropped and its state is untouched).
-        track_grad_norm: compute the total norm reported by :meth:`grad_norm`.
+    Per-backward sums live in a :class:`BackwardNorms`; this object keeps only what outlives a
+    backward: the clipping history, the last norm and the count of skipped updates.
     """
 
-    def __init__(
-        self,
-        *,
-        max_grad_norm: float | None,
-        clip_grad_value: float | None,
-        skip_nonfinite: bool,
-        track_grad_norm: bool,
-    ) -> None:
-        self.max_grad_norm = max_grad_norm
-        self.clip_grad_value = clip_grad_value
-        self.skip_nonfinite = skip_nonfinite
-        self.track_grad_norm = track_grad_norm
+    def __init__(self, options: InBackwardOptions) -> None:
+        self.max_grad_norm = options.max_grad_norm
+        self.clip_grad_value = options.clip_grad_value
+        self.skip_nonfinite = options.skip_nonfinite
+        self.track_grad_norm = options.track_grad_norm
         # A global norm is needed before each bucket's step: reduce per bucket.
-        self._reduce_per_bucket = max_grad_norm is not None or skip_nonfinite
-        self._needs_norm = self._reduce_per_bucket or track_grad_norm
-        # This backward: squared-norm shares (sharded part, summed over ranks; local part), and
-        # each bucket's global squared norm when reduced per bucket.
-        self._sharded_sq: torch.Tensor | None = None
-        self._local_sq: torch.Tensor | None = None
-        self._bucket_sq: dict[int, torch.Tensor] = {}
-        # Clipping history: each bucket's squared norm in the previous stepping backward, their
-        # total, and the part of it that belongs to buckets already seen in this backward.
-        self._previous_sq: dict[int, torch.Tensor] = {}
+        self._reduce_per_bucket = self.max_grad_norm is not None or self.skip_nonfinite
+        self._needs_norm = self._reduce_per_bucket or self.track_grad_norm
+        # Clipping history: each bucket's squared norm in the previous stepping backward (by
+        # bucket key) and their total.
+        self._previous_sq: dict[str, torch.Tensor] = {}
         self._previous_total: torch.Tensor | float = 0.0
-        self._previous_seen: torch.Tensor | float = 0.0
         self._last_norm: torch.Tensor | None = None
-        self.nonfinite_steps = 0
-        # Cached per (bucket, number of parameters stepped).
-        self._share_weights: dict[tuple[int, int], _ShareWeights] = {}
+        # Skipped bucket updates: a device counter, read back only when asked.
+        self._nonfinite: torch.Tensor | int = 0
+        # _Shares of each bucket's full parameter list, cached by bucket key.
+        self._shares: dict[str, _Shares] = {}
 
-    def before_step(self, bucket_id: int, params: Sequence[torch.Tensor]) -> bool:
-        """Account for and clip the bucket's gradients in place; return whether to step it.
+    @property
+    def active(self) -> bool:
+        return self._needs_norm or self.clip_grad_value is not None
 
-        Collective (an all-reduce) when clipping by norm or skipping non-finite gradients.
+    def before_step(
+        self,
+        norms: BackwardNorms,
+        bucket: Bucket,
+        params: Sequence[torch.Tensor],
+        *,
+        device_skip: bool,
+    ) -> BucketVerdict:
+        """Account for and clip the bucket's gradients in place; say whether to step it.
+
+        Collective (all-reduces of one scalar) when clipping by norm or skipping non-finite
+        gradients. ``device_skip``: the step takes a ``found_inf`` flag, so a non-finite bucket
+        is skipped on the device with no host sync.
         """
-        if not self._needs_norm and self.clip_grad_value is None:
-            return True
+        if not self.active:
+            return BucketVerdict()
         grads = _local_grads(params)
+        verdict = BucketVerdict()
         if self._needs_norm:
+            norms.any = True
             squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
-            sharded, local = self._weights(bucket_id, params, squares.device).shares(squares)
-            if self._reduce_per_bucket and dist.is_initialized():
-                dist.all_reduce(sharded)
-            self._sharded_sq = sharded if self._sharded_sq is None else self._sharded_sq + sharded
-            self._local_sq = local if self._local_sq is None else self._local_sq + local
-            if self._reduce_per_bucket:
-                bucket_sq = sharded + local
-                self._bucket_sq[bucket_id] = bucket_sq
-                if self.skip_nonfinite and not torch.isfinite(bucket_sq):  # host sync
-                    self.nonfinite_steps += 1
-                    return False
-                if self.max_grad_norm is not None:
-                    torch._foreach_mul_(grads, self._clip_coefficient(bucket_id))
+            shares = self._shares_of(bucket, params, squares.device).split(squares)
+            if not self._reduce_per_bucket:
+                for key, share in shares:
+                    norms.pending[key] = _add(norms.pending.get(key), share)
+                return self._clamp(grads, verdict)
+            bucket_sq: torch.Tensor | None = None
+            for key, share in shares:
+                bucket_sq = _add(bucket_sq, _all_reduce(share, key))
+            assert bucket_sq is not None
+            norms.bucket_sq[bucket.key] = bucket_sq
+            norms.reduced = _add(norms.reduced, bucket_sq)
+            finite = torch.isfinite(bucket_sq)
+            norms.seen = _add(norms.seen, torch.where(finite, bucket_sq, 0.0))
+            if self.skip_nonfinite:
+                self._nonfinite = self._nonfinite + (~finite).int()
+                if device_skip:
+                    verdict.found_inf = (~finite).float()
+                elif not finite:  # host sync: this optimizer takes no found_inf
+                    return BucketVerdict(step=False)
+            if self.max_grad_norm is not None:
+                coefficient = self._clip_coefficient(norms, bucket.key)
+                torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return self._clamp(grads, verdict)
+
+    def _clamp(self, grads: list[torch.Tensor], verdict: BucketVerdict) -> BucketVerdict:
         if self.clip_grad_value is not None:
             torch._foreach_clamp_min_(grads, -self.clip_grad_value)
             torch._foreach_clamp_max_(grads, self.clip_grad_value)
-        return True
+        return verdict
 
-    def _weights(
-        self, bucket_id: int, params: Sequence[torch.Tensor], device: torch.device
-    ) -> _ShareWeights:
-        key = (bucket_id, len(params))  # a bucket stepped partially has other weights
-        weights = self._share_weights.get(key)
-        if weights is None or len(weights.sharded) != len(params):
-            weights = self._share_weights[key] = _ShareWeights(params, device)
-        return weights
+    def _shares_of(
+        self, bucket: Bucket, params: Sequence[torch.Tensor], device: torch.device
+    ) -> _Shares:
+        if len(params) != len(bucket.params):  # a bucket stepped partially
+            return _Shares(params, device)
+        shares = self._shares.get(bucket.key)
+        if shares is None:
+            shares = self._shares[bucket.key] = _Shares(params, device)
+        return shares
 
-    def _clip_coefficient(self, bucket_id: int) -> torch.Tensor:
-        seen = self._sharded_sq + self._local_sq
-        self._previous_seen = self._previous_seen + self._previous_sq.get(bucket_id, 0.0)
-        predicted = seen + (self._previous_total - self._previous_seen)
+    def _clip_coefficient(self, norms: BackwardNorms, key: str) -> torch.Tensor:
+        norms.previous_seen = norms.previous_seen + self._previous_sq.get(key, 0.0)
+        predicted = norms.seen + (self._previous_total - norms.previous_seen)
         return (self.max_grad_norm / (predicted.sqrt() + 1e-6)).clamp(max=1.0)
 
-    def end_of_step(self) -> None:
-        """Close a stepping backward (or a ``step()`` of hand-set gradients).
+    def end_of_backward(self, norms: BackwardNorms) -> None:
+        """Close a stepping backward: complete the norm, update the clipping history.
 
-        Collective (one all-reduce) when the norm was not already reduced per bucket.
+        Collective (one all-reduce per mesh dimension) for shares not reduced per bucket.
         """
-        if self._sharded_sq is None:
+        if not norms.any:
             return
-        if not self._reduce_per_bucket and dist.is_initialized():
-            dist.all_reduce(self._sharded_sq)
-        self._last_norm = (self._sharded_sq + self._local_sq).sqrt()
+        total = norms.reduced
+        for key, share in norms.pending.items():
+            total = _add(total, _all_reduce(share, key))
+        assert total is not None
+        self._last_norm = total.sqrt()
         if self.max_grad_norm is not None:
             # Buckets that did not step this time are predicted to stay silent; a non-finite
             # bucket keeps its previous norm. No host sync.
             self._previous_sq = {
                 k: torch.where(torch.isfinite(v), v, self._previous_sq.get(k, 0.0))
-                for k, v in self._bucket_sq.items()
+                for k, v in norms.bucket_sq.items()
             }
             self._previous_total = sum(self._previous_sq.values(), 0.0)
-        self._sharded_sq = self._local_sq = None
-        self._bucket_sq = {}
-        self._previous_seen = 0.0
+
+    @property
+    def nonfinite_steps(self) -> int:
+        return int(self._nonfinite)
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to clip exactly as the uninterrupted one: the clipping
-        history (each bucket's squared norm in the last stepping backward) and the count of
-        skipped updates. Identical on every rank. Reads the history back to the host."""
+        """The clipping history (each bucket's squared norm in the last stepping backward, by
+        bucket key) and the count of skipped updates. Identical on every rank. Reads them back
+        to the host."""
         return {
             "previous_sq": {k: float(v) for k, v in self._previous_sq.items()},
             "nonfinite_steps": self.nonfinite_steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        previous = {int(k): torch.tensor(v) for k, v in state["previous_sq"].items()}
-        self._previous_sq = previous
-        self._previous_total = sum(previous.values(), 0.0)
-        self.nonfinite_steps = int(state["nonfinite_steps"])
+    def load_state_dict(self, state: dict[str, Any], bucket_keys: Sequence[str]) -> None:
+        """Restore :meth:`state_dict`. History of buckets this run does not have (another
+        wrapping of the model) is dropped: those buckets clip as on a first step."""
+        keys = set(bucket_keys)
+        self._previous_sq = {
+            str(k): torch.tensor(float(v))
+            for k, v in state["previous_sq"].items()
+            if str(k) in keys
+        }
+        self._previous_total = sum(self._previous_sq.values(), 0.0)
+        self._nonfinite = int(state["nonfinite_steps"])
 
     def grad_norm(self) -> torch.Tensor:
-        if not self.track_grad_norm and not self._reduce_per_bucket:
+        if not self._needs_norm:
             raise RuntimeError(
                 "grad_norm() needs track_grad_norm=True (the default) at construction"
             )

@@ -31,24 +31,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "Batch", "BucketStepper", "place_grad_like_param"]
+__all__ = ["Batch", "BucketStepper", "place_grad_like_param"]
 
-ELEMENTWISE_OPTIMIZERS: frozenset[type[Optimizer]] = frozenset(
-    {
-        torch.optim.SGD,
-        torch.optim.Adam,
-        torch.optim.AdamW,
-        torch.optim.Adamax,
-        torch.optim.NAdam,
-        torch.optim.RAdam,
-        torch.optim.Adagrad,
-        torch.optim.RMSprop,
-        torch.optim.Adadelta,
-        torch.optim.ASGD,
-        torch.optim.Rprop,
-    }
-)
-"""torch.optim classes whose update is elementwise, so stepping local shards is exact."""
+# Classes whose fused kernels skip the update (parameters, state and step count) on the device
+# when ``found_inf`` is nonzero, as ``torch.amp.GradScaler`` uses them. Fused SGD with momentum
+# is left out: a skipped first step leaves its momentum buffer uninitialised (``empty_like``).
+_FOUND_INF_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 Batch = tuple[dict[str, Any], Sequence[torch.Tensor]]
 """A param group of the facade and the parameters of that group to step now."""
@@ -119,23 +107,43 @@ class BucketStepper:
         # Optimizer._patch_step_function wraps ``step`` with profiling and the global hooks.
         self._step = step.__wrapped__ if getattr(step, "hooked", False) else step
 
+    def takes_found_inf(self, batches: Sequence[Batch]) -> bool:
+        """Whether a ``found_inf`` flag makes this step skip the update on the device."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, _FOUND_INF_CLASSES):
+            return all(group.get("fused") for group, _ in batches)
+        if type(optimizer) is torch.optim.SGD:
+            return all(group.get("fused") and group["momentum"] == 0 for group, _ in batches)
+        return False
+
     @torch.no_grad()
-    def step(self, batches: Sequence[Batch], state: defaultdict[torch.Tensor, dict]) -> None:
+    def step(
+        self,
+        batches: Sequence[Batch],
+        state: defaultdict[torch.Tensor, dict],
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         """Step every parameter of ``batches`` using its ``.grad``, updating ``state`` in place.
 
         DTensor gradients must be placed like their parameter (``place_grad_like_param``).
-        Gradients are left in place; the caller frees them.
+        Gradients are left in place; the caller frees them. ``found_inf`` (only where
+        :meth:`takes_found_inf`): a 0-dim float tensor, nonzero to skip the update on the device.
         """
-        if self.local_shards:
-            self._step_local(batches, state)
-        else:
-            self._run([{**group, "params": list(params)} for group, params in batches], state)
+        self.optimizer.found_inf = found_inf
+        try:
+            if self.local_shards:
+                self._step_local(batches, state)
+            else:
+                self._run([{**group, "params": list(params)} for group, params in batches], state)
+        finally:
+            self.optimizer.found_inf = None
 
     def _step_local(self, batches: Sequence[Batch], state: defaultdict[torch.Tensor, dict]):
         groups: list[dict[str, Any]] = []
         local_state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         # (parameter, its local-shard alias, the local views of its state before the step)
         shards: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        plain: list[torch.Tensor] = []
         for group, params in batches:
             local_params = []
             for param in params:
@@ -150,7 +158,11 @@ class BucketStepper:
                     shards.append((param, shard, views))
                 else:
                     shard = param
-                    local_state[shard] = state[param]
+                    plain.append(param)
+                    # No entry for a parameter without state: the step creates one only if the
+                    # optimizer keeps state (plain SGD keeps none).
+                    if param in state:
+                        local_state[shard] = state[param]
                 local_params.append(shard)
             groups.append({**group, "params": local_params})
         try:
@@ -158,9 +170,12 @@ class BucketStepper:
         finally:
             for _, shard, _ in shards:
                 shard.grad = None
+        for param in plain:
+            if param not in state and local_state.get(param):
+                state[param] = local_state[param]
         for param, shard, views in shards:
             # Bring back the state the step created or replaced (e.g. on the first step).
-            for key, value in local_state[shard].items():
+            for key, value in local_state.get(shard, {}).items():
                 if views.get(key) is not value:
                     state[param][key] = _placed_like(value, param, shard)
 

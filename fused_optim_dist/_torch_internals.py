@@ -13,9 +13,14 @@ Everything else in the package uses public APIs. What this module relies on, for
   the garbage collector's objects; this is done once per optimizer, and only for plain-tensor
   parameters in a multi-process job.
 * The autograd engine runs callbacks queued with ``Variable._execution_engine.queue_callback``
-  once the current backward has finished (FSDP2 queues its own final callback the same way, at
-  the first pre-backward, so ours, queued at the first gradient, runs after it), and
-  ``torch._C._current_graph_task_id()`` is ``-1`` outside a backward.
+  once the current backward has finished, in the order they were queued, including callbacks
+  queued by a running callback (``exec_post_processing`` in ``engine.cpp`` loops until the list
+  is exhausted). FSDP2 queues its final callback at the root's first pre-backward hook, and may
+  still reduce a unit (and call our hooks) inside it; a parameter outside every ``fully_shard``
+  can get its gradient before that hook, so ours may be queued first. ``queue_end_of_backward``
+  therefore queues a callback that queues ours: it runs after every callback queued during the
+  backward. ``torch._C._current_graph_task_id()`` is ``-1`` outside a backward and stays the
+  backward's id while its callbacks run.
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ def current_backward_id() -> int:
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once the backward pass running now has finished. Call only in backward."""
+    """Run ``callback`` once the backward pass running now has finished, after every other
+    callback queued during it (FSDP2's final callback included). Call only in backward."""
     from torch.autograd import Variable
 
-    Variable._execution_engine.queue_callback(callback)
+    engine = Variable._execution_engine
+    engine.queue_callback(lambda: engine.queue_callback(callback))

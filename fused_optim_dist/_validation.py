@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["check_options", "check_param_groups", "resolve_optimizer_class"]
+__all__ = ["check_param_groups", "resolve_optimizer_class"]
 
 _IN_BACKWARD_METHODS = ("accumulate", "grad_norm")
 """Methods of ``OptimizerInBackward`` that no ``torch.optim`` optimizer has."""
@@ -79,19 +79,4 @@ def check_param_groups(param_groups: list[dict[str, Any]]) -> None:
         raise ValueError(
             "no parameter passed to OptimizerInBackward requires grad, so nothing would train; "
             "pass the trainable parameters (frozen ones may be included)"
-        )
-
-
-def check_options(
-    *, bucket_numel: int, max_grad_norm: float | None, clip_grad_value: float | None
-) -> None:
-    """Refuse out-of-range or conflicting ``OptimizerInBackward`` options."""
-    if not isinstance(bucket_numel, int) or bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be a positive int, not {bucket_numel!r}")
-    for name, value in (("max_grad_norm", max_grad_norm), ("clip_grad_value", clip_grad_value)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be a positive number or None, not {value!r}")
-    if max_grad_norm is not None and clip_grad_value is not None:
-        raise ValueError(
-            "max_grad_norm and clip_grad_value were both given; choose one way to clip"
         )

@@ -3,38 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fused_optim_dist._buckets import Bucket, plan_buckets
+from fused_optim_dist._engine import BackwardPass
 from fused_optim_dist._gradients import GradientProcessor
-from fused_optim_dist._stepping import (
-    ELEMENTWISE_OPTIMIZERS,
-    Batch,
-    BucketStepper,
-    place_grad_like_param,
-)
+from fused_optim_dist._kinds import Stepping, stepping_of
+from fused_optim_dist._options import InBackwardOptions, split_options
+from fused_optim_dist._plan import BucketPlan
+from fused_optim_dist._stepping import BucketStepper
 from fused_optim_dist._torch_internals import (
     current_backward_id,
     ddp_modules_holding,
     queue_end_of_backward,
 )
-from fused_optim_dist._validation import (
-    check_options,
-    check_param_groups,
-    resolve_optimizer_class,
-)
+from fused_optim_dist._validation import check_param_groups, resolve_optimizer_class
 
 __all__ = ["OptimizerInBackward", "in_backward"]
-
-DEFAULT_BUCKET_NUMEL = 1 << 24
-"""Elements per bucket for parameters outside FSDP units (64 MiB of fp32 gradients)."""
 
 # Parameter -> weak reference to the OptimizerInBackward whose hooks step it. Both sides are
 # weak: a model must not keep an optimizer alive, nor an optimizer a parameter.
@@ -65,14 +59,47 @@ def _remove_hooks(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+def _held_by_a_module(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is registered on a live ``nn.Module`` (scans the heap)."""
+    wanted = {id(p) for p in params}
+    return any(
+        issubclass(type(obj), nn.Module)
+        and any(id(p) in wanted for p in obj._parameters.values() if p is not None)
+        for obj in gc.get_objects()
+    )
+
+
+def _as_group(param_group: dict[str, Any]) -> dict[str, Any]:
+    """``param_group`` with its ``params`` materialised once, as torch.optim does.
+
+    A generator (``model.head.parameters()``) can be read only once: reading it for our checks
+    and again in ``Optimizer.add_param_group`` would store an empty group.
+    """
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, not {type(param_group).__name__}")
+    params = param_group.get("params")
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the "
+            "ordering of tensors in sets will change between runs. Please use a list instead."
+        )
+    elif params is None:
+        raise ValueError("param_group has no 'params' entry")
+    else:
+        params = list(params)
+    return {**param_group, "params": params}
+
+
 class OptimizerInBackward(Optimizer):
     """Step ``optimizer_cls`` on each parameter as soon as its gradient is ready, in backward.
 
-    Built on the parameters of a model after ``fully_shard``, it registers a post-accumulate-grad
-    hook on every trainable parameter. FSDP2 calls these hooks right after it reduce-scatters a
-    unit's gradients; when the last gradient of a unit arrives, each rank steps its local shards
-    of the whole unit in one call per param group and frees the gradients. Gradients of the whole
-    model are therefore never held at once. See [Note: why buckets follow FSDP units].
+    Built on the parameters of a model after ``fully_shard``, it hooks every trainable
+    parameter. FSDP2 calls these hooks right after it reduce-scatters a unit's gradients; when
+    the last gradient of a unit arrives, each rank steps its local shards of the whole unit in
+    one call per param group and frees the gradients. Gradients of the whole model are never
+    held at once. See [Note: why buckets follow FSDP units].
 
     The object is a ``torch.optim.Optimizer``: ``param_groups`` hold the user's parameters and
     every key ``optimizer_cls`` puts in its groups (values written there, e.g. by an LR
@@ -80,29 +107,26 @@ class OptimizerInBackward(Optimizer):
     ``load_state_dict()`` are those ``optimizer_cls`` would have on the same parameters, so
     ``torch.distributed.checkpoint`` saves and reshards them like any optimizer's.
 
+    Which parameters are stepped together is derived from ``param_groups`` and each
+    parameter's ``requires_grad`` and rebuilt when either changes (groups added, a block frozen
+    or unfrozen): see [Note: a plan is derived, never patched]. The state of one backward lives
+    in a ``BackwardPass``: see [Note: one backward, one BackwardPass].
+
     Args:
         params: parameters or param-group dicts, as for any torch optimizer. Frozen parameters
-            may be included; they get no hook and no state.
+            may be included; they are stepped from the first backward after they are unfrozen.
         optimizer_cls: a ``torch.optim.Optimizer`` subclass, or its dotted import path.
-        elementwise: whether ``optimizer_cls``'s update is elementwise, so that local shards can
-            be stepped as plain tensors (fast). Default: true for the torch.optim classes in
-            ``ELEMENTWISE_OPTIMIZERS``, false otherwise (the step runs on the DTensors).
-        bucket_numel: elements per bucket for parameters no ``fully_shard`` manages.
-        max_grad_norm: clip gradients by norm while stepping in backward, with the semantics
-            of [Note: clipping inside one backward] (``fused_optim_dist._gradients``).
-        clip_grad_value: clamp every gradient element to ``[-clip_grad_value, clip_grad_value]``
-            (exactly ``torch.nn.utils.clip_grad_value_``). Not combined with ``max_grad_norm``.
-        skip_nonfinite: when a bucket's gradient holds inf/NaN on any rank, no rank updates that
-            bucket; counted in ``nonfinite_steps``. Costs a host sync per bucket.
-        track_grad_norm: compute the total gradient norm reported by :meth:`grad_norm` (one
-            all-reduce of a scalar per step).
-        **optimizer_kwargs: passed to ``optimizer_cls``.
+        options: this class's own options (:class:`InBackwardOptions`). Its fields may instead
+            be given as keyword arguments, unless ``optimizer_cls`` takes one of the same name.
+        **kwargs: ``optimizer_cls``'s keyword arguments (and :class:`InBackwardOptions`
+            fields, when ``options`` is not given).
 
     Raises:
         ValueError: for an empty parameter list, a parameter listed twice, no trainable
             parameter, an optimizer that needs a closure or sparse gradients, parameters trained
             by ``DistributedDataParallel`` or already driven by another live
             ``OptimizerInBackward``.
+        TypeError: for an option given both ways, or a keyword both we and the class take.
     """
 
     def __init__(
@@ -110,62 +134,52 @@ class OptimizerInBackward(Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optimizer_cls: type[Optimizer] | str,
         *,
-        elementwise: bool | None = None,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        max_grad_norm: float | None = None,
-        clip_grad_value: float | None = None,
-        skip_nonfinite: bool = False,
-        track_grad_norm: bool = True,
-        **optimizer_kwargs: Any,
+        options: InBackwardOptions | None = None,
+        **kwargs: Any,
     ) -> None:
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
+        options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
+        stepping = stepping_of(optimizer_cls, options.stepping)
         params = list(params)
         if not params:
             raise ValueError("OptimizerInBackward got an empty parameter list")
-        check_options(
-            bucket_numel=bucket_numel, max_grad_norm=max_grad_norm, clip_grad_value=clip_grad_value
-        )
         # Built on the user's parameters so that groups get exactly optimizer_cls's keys and
         # defaults (and any state its constructor creates, as Adagrad's).
         inner = optimizer_cls(params, **optimizer_kwargs)
         check_param_groups(inner.param_groups)
-        trainable = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
-        self._check_not_driven_elsewhere(trainable)
-
-        if elementwise is None:
-            elementwise = optimizer_cls in ELEMENTWISE_OPTIMIZERS
+        self._check_not_driven_elsewhere(
+            [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
+        )
         # Optimizer.__setstate__ initialises the base class (hook dicts, profiled step) around
         # the wrapped optimizer's groups and state, without re-validating them.
         super().__setstate__(
             {"defaults": inner.defaults, "state": inner.state, "param_groups": inner.param_groups}
         )
         self.optimizer_cls = optimizer_cls
+        self.options = options
         # The wrapped class's step code, run on one bucket at a time.
-        self._stepper = BucketStepper(inner, local_shards=elementwise)
-        self._bucket_numel = bucket_numel
-        # Norm, non-finite check and clipping of each bucket's gradients before its step.
-        self._gradients = GradientProcessor(
-            max_grad_norm=max_grad_norm,
-            clip_grad_value=clip_grad_value,
-            skip_nonfinite=skip_nonfinite,
-            track_grad_norm=track_grad_norm,
-        )
+        self._stepper = BucketStepper(inner, local_shards=stepping is Stepping.ELEMENTWISE)
+        # Norm, non-finite check and clipping, and their history across steps.
+        self._gradients = GradientProcessor(options)
+        # Whether this object's params received a gradient (since the last step(); ever).
+        self._grads_arrived = False
+        self._ever_arrived = False
+        self._accumulate_depth = 0
+        self._attach_hooks()
+
+    def _attach_hooks(self) -> None:
+        """Start the hook bookkeeping (at construction, and for a deep copy)."""
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
+        self._hooked: set[int] = set()
+        self._detached = False
         weakref.finalize(self, _remove_hooks, self._hook_handles)
-        # Bucket (index, bucket) of each parameter (by id), and param group index of each.
-        self._bucket_of: dict[int, tuple[int, Bucket]] = {}
-        self._group_of: dict[int, int] = {}
-        self._buckets: list[Bucket] = []
-        # Backward-pass bookkeeping: whether any gradient arrived since the last step(), the
-        # backward whose end-of-backward callback is queued, and the parameters it stepped.
-        self._grads_arrived = False
-        self._callback_backward = -1
-        self._stepped_in_backward: set[int] = set()
-        self._accumulate_depth = 0
-        self._attach(trainable)
+        # The bucket plan, rebuilt when stale, and the backward pass in progress (or the last).
+        self._plan: BucketPlan | None = None
+        self._pass: BackwardPass | None = None
+        self._current_plan()
 
-    # ------------------------------------------------------------------ construction helpers
+    # ------------------------------------------------------------------ the plan and hooks
 
     def _check_not_driven_elsewhere(self, trainable: list[torch.Tensor]) -> None:
         for param in trainable:
@@ -183,38 +197,49 @@ class OptimizerInBackward(Optimizer):
                 "would use unreduced gradients; shard the model with fully_shard instead"
             )
 
-    def _attach(self, new_params: list[torch.Tensor]) -> None:
-        hook = _grad_ready_hook(self)
-        for param in new_params:
-            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
-            _OWNERS[param] = weakref.ref(self)
-        self._plan()
+    def _current_plan(self) -> BucketPlan:
+        """The bucket plan of the param groups as they are now; hooks on every trainable param.
 
-    def _plan(self) -> None:
-        self._group_of = {
-            id(p): index
-            for index, group in enumerate(self.param_groups)
-            for p in group["params"]
-            if p.requires_grad
-        }
-        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        self._buckets = plan_buckets(trainable, self._bucket_numel)
-        self._bucket_of = {
-            id(p): (index, bucket)
-            for index, bucket in enumerate(self._buckets)
-            for p in bucket.params
-        }
+        Rebuilt when a group was added or loaded, or a ``requires_grad`` flipped: see
+        [Note: a plan is derived, never patched]. Costs one pass over the parameters.
+        """
+        plan = self._plan
+        if plan is not None and plan.is_current(self.param_groups):
+            return plan
+        plan = self._plan = BucketPlan(self.param_groups, self.options.bucket_numel)
+        new = [p for p in plan.trainable if id(p) not in self._hooked]
+        if new and not self._detached:
+            self._check_not_driven_elsewhere(new)
+            hook = _grad_ready_hook(self)
+            for param in new:
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
+                self._hooked.add(id(param))
+                _OWNERS[param] = weakref.ref(self)
+        return plan
+
+    def _new_pass(self, backward_id: int | None, *, record: bool = True) -> BackwardPass:
+        return BackwardPass(
+            backward_id,
+            self._current_plan(),
+            self._stepper,
+            self._gradients,
+            self.param_groups,
+            self.state,
+            record=record,
+        )
 
     # ------------------------------------------------------------------ torch.optim.Optimizer
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (as ``torch.optim.Optimizer.add_param_group``) and hook its params."""
-        candidate = [*self.param_groups, {**param_group, "params": list(param_group["params"])}]
-        check_param_groups(candidate)
-        new = [p for p in candidate[-1]["params"] if p.requires_grad]
-        self._check_not_driven_elsewhere(new)
+        """Add a param group (as ``torch.optim.Optimizer.add_param_group``) and hook its params.
+
+        ``params`` may be any iterable, a generator included. Checked before anything changes.
+        """
+        param_group = _as_group(param_group)
+        check_param_groups([*self.param_groups, param_group])
+        self._check_not_driven_elsewhere([p for p in param_group["params"] if p.requires_grad])
         super().add_param_group(param_group)
-        self._attach(new)
+        self._current_plan()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         stepper = self.__dict__.get("_stepper")
@@ -227,36 +252,64 @@ class OptimizerInBackward(Optimizer):
             inner.state, inner.param_groups = type(inner.state)(), []
         super().__setstate__(state)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OptimizerInBackward:
+        """A working copy on the copied parameters (hooked), as ``copy.deepcopy`` of a plain
+        optimizer copies its parameters and state. Deep-copy the model in the same call
+        (``copy.deepcopy((model, optim))``) for the copy to step the copied model."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        skip = {"_hook_handles", "_hooked", "_detached", "_plan", "_pass"}
+        for key, value in self.__dict__.items():
+            if key not in skip:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        new._attach_hooks()
+        return new
+
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Step the parameters that still hold a gradient; usually there are none.
 
-        In the usual loop every gradient was consumed during backward and this does nothing.
-        Parameters holding a gradient (set by hand, accumulated under :meth:`accumulate`, or
-        the zero gradients ``torch.distributed.checkpoint`` sets to create state) are stepped
-        and their gradients freed.
+        In the usual loop every gradient was consumed during backward and this does nothing,
+        as a plain optimizer does for parameters that got no gradient. Parameters holding a
+        gradient (set by hand, accumulated under :meth:`accumulate`, or the zero gradients
+        ``torch.distributed.checkpoint`` sets to create state) are stepped, bucket by bucket,
+        and their gradients freed. A step with ``lr`` 0 in every group (what
+        ``torch.distributed.checkpoint`` runs to create state) leaves :meth:`grad_norm` and the
+        clipping history as they were.
 
         Raises:
             TypeError: if a closure is passed.
-            RuntimeError: if no gradient reached this optimizer since the last ``step()``.
+            RuntimeError: if no gradient ever reached this optimizer and none of its
+                parameters is registered on a live module: it was built on parameters that
+                ``fully_shard`` replaced, so nothing would ever train.
         """
         if closure is not None:
             raise TypeError(
                 "OptimizerInBackward.step() takes no closure: parameters are stepped during "
                 "backward, so call loss.backward() yourself before step()"
             )
-        ready = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        plan = self._current_plan()
+        ready = [p for p in plan.trainable if p.grad is not None]
         if ready:
-            self._step_now(ready)
-            self._gradients.end_of_step()
-        elif not self._grads_arrived:
-            raise RuntimeError(
-                "no gradient reached OptimizerInBackward since the last step(), so nothing was "
-                "trained. The usual cause is building the optimizer before fully_shard(): "
-                "fully_shard replaces every parameter, so hooks on the old ones never fire. "
-                "Build the optimizer from model.parameters() after fully_shard(), and call "
-                "backward() before step()."
-            )
+            self._ever_arrived = True
+            lrs = [group["lr"] for group in self.param_groups if "lr" in group]
+            creates_state_only = bool(lrs) and all(float(lr) == 0.0 for lr in lrs)
+            step = self._new_pass(None, record=not creates_state_only)
+            step.step_all(ready)
+            step.finish()
+        elif not self._ever_arrived and not self._grads_arrived:
+            self._check_alive(plan)
         self._grads_arrived = False
+
+    def _check_alive(self, plan: BucketPlan) -> None:
+        if plan.trainable and not _held_by_a_module(plan.trainable):
+            raise RuntimeError(
+                "no gradient has reached OptimizerInBackward, and none of its parameters "
+                "belongs to a live module, so nothing would ever train. The usual cause is "
+                "building the optimizer before fully_shard(): fully_shard replaces every "
+                "parameter, so hooks on the old ones never fire. Build the optimizer from "
+                "model.parameters() after fully_shard()."
+            )
+        self._ever_arrived = True  # checked once: the parameters are live
 
     # ------------------------------------------------------------------ accumulation
 
@@ -285,18 +338,19 @@ class OptimizerInBackward(Optimizer):
         the gradients' device, inf/NaN if a gradient was not finite.
 
         Raises:
-            RuntimeError: before the first stepping backward, or with ``track_grad_norm=False``.
+            RuntimeError: before the first stepping backward, or with ``track_grad_norm=False``
+                and neither clipping by norm nor ``skip_nonfinite``.
         """
         return self._gradients.grad_norm()
 
     @property
     def max_grad_norm(self) -> float | None:
         """The norm gradients are clipped to in backward (``None``: no clipping by norm)."""
-        return self._gradients.max_grad_norm
+        return self.options.max_grad_norm
 
     @property
     def nonfinite_steps(self) -> int:
-        """How many bucket updates ``skip_nonfinite`` skipped so far."""
+        """How many bucket updates ``skip_nonfinite`` skipped so far (reads a device counter)."""
         return self._gradients.nonfinite_steps
 
     def gradient_state_dict(self) -> dict[str, Any]:
@@ -304,15 +358,17 @@ class OptimizerInBackward(Optimizer):
 
         ``state_dict()`` stays exactly the wrapped optimizer's, so checkpoints remain
         interchangeable with the plain optimizer. This holds the clipping history of
-        ``max_grad_norm`` (see [Note: clipping inside one backward]) and ``nonfinite_steps``,
-        the same on every rank; ``fused_optim_dist.checkpoint`` saves and restores it. Without
-        it a resumed run clips its first step as a first step (no history).
+        ``max_grad_norm`` (see [Note: clipping inside one backward]), keyed by bucket, and
+        ``nonfinite_steps``, the same on every rank; ``fused_optim_dist.checkpoint`` saves and
+        restores it. Without it a resumed run clips its first step as a first step.
         """
         return self._gradients.state_dict()
 
     def load_gradient_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`gradient_state_dict` returned."""
-        self._gradients.load_state_dict(state)
+        """Restore what :meth:`gradient_state_dict` returned. History of buckets this run does
+        not have (the model wrapped differently) is dropped, never applied to another bucket."""
+        plan = self._current_plan()
+        self._gradients.load_state_dict(state, [bucket.key for bucket in plan.buckets])
 
     # ------------------------------------------------------------------ detaching
 
@@ -324,6 +380,8 @@ class OptimizerInBackward(Optimizer):
         (e.g. a new ``OptimizerInBackward`` loading this one's ``state_dict()``).
         """
         _remove_hooks(self._hook_handles)
+        self._hooked.clear()
+        self._detached = True
         for group in self.param_groups:
             for param in group["params"]:
                 if _owner(param) is self:
@@ -332,70 +390,22 @@ class OptimizerInBackward(Optimizer):
     # ------------------------------------------------------------------ the backward path
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._grads_arrived = True
+        self._grads_arrived = self._ever_arrived = True
         if self._accumulate_depth:
             return
-        if id(param) in self._stepped_in_backward:
-            raise RuntimeError(
-                f"a parameter of shape {tuple(param.shape)} received a second gradient after "
-                "it was stepped in this backward (reentrant activation checkpointing does "
-                "this); use torch.utils.checkpoint with use_reentrant=False"
-            )
-        backward = current_backward_id()
-        if backward != -1 and backward != self._callback_backward:
-            self._callback_backward = backward
-            queue_end_of_backward(self._end_of_backward)
-        index, bucket = self._bucket_of[id(param)]
-        if bucket.arrive(param):
-            self._step_bucket(index, bucket.take())
-            if backward != -1:
-                self._stepped_in_backward.update(id(p) for p in bucket.params)
-        if backward == -1:
-            self._gradients.end_of_step()
-
-    def _end_of_backward(self) -> None:
-        """Step the buckets that did not complete (parameters unused in this forward)."""
-        self._callback_backward = -1
-        try:
-            for index, bucket in enumerate(self._buckets):
-                if bucket.pending:
-                    self._step_bucket(index, bucket.take())
-            self._gradients.end_of_step()
-        finally:
-            self._stepped_in_backward.clear()
-
-    def _step_now(self, params: list[torch.Tensor]) -> None:
-        """Step ``params`` outside backward, bucket by bucket, in bucket order."""
-        ready = {id(p) for p in params}
-        for index, bucket in enumerate(self._buckets):
-            bucket.take()
-            members = [p for p in bucket.params if id(p) in ready]
-            if members:
-                self._step_bucket(index, members)
-
-    @torch.no_grad()
-    def _step_bucket(self, index: int, params: list[torch.Tensor]) -> None:
-        """Clip and step one bucket's parameters, then free their gradients."""
-        try:
-            for param in params:
-                if param.grad.is_sparse:
-                    raise RuntimeError(
-                        f"a parameter of shape {tuple(param.shape)} has a sparse gradient, "
-                        "which the in-backward step does not support; use dense gradients "
-                        "(e.g. nn.Embedding(sparse=False))"
-                    )
-                place_grad_like_param(param)
-            if self._gradients.before_step(index, params):
-                self._stepper.step(self._batches(params), self.state)
-        finally:
-            for param in params:
-                param.grad = None
-
-    def _batches(self, params: list[torch.Tensor]) -> list[Batch]:
-        by_group: dict[int, list[torch.Tensor]] = {}
-        for param in params:
-            by_group.setdefault(self._group_of[id(param)], []).append(param)
-        return [(self.param_groups[index], by_group[index]) for index in sorted(by_group)]
+        backward_id = current_backward_id()
+        current = self._pass
+        if backward_id == -1:
+            # A gradient accumulated outside any backward: step it on its own, now.
+            single = self._new_pass(None)
+            single.step_all([param])
+            single.finish()
+            return
+        if current is None or current.backward_id != backward_id:
+            # The first gradient of a new backward. See [Note: one backward, one BackwardPass].
+            current = self._pass = self._new_pass(backward_id)
+            queue_end_of_backward(current.finish)
+        current.arrive(param)
 
 
 def in_backward(optimizer_cls: type[Optimizer] | str) -> type[OptimizerInBackward]:

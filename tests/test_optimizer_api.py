@@ -111,14 +111,13 @@ def test_refuses_bad_parameter_lists():
     assert len(optim.param_groups) == 1
 
 
-def test_refuses_closure_and_step_without_backward():
+def test_refuses_closure_and_steps_nothing_without_backward():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(TypeError, match="takes no closure"):
         optim.step(lambda: loss_fn(model, *batch(0)))
-    with pytest.raises(RuntimeError, match=r"no gradient reached .* fully_shard"):
-        optim.step()
+    optim.step()  # no gradient: nothing to do, as for the plain optimizer
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert not optim.state

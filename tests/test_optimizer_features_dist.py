@@ -216,7 +216,7 @@ def _non_elementwise_body() -> None:
     shard(model)
     shard(forced)
     optim = OptimizerInBackward(model.parameters(), NormalizedSGD, lr=0.05)
-    wrong = OptimizerInBackward(forced.parameters(), NormalizedSGD, elementwise=True, lr=0.05)
+    wrong = OptimizerInBackward(forced.parameters(), NormalizedSGD, stepping="elementwise", lr=0.05)
     for step in range(STEPS):
         for net, opt in ((model, optim), (forced, wrong)):
             _backward(net, step)
@@ -254,7 +254,7 @@ def _adafactor_body() -> None:
     # Forced onto local shards it runs, but each rank factors its own rows: a wrong result.
     # (On 4 ranks some shards are empty, and Adafactor divides by their numel.)
     wrong = OptimizerInBackward(
-        forced.parameters(), torch.optim.Adafactor, elementwise=True, lr=1e-2
+        forced.parameters(), torch.optim.Adafactor, stepping="elementwise", lr=1e-2
     )
     for step in range(STEPS):
         _backward(forced, step)

@@ -1,0 +1,90 @@
+"""How the wrapped optimizer's step is run on sharded parameters, per optimizer class.
+
+* ``ELEMENTWISE``: the update of every element depends on that element alone (its parameter,
+  gradient and state), so each rank steps its local shards as plain tensors. Exact for such
+  optimizers, and the fastest path: no DTensor dispatch, one ``foreach``/``fused`` call per bucket.
+* ``DTENSOR``: the step runs on the DTensor parameters, and DTensor makes every reduction
+  global. Exact wherever DTensor supports the optimizer's ops, and slow; the default for any
+  class not declared otherwise.
+
+A class is declared once, where it is defined, and the declaration holds for that class only
+(not its subclasses, which may change the update)::
+
+    @fused_optim_dist.declare_stepping("elementwise")
+    class MyAdamW(torch.optim.AdamW): ...
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TypeVar
+from weakref import WeakKeyDictionary
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["Stepping", "declare_stepping", "stepping_of"]
+
+
+class Stepping(str, enum.Enum):
+    ELEMENTWISE = "elementwise"
+    DTENSOR = "dtensor"
+
+
+_KNOWN: dict[type[Optimizer], Stepping] = {
+    cls: Stepping.ELEMENTWISE
+    for cls in (
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.RMSprop,
+        torch.optim.Adadelta,
+        torch.optim.ASGD,
+        torch.optim.Rprop,
+    )
+}
+"""torch.optim classes whose update is elementwise."""
+
+_DECLARED: WeakKeyDictionary[type, Stepping] = WeakKeyDictionary()
+
+_Cls = TypeVar("_Cls", bound=type[Optimizer])
+
+
+def _parse(kind: str | Stepping) -> Stepping:
+    try:
+        return Stepping(kind)
+    except ValueError:
+        choices = ", ".join(repr(k.value) for k in Stepping)
+        raise ValueError(f"stepping must be one of {choices}, not {kind!r}") from None
+
+
+def declare_stepping(kind: str | Stepping) -> Callable[[_Cls], _Cls]:
+    """Class decorator: step ``cls`` in backward the way ``kind`` says (see the module doc).
+
+    Declare ``"elementwise"`` only if the update truly is elementwise: a norm of the whole
+    parameter taken on a local shard is silently wrong.
+    """
+    stepping = _parse(kind)
+
+    def declare(cls: _Cls) -> _Cls:
+        if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+            raise TypeError(f"declare_stepping applies to Optimizer subclasses, not {cls!r}")
+        _DECLARED[cls] = stepping
+        return cls
+
+    return declare
+
+
+def stepping_of(optimizer_cls: type[Optimizer], override: str | Stepping | None) -> Stepping:
+    """The stepping of ``optimizer_cls``: ``override`` if given, else declared, else default."""
+    if override is not None:
+        return _parse(override)
+    declared = _DECLARED.get(optimizer_cls)
+    if declared is not None:
+        return declared
+    return _KNOWN.get(optimizer_cls, Stepping.DTENSOR)

@@ -1,0 +1,113 @@
+"""The bucket plan: which parameters are stepped together, derived from the param groups.
+
+[Note: why buckets follow FSDP units]
+FSDP2 reduce-scatters the gradients of one unit (one ``fully_shard`` call) into a single flat
+buffer, and the sharded gradients it hands to the post-accumulate-grad hooks are views into that
+buffer. Dropping one parameter's gradient therefore frees nothing until every gradient of the
+unit is dropped, and stepping the unit's parameters one hook at a time would forgo the foreach
+kernels. So a bucket is one unit: it is stepped, in one call per param group, when its last
+gradient arrives, and then the whole buffer is released.
+
+Parameters no ``fully_shard`` manages (a plain module, or tensor-parallel DTensors) get their
+gradients from autograd one at a time; they are bucketed in runs of consecutive parameters of
+about ``bucket_numel`` elements, so that each run completes as backward passes the layers that
+own it.
+
+[Note: a plan is derived, never patched]
+The plan is a pure function of ``param_groups`` (which parameters, in which group) and each
+parameter's ``requires_grad``. Both can change behind the optimizer's back: a group added, a
+state dict loaded, a block unfrozen with ``requires_grad_(True)`` or frozen again. The plan
+keeps the signature it was built from, and the optimizer rebuilds it whenever the signature of
+the current groups differs (checked at the start of every backward and every ``step()``), so
+the user never has to tell it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fused_optim_dist._torch_internals import fsdp_units
+
+__all__ = ["Bucket", "BucketPlan"]
+
+_Signature = tuple[tuple[tuple[int, bool], ...], ...]
+
+
+def _signature(param_groups: Sequence[dict[str, Any]]) -> _Signature:
+    return tuple(tuple((id(p), p.requires_grad) for p in g["params"]) for g in param_groups)
+
+
+class Bucket:
+    """A fixed set of trainable parameters, stepped together, in one call per param group.
+
+    ``key`` names the bucket stably across runs of the same model and wrapping (its position,
+    size and element count), so that history keyed by it (the clipping history) is never
+    applied to another bucket after a resume with a different wrapping.
+    """
+
+    __slots__ = ("_group_of", "index", "key", "params")
+
+    def __init__(
+        self, index: int, params: Sequence[torch.Tensor], group_of: dict[int, int]
+    ) -> None:
+        self.index = index
+        self.params = tuple(params)
+        self.key = f"{index}:{len(self.params)}:{sum(p.numel() for p in self.params)}"
+        self._group_of = group_of
+
+    def by_group(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
+        """``params`` (members of this bucket) split by param group, in group order."""
+        split: dict[int, list[torch.Tensor]] = {}
+        for param in params:
+            split.setdefault(self._group_of[id(param)], []).append(param)
+        return sorted(split.items())
+
+
+class BucketPlan:
+    """The buckets of the trainable parameters of ``param_groups``, in stepping order."""
+
+    def __init__(self, param_groups: Sequence[dict[str, Any]], bucket_numel: int) -> None:
+        self.signature = _signature(param_groups)
+        trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
+        group_of = {
+            id(p): index
+            for index, group in enumerate(param_groups)
+            for p in group["params"]
+            if p.requires_grad
+        }
+        self.trainable = tuple(trainable)
+        self.buckets = tuple(
+            Bucket(index, params, group_of)
+            for index, params in enumerate(_split(trainable, bucket_numel))
+        )
+        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+
+    def is_current(self, param_groups: Sequence[dict[str, Any]]) -> bool:
+        return _signature(param_groups) == self.signature
+
+    def bucket_of(self, param: torch.Tensor) -> Bucket | None:
+        """The bucket of ``param``, or ``None`` if it is not a trainable parameter of the plan."""
+        return self._bucket_of.get(id(param))
+
+
+def _split(params: Sequence[torch.Tensor], bucket_numel: int) -> list[list[torch.Tensor]]:
+    """One bucket per FSDP unit, then runs of about ``bucket_numel`` remaining parameters."""
+    units = fsdp_units(params)
+    in_units = {id(p) for unit in units for p in unit}
+    buckets = [list(unit) for unit in units]
+    run: list[torch.Tensor] = []
+    run_numel = 0
+    for param in params:
+        if id(param) in in_units:
+            continue
+        run.append(param)
+        run_numel += param.numel()
+        if run_numel >= bucket_numel:
+            buckets.append(run)
+            run, run_numel = [], 0
+    if run:
+        buckets.append(run)
+    return buckets
