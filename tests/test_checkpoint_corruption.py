@@ -30,7 +30,6 @@ WORLD_SIZE = 2
 STEP = 1
 SHARD_FILE = "__0_0.distcp"
 """Rank 0's shard file in a DCP checkpoint (FileSystemWriter names them __<rank>_<n>.distcp)."""
-DCP_METADATA_FILE = ".metadata"
 GARBAGE = b"\x80\x04not a checkpoint\x00\xff" * 8
 OTHER_MODEL = dataclasses.replace(PRESETS["tiny"], dim=48, n_layers=3, ffn_hidden=96)
 """Wider (other shapes) and deeper (other names) than the tiny preset."""
@@ -45,7 +44,7 @@ def _truncate(path: Path) -> None:
 # label -> how rank 0 breaks the copied checkpoint folder
 CORRUPTIONS: dict[str, Callable[[Path], None]] = {
     "truncated_shard": lambda step_dir: _truncate(step_dir / SHARD_FILE),
-    "dcp_metadata": lambda step_dir: (step_dir / DCP_METADATA_FILE).write_bytes(GARBAGE),
+    "dcp_metadata": lambda step_dir: (step_dir / layout.DCP_METADATA_FILE).write_bytes(GARBAGE),
     "library_metadata": lambda step_dir: (step_dir / layout.METADATA_FILE).write_bytes(GARBAGE),
     # Valid JSON, but not what save wrote (a file emptied to "{}" by a tool, a hand edit).
     "library_metadata_empty_object": lambda step_dir: (step_dir / layout.METADATA_FILE
@@ -179,7 +178,7 @@ def test_truncated_shard_is_refused_by_name_and_changes_nothing(outcomes):
 
 
 def test_garbage_dcp_metadata_is_refused_by_name_and_changes_nothing(outcomes):
-    _assert_refused(outcomes, "dcp_metadata", rf"{{dir}}/{re.escape(DCP_METADATA_FILE)}",
+    _assert_refused(outcomes, "dcp_metadata", rf"{{dir}}/{re.escape(layout.DCP_METADATA_FILE)}",
                     "(?i)corrupt|unreadable|cannot be read")
 
 
