@@ -1,7 +1,13 @@
-"""Fine-tune a local Hugging Face ``transformers`` causal LM (optional extra: ``[hf]``).
+"""Fine-tune a local Hugging Face ``transformers`` causal LM (optional extra: ``[recipes]``).
 
 A model directory is what ``save_pretrained`` writes: ``config.json`` plus safetensors weights,
 and optionally tokenizer files. Nothing is downloaded: loading is ``local_files_only``.
+
+Loading never holds the whole model on a rank's host: :func:`empty_causal_lm` builds the model
+with its parameters on the meta device, the caller shards it (``apply_fsdp``), and
+:func:`load_local_shards` reads from the safetensors files only the rows of each parameter this
+rank holds, straight into its shard. Peak host memory per rank is about its shards plus one
+tensor's rows, not the full fp32 model (measured in ``tests/test_hf.py``).
 
 Tokenizer choice: the directory's own tokenizer when it has one (``tokenizer.json``,
 ``tokenizer.model``, ...); otherwise the byte tokenizer of :mod:`fused_optim_dist_recipes.data`,
@@ -10,24 +16,32 @@ which needs a vocabulary of at least 257 ids (256 bytes and end-of-document).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
+import math
 import shutil
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import BinaryIO
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from fused_optim_dist_recipes.data import ByteTokenizer, Tokenizer
 
 __all__ = [
     "HFTokenizer",
     "decoder_blocks",
+    "empty_causal_lm",
     "hf_logits",
-    "load_causal_lm",
+    "load_local_shards",
     "load_tokenizer",
     "save_pretrained",
 ]
@@ -63,8 +77,35 @@ def _check_model_dir(directory: Path) -> None:
         )
 
 
-def load_causal_lm(directory: str | Path) -> nn.Module:
-    """Load ``AutoModelForCausalLM`` from a local directory, in float32, on the CPU.
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Register every ``nn.Parameter`` created inside on the meta device; buffers stay real.
+
+    Buffers are few and small, and some are computed in ``__init__`` and absent from the
+    checkpoint (RoPE's ``inv_freq``), so they must keep their values. A module's ``__init__``
+    still creates each parameter with ``torch.empty`` first, which reserves but never touches
+    host memory.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_causal_lm(directory: str | Path) -> nn.Module:
+    """``AutoModelForCausalLM`` of ``directory``'s config in float32, parameters on meta.
+
+    Shard it (``apply_fsdp``), then fill it with :func:`load_local_shards`.
 
     Raises:
         ImportError: if ``transformers`` is not installed.
@@ -73,9 +114,134 @@ def load_causal_lm(directory: str | Path) -> nn.Module:
     directory = Path(directory)
     _check_model_dir(directory)
     transformers = _transformers()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, local_files_only=True
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    with _parameters_on_meta():
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------- safetensors
+
+SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+"""What ``save_pretrained`` writes: one file, or shards listed by an index (``weight_map``)."""
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _SafetensorsFile:
+    """Reads rows of the tensors of one ``.safetensors`` file with plain file reads.
+
+    The format: an 8-byte little-endian header length, a JSON header mapping each name to its
+    ``dtype``, ``shape`` and ``data_offsets`` (from the end of the header), then the raw
+    row-major bytes. Rows ``[start, stop)`` of a tensor are therefore one contiguous byte range,
+    read into a buffer of exactly that size: no memory map, whose resident pages would count
+    against this process.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            self.header = json.loads(f.read(length))
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + length
+
+    def read_rows(self, f: BinaryIO, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name`` (a 0-dim tensor: all of it), from ``f``."""
+        entry = self.header[name]
+        dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
+        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=dtype)
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        f.seek(self.data_start + entry["data_offsets"][0] + start * row_bytes)
+        if out.numel() and f.readinto(memoryview(out.view(torch.uint8).numpy())) != out.nbytes:
+            raise ValueError(f"{self.path}: {name} is truncated; the file is incomplete")
+        return out
+
+
+def _safetensors_files(directory: Path) -> dict[str, _SafetensorsFile]:
+    """Tensor name -> the file holding it."""
+    if (directory / SAFETENSORS_INDEX).is_file():
+        weight_map = json.loads((directory / SAFETENSORS_INDEX).read_text())["weight_map"]
+        files = {name: _SafetensorsFile(directory / name) for name in set(weight_map.values())}
+        return {tensor: files[name] for tensor, name in weight_map.items()}
+    if (directory / SAFETENSORS_FILE).is_file():
+        single = _SafetensorsFile(directory / SAFETENSORS_FILE)
+        return dict.fromkeys(single.header, single)
+    raise FileNotFoundError(
+        f"{directory} holds neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}; save the model "
+        "with save_pretrained(..., safe_serialization=True)"
     )
+
+
+def _local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of the full parameter that this rank's local tensor holds.
+
+    FSDP2 shards dim 0 like ``torch.chunk``: chunks of ``ceil(rows / n)`` rows, the last ones
+    shorter or empty; HSDP replicates those chunks over its other mesh dimension.
+    """
+    if param.dim() == 0:
+        return 0, 0
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0]
+    rows, start = param.shape[0], 0
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard(0):
+            mesh = param.device_mesh
+            chunk = math.ceil(rows / mesh.size(mesh_dim))
+            start = min(mesh.get_local_rank(mesh_dim) * chunk, rows)
+        elif not placement.is_replicate():
+            raise ValueError(
+                f"a parameter placed {param.placements} cannot be loaded by rows; only FSDP2's "
+                "Shard(0) (with Replicate for HSDP) is supported"
+            )
+    return start, start + param.to_local().shape[0]
+
+
+@torch.no_grad()
+def load_local_shards(model: nn.Module, directory: str | Path, device: torch.device) -> None:
+    """Materialize ``model``'s meta parameters on ``device`` and fill this rank's shards.
+
+    ``model`` comes from :func:`empty_causal_lm`, sharded with FSDP2 (or not). Each rank reads
+    only the rows of each parameter it holds, so no rank ever holds the full model; nothing is
+    collective, but every rank must see ``directory``.
+
+    Raises:
+        ValueError: if a parameter is missing from the checkpoint or has another shape there.
+    """
+    directory = Path(directory)
+    files = _safetensors_files(directory)
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
+    handles: dict[Path, BinaryIO] = {}
+    with contextlib.ExitStack() as stack:
+        for name, param in model.named_parameters():
+            source = files.get(name)
+            if source is None:
+                raise ValueError(
+                    f"{directory} has no tensor named {name!r}; the checkpoint's tensor names "
+                    "must be the model's parameter names (save_pretrained of this model class)"
+                )
+            if list(source.header[name]["shape"]) != list(param.shape):
+                raise ValueError(
+                    f"{name}: {tuple(source.header[name]['shape'])} in {source.path}, "
+                    f"{tuple(param.shape)} in the model built from {directory / 'config.json'}"
+                )
+            if source.path not in handles:
+                handles[source.path] = stack.enter_context(source.path.open("rb"))
+            start, stop = _local_rows(param)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.copy_(source.read_rows(handles[source.path], name, start, stop))
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -106,7 +272,7 @@ def hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class HFTokenizer:
-    """A transformers tokenizer seen through the :class:`~fused_optim_dist_recipes.data.Tokenizer` API."""
+    """A transformers tokenizer seen through the ``fused_optim_dist_recipes.data.Tokenizer`` API."""
 
     def __init__(self, tokenizer: object) -> None:
         eos = tokenizer.eos_token_id

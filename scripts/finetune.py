@@ -32,15 +32,17 @@ Outputs (rank 0 writes them): ``config.json`` (the resolved configuration), ``me
 
 Clipping: with ``--max-grad-norm`` the in-backward optimizer clips each FSDP unit as it steps,
 predicting the norm of the units not yet reduced from the previous step (see
-``fused_optim_dist._gradients``). Runs then differ slightly from ``--no-in-backward``, and a
-resumed run from the uninterrupted one, because that history is not checkpointed.
-``--max-grad-norm 0`` turns clipping off; both are then exact.
+``fused_optim_dist._gradients``). Runs then differ slightly from ``--no-in-backward``, which
+clips exactly; a resumed run still equals the uninterrupted one, as checkpoints carry that
+history. ``--max-grad-norm 0`` turns clipping off. ``--clip-grad-value`` and ``--skip-nonfinite``
+are the in-backward optimizer's other gradient options.
+
+The flags build one ``JobConfig`` (``parse_args``); everything after that takes the config.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -61,10 +63,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_optim_dist import accumulate_grads, build_optimizer, checkpoint, clip_grad_norm_
-from fused_optim_dist_recipes import hf
+from fused_optim_dist import build_optimizer, checkpoint, clip_grad_norm_
+from fused_optim_dist._checkpoint_layout import DCP_METADATA_FILE
 from fused_optim_dist._faults import inject as inject_fault
-from fused_optim_dist_recipes.data import BatchSampler, ByteTokenizer, Tokenizer, read_documents, tokenize
+from fused_optim_dist.training import backward_micro_batches
+from fused_optim_dist_recipes import hf
+from fused_optim_dist_recipes.data import (
+    BatchSampler,
+    ByteTokenizer,
+    Tokenizer,
+    read_documents,
+    tokenize,
+)
 from fused_optim_dist_recipes.metrics import (
     MetricsLog,
     ProgressLine,
@@ -79,20 +89,144 @@ DEFAULT_MODEL = "small"
 CHECKPOINT_SUBDIR = "checkpoints"
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE = "config.json", "metrics.jsonl", "summary.json"
 LOSS_PLOT_FILE, WEIGHTS_FILE, HF_EXPORT_DIR = "loss.png", "weights.pt", "hf_model"
-DCP_METADATA_FILE = ".metadata"
-"""The file torch.distributed.checkpoint writes into every checkpoint folder."""
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 MIN_LR_RATIO = 0.1
 """The cosine schedule decays the learning rate to this fraction of --lr."""
+DEFAULT_WARMUP_STEPS = 20
+"""Warmup when --warmup-steps is not given, at most a tenth of --max-steps."""
 OPTIMIZER_SHORT_NAMES = {
     name.lower(): f"torch.optim.{name}"
     for name in torch.optim.__all__
     if isinstance(cls := getattr(torch.optim, name), type)
-    and issubclass(cls, Optimizer) and cls is not Optimizer
+    and issubclass(cls, Optimizer)
+    and cls is not Optimizer
 }
 
 
+# ---------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(kw_only=True)
+class JobConfig:
+    """The whole job, built once from the flags by ``parse_args`` (or directly, in tests).
+
+    Field names are the flags' (``--seq-len`` is ``seq_len``); ``in_backward`` is the inverse
+    of ``--no-in-backward``. Checks between fields run in ``__post_init__`` and raise
+    ``ValueError`` naming the flags.
+    """
+
+    # model
+    model: str = DEFAULT_MODEL
+    """Llama preset (``fused_optim_dist_recipes.models.PRESETS``); unused with ``hf_model``."""
+    dim: int | None = None
+    """Width overriding the preset's; the feed-forward width scales with it."""
+    n_layers: int | None = None
+    """Depth overriding the preset's."""
+    hf_model: Path | None = None
+    """A local transformers causal-LM directory to fine-tune instead of a preset."""
+    init_from: Path | None = None
+    """Initial weights: a checkpoint directory or a file written by ``export_weights``."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward."""
+    mixed_precision: str = "none"
+    """``none`` or ``bf16`` (compute in bfloat16, reduce gradients in float32)."""
+    # data
+    data: Path | None = None
+    """Text file, ``.jsonl`` file with a ``text`` field, or directory of them; ``None``: the
+    standard library's ``.py`` files."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    batch_size: int = 16
+    """GLOBAL sequences per optimizer step, over all ranks and micro-batches."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    # optimization
+    max_steps: int = 300
+    """Optimizer steps of the whole run (a resumed run continues to it)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_steps: int | None = None
+    """Linear warmup steps, then cosine decay; ``None``: ``DEFAULT_WARMUP_STEPS``, at most a
+    tenth of ``max_steps``."""
+    optimizer: str = "torch.optim.AdamW"
+    """Dotted path of the optimizer class."""
+    optimizer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra keyword arguments of the optimizer class (not ``lr``)."""
+    in_backward: bool = True
+    """Step inside backward (``OptimizerInBackward``), or after it (the plain optimizer)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0: no clipping."""
+    clip_grad_value: float | None = None
+    """In backward: clamp every gradient element to ``[-v, v]`` instead of clipping by norm."""
+    skip_nonfinite: bool = False
+    """In backward: skip the update of a unit whose gradient holds inf/NaN (on any rank)."""
+    # run
+    output_dir: Path = Path("outputs/finetune")
+    """Where config, metrics, plot, checkpoints and weights go."""
+    save_every: int = 100
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 3
+    """Keep only the newest N checkpoints."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``output_dir``."""
+    seed: int = 0
+    """Model initialisation and data order."""
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+    backend: str = "auto"
+    """``auto`` (nccl on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
+    log_every: int = 10
+    """Print a progress line every N steps when not on a terminal."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"--batch-size {self.batch_size} is not a multiple of --grad-accum "
+                f"{self.grad_accum}; each micro-batch must hold the same number of sequences"
+            )
+        if self.warmup_steps is None:
+            self.warmup_steps = min(DEFAULT_WARMUP_STEPS, self.max_steps // 10)
+        elif self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"--warmup-steps {self.warmup_steps} must be below --max-steps {self.max_steps}"
+            )
+        if self.max_grad_norm < 0 or not math.isfinite(self.max_grad_norm):
+            raise ValueError(
+                f"--max-grad-norm must be a finite number >= 0, got {self.max_grad_norm}"
+            )
+        if not self.in_backward and (self.clip_grad_value is not None or self.skip_nonfinite):
+            raise ValueError(
+                "--clip-grad-value and --skip-nonfinite are options of the in-backward "
+                "optimizer; drop them or --no-in-backward"
+            )
+        if self.clip_grad_value is not None and self.max_grad_norm:
+            raise ValueError(
+                "--clip-grad-value clamps gradients instead of clipping their norm; pass "
+                "--max-grad-norm 0 with it"
+            )
+        if "lr" in self.optimizer_kwargs:
+            raise ValueError("--optimizer-kwargs sets 'lr'; set the learning rate with --lr")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError(
+                "--backend nccl needs CUDA tensors; use --backend gloo with --device cpu"
+            )
+
+    def optimizer_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of ``build_optimizer`` besides the class and ``in_backward``."""
+        options: dict[str, Any] = {"max_grad_norm": self.max_grad_norm or None}
+        if self.clip_grad_value is not None:
+            options["clip_grad_value"] = self.clip_grad_value
+        if self.skip_nonfinite:
+            options["skip_nonfinite"] = True
+        return {"lr": self.lr, **self.optimizer_kwargs, **options}
+
+
+def _default(field: str) -> Any:
+    return JobConfig.__dataclass_fields__[field].default
+
+
 # ---------------------------------------------------------------------------------- arguments
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -142,145 +276,258 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     model = p.add_argument_group("model")
-    model.add_argument("--model", choices=sorted(PRESETS), default=None,
-                       help=f"Llama preset (default {DEFAULT_MODEL})")
-    model.add_argument("--dim", type=_positive_int, help="override the preset's width "
-                       "(the feed-forward width scales with it)")
+    model.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=None,
+        help=f"Llama preset (default {DEFAULT_MODEL})",
+    )
+    model.add_argument(
+        "--dim",
+        type=_positive_int,
+        help="override the preset's width (the feed-forward width scales with it)",
+    )
     model.add_argument("--n-layers", type=_positive_int, help="override the preset's depth")
-    model.add_argument("--hf-model", type=Path, metavar="DIR",
-                       help="fine-tune a local transformers causal LM directory instead")
-    model.add_argument("--init-from", type=Path, metavar="PATH",
-                       help="initial weights: a checkpoint directory or an exported weights file")
-    model.add_argument("--activation-checkpointing", action="store_true",
-                       help="recompute each block's activations in backward")
-    model.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
-                       help="bf16: compute in bfloat16, reduce gradients in float32")
+    model.add_argument(
+        "--hf-model",
+        type=Path,
+        metavar="DIR",
+        help="fine-tune a local transformers causal LM directory instead",
+    )
+    model.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="PATH",
+        help="initial weights: a checkpoint directory or an exported weights file",
+    )
+    model.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward",
+    )
+    model.add_argument(
+        "--mixed-precision",
+        choices=("none", "bf16"),
+        default=_default("mixed_precision"),
+        help="bf16: compute in bfloat16, reduce gradients in float32",
+    )
     data = p.add_argument_group("data")
-    data.add_argument("--data", type=Path, metavar="PATH", help="text file, .jsonl file with a "
-                      "'text' field, or directory of them (default: the stdlib's .py files)")
-    data.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sequence")
-    data.add_argument("--batch-size", type=_positive_int, default=16,
-                      help="GLOBAL sequences per optimizer step (all ranks, all micro-batches)")
-    data.add_argument("--grad-accum", type=_positive_int, default=1,
-                      help="micro-batches per optimizer step")
+    data.add_argument(
+        "--data",
+        type=Path,
+        metavar="PATH",
+        help="text file, .jsonl file with a "
+        "'text' field, or directory of them (default: the stdlib's .py files)",
+    )
+    data.add_argument(
+        "--seq-len", type=_positive_int, default=_default("seq_len"), help="tokens per sequence"
+    )
+    data.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=_default("batch_size"),
+        help="GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
+    )
+    data.add_argument(
+        "--grad-accum",
+        type=_positive_int,
+        default=_default("grad_accum"),
+        help="micro-batches per optimizer step",
+    )
     optim = p.add_argument_group("optimization")
-    optim.add_argument("--max-steps", type=_positive_int, default=300,
-                       help="optimizer steps of the whole run (a resumed run continues to it)")
-    optim.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
-    optim.add_argument("--warmup-steps", type=_non_negative_int, default=20,
-                       help="linear warmup, then cosine decay to "
-                       f"{MIN_LR_RATIO:g} x lr at --max-steps")
-    optim.add_argument("--optimizer", default="adamw", help="short name ("
-                       + ", ".join(sorted(OPTIMIZER_SHORT_NAMES)) + ") or dotted class path")
-    optim.add_argument("--optimizer-kwargs", type=_json_object, default={}, metavar="JSON",
-                       help="extra keyword arguments for the optimizer, as a JSON object")
-    optim.add_argument("--no-in-backward", action="store_true",
-                       help="step the plain optimizer after backward (same loop; same results "
-                       "unless clipping)")
-    optim.add_argument("--max-grad-norm", type=float, default=1.0,
-                       help="clip the global gradient norm to this; 0 disables clipping")
+    optim.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        default=_default("max_steps"),
+        help="optimizer steps of the whole run (a resumed run continues to it)",
+    )
+    optim.add_argument(
+        "--lr", type=_positive_float, default=_default("lr"), help="peak learning rate"
+    )
+    optim.add_argument(
+        "--warmup-steps",
+        type=_non_negative_int,
+        help="linear warmup, then cosine decay to "
+        f"{MIN_LR_RATIO:g} x lr at --max-steps (default {DEFAULT_WARMUP_STEPS}, "
+        "at most a tenth of --max-steps)",
+    )
+    optim.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="short name (" + ", ".join(sorted(OPTIMIZER_SHORT_NAMES)) + ") or dotted class path",
+    )
+    optim.add_argument(
+        "--optimizer-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="extra keyword arguments for the optimizer, as a JSON object",
+    )
+    optim.add_argument(
+        "--no-in-backward",
+        dest="in_backward",
+        action="store_false",
+        help="step the plain optimizer after backward (same loop; same results unless clipping)",
+    )
+    optim.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=_default("max_grad_norm"),
+        help="clip the global gradient norm to this; 0 disables clipping",
+    )
+    optim.add_argument(
+        "--clip-grad-value",
+        type=_positive_float,
+        metavar="V",
+        help="in backward: clamp every gradient element to [-V, V] (with --max-grad-norm 0)",
+    )
+    optim.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="in backward: skip the update of a unit whose gradient holds inf/NaN",
+    )
     run = p.add_argument_group("run")
-    run.add_argument("--output-dir", type=Path, default=Path("outputs/finetune"),
-                     help="where config, metrics, plot, checkpoints and weights go")
-    run.add_argument("--save-every", type=_non_negative_int, default=100,
-                     help="checkpoint every N steps (0: only at the end)")
-    run.add_argument("--keep-last", type=_positive_int, default=3,
-                     help="keep only the newest N checkpoints")
-    run.add_argument("--resume", action="store_true",
-                     help="continue from the newest complete checkpoint in --output-dir")
-    run.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                     help="auto: CUDA when available")
-    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                     help="auto: nccl on CUDA, gloo on CPU")
-    run.add_argument("--log-every", type=_positive_int, default=10,
-                     help="print a progress line every N steps when not on a terminal")
+    run.add_argument(
+        "--output-dir",
+        type=Path,
+        default=_default("output_dir"),
+        help="where config, metrics, plot, checkpoints and weights go",
+    )
+    run.add_argument(
+        "--save-every",
+        type=_non_negative_int,
+        default=_default("save_every"),
+        help="checkpoint every N steps (0: only at the end)",
+    )
+    run.add_argument(
+        "--keep-last",
+        type=_positive_int,
+        default=_default("keep_last"),
+        help="keep only the newest N checkpoints",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --output-dir",
+    )
+    run.add_argument(
+        "--seed", type=int, default=_default("seed"), help="model initialisation and data order"
+    )
+    run.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default=_default("device"),
+        help="auto: CUDA when available",
+    )
+    run.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default=_default("backend"),
+        help="auto: nccl on CUDA, gloo on CPU",
+    )
+    run.add_argument(
+        "--log-every",
+        type=_positive_int,
+        default=_default("log_every"),
+        help="print a progress line every N steps when not on a terminal",
+    )
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and cross-check the flags; errors exit with argparse's usage message (status 2)."""
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """The job's configuration from the flags, checked; errors exit with argparse's usage
+    message (status 2)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.hf_model is not None:
         if args.model or args.dim or args.n_layers:
             parser.error("--hf-model fine-tunes the model in DIR; drop --model/--dim/--n-layers")
         if not (args.hf_model / "config.json").is_file():
-            parser.error(f"--hf-model {args.hf_model}: no config.json there; pass the "
-                         "directory that model.save_pretrained() wrote")
+            parser.error(
+                f"--hf-model {args.hf_model}: no config.json there; pass the "
+                "directory that model.save_pretrained() wrote"
+            )
     args.model = args.model or DEFAULT_MODEL
-    if args.hf_model is None:
-        try:
-            _llama_config(args)
-        except ValueError as error:
-            parser.error(f"--model {args.model} with --dim/--n-layers: {error}")
     for flag in ("data", "init_from"):
         path = getattr(args, flag)
         if path is not None and not path.exists():
             parser.error(f"--{flag.replace('_', '-')} {path} does not exist")
-    if args.batch_size % args.grad_accum:
-        parser.error(f"--batch-size {args.batch_size} is not a multiple of --grad-accum "
-                     f"{args.grad_accum}; each micro-batch must hold the same number of sequences")
-    if args.warmup_steps >= args.max_steps:
-        parser.error(f"--warmup-steps {args.warmup_steps} must be below --max-steps "
-                     f"{args.max_steps}")
-    if args.max_grad_norm < 0 or not math.isfinite(args.max_grad_norm):
-        parser.error(f"--max-grad-norm must be a finite number >= 0, got {args.max_grad_norm}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch.cuda.is_available() is False")
-    if args.backend == "nccl" and args.device == "cpu":
-        parser.error("--backend nccl needs CUDA tensors; use --backend gloo with --device cpu")
-    newest = checkpoint.latest(args.output_dir / CHECKPOINT_SUBDIR)
-    if newest is not None and not args.resume:
-        parser.error(f"--output-dir {args.output_dir} already holds checkpoints (newest: "
-                     f"{newest.name}); pass --resume to continue that run, or choose another "
-                     "--output-dir")
     optimizer = args.optimizer
     if "." not in optimizer and optimizer.lower() not in OPTIMIZER_SHORT_NAMES:
-        parser.error(f"--optimizer {optimizer!r}: expected one of "
-                     f"{sorted(OPTIMIZER_SHORT_NAMES)} or a dotted path like torch.optim.AdamW")
+        parser.error(
+            f"--optimizer {optimizer!r}: expected one of "
+            f"{sorted(OPTIMIZER_SHORT_NAMES)} or a dotted path like torch.optim.AdamW"
+        )
     args.optimizer = OPTIMIZER_SHORT_NAMES.get(optimizer.lower(), optimizer)
-    if "lr" in args.optimizer_kwargs:
-        parser.error("--optimizer-kwargs sets 'lr'; set the learning rate with --lr")
-    try:  # the class and its keyword arguments, tried on a stand-in parameter
-        build_optimizer([torch.zeros(1, requires_grad=True)], args.optimizer, in_backward=False,
-                        lr=args.lr, **args.optimizer_kwargs)
+    try:
+        cfg = JobConfig(**vars(args))
+    except ValueError as error:
+        parser.error(str(error))
+    if cfg.hf_model is None:
+        try:
+            _llama_config(cfg)
+        except ValueError as error:
+            parser.error(f"--model {cfg.model} with --dim/--n-layers: {error}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch.cuda.is_available() is False")
+    newest = checkpoint.latest(cfg.output_dir / CHECKPOINT_SUBDIR)
+    if newest is not None and not cfg.resume:
+        parser.error(
+            f"--output-dir {cfg.output_dir} already holds checkpoints (newest: "
+            f"{newest.name}); pass --resume to continue that run, or choose another "
+            "--output-dir"
+        )
+    try:  # the class and every keyword argument, tried on a stand-in parameter
+        build_optimizer(
+            [torch.zeros(1, requires_grad=True)],
+            cfg.optimizer,
+            in_backward=cfg.in_backward,
+            **cfg.optimizer_arguments(),
+        )
     except (TypeError, ValueError) as error:
-        parser.error(f"--optimizer {optimizer} --optimizer-kwargs "
-                     f"'{json.dumps(args.optimizer_kwargs)}': {error}")
-    return args
+        parser.error(
+            f"--optimizer {optimizer} --optimizer-kwargs "
+            f"'{json.dumps(cfg.optimizer_kwargs)}': {error}"
+        )
+    return cfg
 
 
 # ---------------------------------------------------------------------------------- wiring
 
-def _setup_distributed(args: argparse.Namespace) -> tuple[torch.device, bool]:
+
+def _setup_distributed(cfg: JobConfig) -> tuple[torch.device, bool]:
     """Pick the device, join (or create) the process group; return (device, created_group)."""
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else (
-        torch.device("cpu"))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if use_cuda
+        else (torch.device("cpu"))
+    )
     if use_cuda:
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return device, False
-    backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        # Joins torchrun's shared store under a per-attempt prefix: restarts survive.
+        checkpoint.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     else:  # plain `python`: a one-rank group, so FSDP2 and checkpoints work unchanged
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+        )
     return device, True
 
 
-def _llama_config(args: argparse.Namespace) -> LlamaConfig:
+def _llama_config(cfg: JobConfig) -> LlamaConfig:
     """The preset with the flags' overrides; ``--dim`` scales the feed-forward width too."""
-    preset = PRESETS[args.model]
-    dim = args.dim or preset.dim
+    preset = PRESETS[cfg.model]
+    dim = cfg.dim or preset.dim
     return dataclasses.replace(
         preset,
         dim=dim,
-        n_layers=args.n_layers or preset.n_layers,
+        n_layers=cfg.n_layers or preset.n_layers,
         ffn_hidden=preset.ffn_hidden * dim // preset.dim,
-        max_seq_len=max(preset.max_seq_len, args.seq_len),
+        max_seq_len=max(preset.max_seq_len, cfg.seq_len),
     )
 
 
@@ -292,37 +539,49 @@ class _Model:
     description: dict[str, Any]
 
 
-def _build_model(args: argparse.Namespace, device: torch.device) -> _Model:
+def _build_model(cfg: JobConfig, device: torch.device) -> _Model:
     """Build the model on ``device`` (same weights on every rank) and shard it with FSDP2."""
-    torch.manual_seed(args.seed)
-    if args.hf_model is not None:
-        module = hf.load_causal_lm(args.hf_model).to(device)
+    torch.manual_seed(cfg.seed)
+    if cfg.hf_model is not None:
+        # Parameters on the meta device until each rank reads its shards, after apply_fsdp.
+        module = hf.empty_causal_lm(cfg.hf_model)
         blocks = hf.decoder_blocks(module)
-        tokenizer = hf.load_tokenizer(args.hf_model, module.config.vocab_size)
-        description = {"hf_model": str(args.hf_model), **module.config.to_diff_dict()}
+        tokenizer = hf.load_tokenizer(cfg.hf_model, module.config.vocab_size)
+        description = {"hf_model": str(cfg.hf_model), **module.config.to_diff_dict()}
         logits = lambda tokens: hf.hf_logits(module, tokens)  # noqa: E731
     else:
-        config = _llama_config(args)
+        config = _llama_config(cfg)
         with device:
             module = Llama(config)
         blocks, tokenizer = list(module.layers), ByteTokenizer()
-        description = {"preset": args.model, **dataclasses.asdict(config)}
+        description = {"preset": cfg.model, **dataclasses.asdict(config)}
         logits = module
     description["num_params"] = sum(p.numel() for p in module.parameters())
-    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                 if args.mixed_precision == "bf16" else None)
-    apply_fsdp(module, blocks=blocks, mp_policy=mp_policy,
-               activation_checkpointing=args.activation_checkpointing)
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.mixed_precision == "bf16"
+        else None
+    )
+    apply_fsdp(
+        module,
+        blocks=blocks,
+        mp_policy=mp_policy,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    if cfg.hf_model is not None:
+        hf.load_local_shards(module, cfg.hf_model, device)
     return _Model(module, logits, tokenizer, description)
 
 
 def warmup_cosine(warmup_steps: int, max_steps: int) -> Callable[[int], float]:
     """LR multiplier: linear from 1/(warmup+1) to 1, then cosine down to ``MIN_LR_RATIO``."""
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / (warmup_steps + 1)
         progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
         return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return factor
 
 
@@ -347,7 +606,11 @@ def _init_from(path: Path, model: nn.Module) -> None:
 
 
 def _train_step(
-    args: argparse.Namespace, model: _Model, optim: Optimizer, sampler: BatchSampler, step: int,
+    cfg: JobConfig,
+    model: _Model,
+    optim: Optimizer,
+    sampler: BatchSampler,
+    step: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on the global batch of ``step``; return (mean loss, grad norm).
@@ -358,152 +621,192 @@ def _train_step(
     this rank's share of that mean (not yet averaged over ranks).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(args.grad_accum):
-        inputs, targets = (t.to(device) for t in sampler.micro_batch(
-            step, micro=micro, grad_accum=args.grad_accum, rank=rank, world_size=world))
-        last = micro == args.grad_accum - 1
-        # Every micro-batch but the last only accumulates gradients.
-        with contextlib.nullcontext() if last else accumulate_grads(optim):
-            logits = model.logits(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            (loss / args.grad_accum).backward()
-        loss_sum += loss.detach() / args.grad_accum
-    grad_norm = clip_grad_norm_(optim, args.max_grad_norm or None)
+    micro_batches = [
+        sampler.micro_batch(step, micro=m, grad_accum=cfg.grad_accum, rank=rank, world_size=world)
+        for m in range(cfg.grad_accum)
+    ]
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = (t.to(device) for t in batch)
+        return F.cross_entropy(model.logits(inputs).flatten(0, 1).float(), targets.flatten())
+
+    loss = backward_micro_batches(optim, loss_fn, micro_batches)
+    grad_norm = clip_grad_norm_(optim, cfg.max_grad_norm or None)
     optim.step()
     optim.zero_grad()
-    return loss_sum, grad_norm
+    return loss, grad_norm
 
 
-def _banner(args: argparse.Namespace, model: _Model, sampler: BatchSampler, device: torch.device,
-            start_step: int) -> str:
+def _banner(
+    cfg: JobConfig, model: _Model, sampler: BatchSampler, device: torch.device, start_step: int
+) -> str:
     world = dist.get_world_size()
-    steps = (f"steps {start_step + 1}..{args.max_steps}" if start_step < args.max_steps
-             else "no steps left")
+    steps = (
+        f"steps {start_step + 1}..{cfg.max_steps}"
+        if start_step < cfg.max_steps
+        else "no steps left"
+    )
     return (
         f"fine-tuning {model.description['num_params'] / 1e6:.2f}M parameters on {world} "
         f"rank(s), {device} ({format_bytes(memory_budget_bytes(device))} per device), "
         f"{dist.get_backend()}\n"
-        f"  optimizer {args.optimizer} {'after' if args.no_in_backward else 'in'} backward, "
-        f"{args.batch_size * args.seq_len:,} tokens/step ({args.batch_size} x {args.seq_len}, "
-        f"{args.grad_accum} micro-batch(es)), {sampler.tokens.numel():,} tokens of data\n"
-        f"  {steps}" + (f" (resumed from step {start_step})" if start_step else
-                        " (--resume: no checkpoint yet)" if args.resume else "")
+        f"  optimizer {cfg.optimizer} {'after' if not cfg.in_backward else 'in'} backward, "
+        f"{cfg.batch_size * cfg.seq_len:,} tokens/step ({cfg.batch_size} x {cfg.seq_len}, "
+        f"{cfg.grad_accum} micro-batch(es)), {sampler.tokens.numel():,} tokens of data\n"
+        f"  {steps}"
+        + (
+            f" (resumed from step {start_step})"
+            if start_step
+            else " (--resume: no checkpoint yet)"
+            if cfg.resume
+            else ""
+        )
     )
 
 
-def _summary_text(summary: dict[str, Any], args: argparse.Namespace, outputs: list[str]) -> str:
+def _summary_text(summary: dict[str, Any], cfg: JobConfig, outputs: list[str]) -> str:
     if summary["steps"]:
-        trained = (f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, loss "
-                   f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, peak memory "
-                   f"{format_bytes(summary['peak_mem_bytes'])} (rank 0)")
+        trained = (
+            f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, loss "
+            f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, peak memory "
+            f"{format_bytes(summary['peak_mem_bytes'])} (rank 0)"
+        )
     else:
-        trained = f"nothing to train: the checkpoint is already at --max-steps {args.max_steps}"
-    return f"{trained}\noutputs in {args.output_dir}/: {', '.join(outputs)}"
+        trained = f"nothing to train: the checkpoint is already at --max-steps {cfg.max_steps}"
+    return f"{trained}\noutputs in {cfg.output_dir}/: {', '.join(outputs)}"
 
 
 # ---------------------------------------------------------------------------------- the job
 
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the fine-tuning job; return the final summary (the same on every rank)."""
-    args = parse_args(argv)
-    device, created_group = _setup_distributed(args)
+    cfg = parse_args(argv)
+    device, created_group = _setup_distributed(cfg)
     try:
-        return _run(args, device)
+        return _run(cfg, device)
     finally:
         if created_group:
             dist.destroy_process_group()
 
 
-def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def _run(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
     world, is_main = dist.get_world_size(), dist.get_rank() == 0
-    if args.batch_size % (args.grad_accum * world):
-        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x "
-                         f"world size = {args.grad_accum} x {world}")
-    model = _build_model(args, device)
-    if args.init_from is not None:
-        _init_from(args.init_from, model.module)
-    sampler = BatchSampler(tokenize(read_documents(args.data), model.tokenizer),
-                           seq_len=args.seq_len, global_batch=args.batch_size, seed=args.seed)
-    optim = build_optimizer(
-        model.module.parameters(), args.optimizer, in_backward=not args.no_in_backward,
-        max_grad_norm=args.max_grad_norm or None, lr=args.lr, **args.optimizer_kwargs,
+    if cfg.batch_size % (cfg.grad_accum * world):
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} must be a multiple of --grad-accum x "
+            f"world size = {cfg.grad_accum} x {world}"
+        )
+    model = _build_model(cfg, device)
+    if cfg.init_from is not None:
+        _init_from(cfg.init_from, model.module)
+    sampler = BatchSampler(
+        tokenize(read_documents(cfg.data), model.tokenizer),
+        seq_len=cfg.seq_len,
+        global_batch=cfg.batch_size,
+        seed=cfg.seed,
     )
-    scheduler = LambdaLR(optim, warmup_cosine(args.warmup_steps, args.max_steps))
-    checkpoint_dir = args.output_dir / CHECKPOINT_SUBDIR
+    optim = build_optimizer(
+        model.module.parameters(),
+        cfg.optimizer,
+        in_backward=cfg.in_backward,
+        **cfg.optimizer_arguments(),
+    )
+    scheduler = LambdaLR(optim, warmup_cosine(cfg.warmup_steps, cfg.max_steps))
+    checkpoint_dir = cfg.output_dir / CHECKPOINT_SUBDIR
     start_step = 0
     # parse_args refused existing checkpoints without --resume.
     if checkpoint.latest(checkpoint_dir) is not None:
         start_step, extra = checkpoint.load(checkpoint_dir, model.module, optim)
         scheduler.load_state_dict(extra["scheduler"])
 
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = cfg.batch_size * cfg.seq_len
     config = {
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "world_size": world, "device": str(device), "tokens_per_step": tokens_per_step,
-        "micro_batch_per_rank": args.batch_size // (args.grad_accum * world),
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "world_size": world,
+        "device": str(device),
+        "tokens_per_step": tokens_per_step,
+        "micro_batch_per_rank": cfg.batch_size // (cfg.grad_accum * world),
         "model_config": model.description,
     }
-    metrics_path = args.output_dir / METRICS_FILE
+    metrics_path = cfg.output_dir / METRICS_FILE
     if is_main:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(args.output_dir / CONFIG_FILE, config)
+        cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(cfg.output_dir / CONFIG_FILE, config)
         metrics = MetricsLog(metrics_path, resume_step=start_step)
-        progress = ProgressLine(args.max_steps, every=args.log_every)
-        print(_banner(args, model, sampler, device, start_step), flush=True)
+        progress = ProgressLine(cfg.max_steps, every=cfg.log_every)
+        print(_banner(cfg, model, sampler, device, start_step), flush=True)
 
     losses: list[float] = []
     pending = None
     started = time.perf_counter()
-    for step in range(start_step + 1, args.max_steps + 1):
+    for step in range(start_step + 1, cfg.max_steps + 1):
         step_started = time.perf_counter()
         lr = optim.param_groups[0]["lr"]
-        loss, grad_norm = _train_step(args, model, optim, sampler, step, device)
-        inject_fault("after_backward", step=step, rank=dist.get_rank())  # tests only
+        loss, grad_norm = _train_step(cfg, model, optim, sampler, step, device)
+        inject_fault(
+            "after_backward", step=step, rank=dist.get_rank(), checkpoint_dir=checkpoint_dir
+        )
         scheduler.step()
         # Host sync, once per step: the global mean loss and the gradient norm for the log.
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         losses.append(loss.item() / world)
         row = {
-            "step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
+            "step": step,
+            "loss": losses[-1],
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
             "tokens_per_s": tokens_per_step / (time.perf_counter() - step_started),
             "peak_mem_bytes": peak_memory_bytes(device),
         }
         if is_main:
             metrics.write(row)
             progress.update(row)
-        if step == args.max_steps or (args.save_every and step % args.save_every == 0):
-            # Written in the background while training goes on; committed by the next save.
+        if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
+            # Written in the background while training goes on, and committed as soon as every
+            # rank has written its part.
             pending = checkpoint.save(
-                checkpoint_dir, model.module, optim, step=step, async_=True,
-                keep_last=args.keep_last,
+                checkpoint_dir,
+                model.module,
+                optim,
+                step=step,
+                async_=True,
+                keep_last=cfg.keep_last,
                 extra={"scheduler": scheduler.state_dict(), "config": config},
             )
-            inject_fault("during_save", step=step, rank=dist.get_rank())  # tests only
+            inject_fault(
+                "during_save", step=step, rank=dist.get_rank(), checkpoint_dir=checkpoint_dir
+            )
     elapsed = time.perf_counter() - started
     if pending is not None:
         pending.wait()
 
     outputs = [CONFIG_FILE, METRICS_FILE, LOSS_PLOT_FILE, SUMMARY_FILE, f"{CHECKPOINT_SUBDIR}/"]
-    if args.hf_model is not None:
-        hf.save_pretrained(model.module, args.hf_model, args.output_dir / HF_EXPORT_DIR)
+    if cfg.hf_model is not None:
+        hf.save_pretrained(model.module, cfg.hf_model, cfg.output_dir / HF_EXPORT_DIR)
         outputs.append(f"{HF_EXPORT_DIR}/")
     else:
-        checkpoint.export_weights(model.module, args.output_dir / WEIGHTS_FILE)
+        checkpoint.export_weights(model.module, cfg.output_dir / WEIGHTS_FILE)
         outputs.append(WEIGHTS_FILE)
     summary = {
-        "steps": len(losses), "first_loss": losses[0] if losses else None,
-        "last_loss": losses[-1] if losses else None, "seconds": elapsed,
+        "steps": len(losses),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "seconds": elapsed,
         "tokens_per_s": tokens_per_step * len(losses) / elapsed if losses else None,
-        "peak_mem_bytes": peak_memory_bytes(device), "output_dir": str(args.output_dir),
+        "peak_mem_bytes": peak_memory_bytes(device),
+        "output_dir": str(cfg.output_dir),
     }
     if is_main:
         progress.close()
         metrics.close()
-        plot_loss_curve(metrics_path, args.output_dir / LOSS_PLOT_FILE,
-                        title=f"{model.description.get('preset', 'hf')} fine-tuning")
-        _write_json(args.output_dir / SUMMARY_FILE, summary)
-        print(_summary_text(summary, args, outputs), flush=True)
+        plot_loss_curve(
+            metrics_path,
+            cfg.output_dir / LOSS_PLOT_FILE,
+            title=f"{model.description.get('preset', 'hf')} fine-tuning",
+        )
+        _write_json(cfg.output_dir / SUMMARY_FILE, summary)
+        print(_summary_text(summary, cfg, outputs), flush=True)
     return summary
 
 
