@@ -9,7 +9,8 @@ is local.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -18,9 +19,12 @@ __all__ = [
     "async_save_group",
     "broadcast_from_rank0",
     "is_distributed",
+    "on_rank0",
     "rank",
     "world_size",
 ]
+
+T = TypeVar("T")
 
 # The gloo group async saves run their collectives on, and the default group it was made for.
 _ASYNC_GROUP: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
@@ -51,16 +55,42 @@ def agree(error: Exception | None) -> None:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
     failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
-    if not failed:
-        return
-    first_rank, (cls, message) = failed[0]
-    if len(gathered) > 1:
-        message = f"on rank {first_rank}: {message}"
+    if failed:
+        first_rank, (cls, message) = failed[0]
+        _raise(cls, message, first_rank if len(gathered) > 1 else None, error)
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only and return its result on every rank; if it raises, every rank
+    raises its exception (as :func:`agree` does). Collective.
+
+    For checks of shared files: one rank reads them and shares the verdict, instead of every
+    rank asking the file system the same questions.
+    """
+    outcome: tuple[bool, Any] | None = None
+    error = None
+    if rank() == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as e:
+            outcome, error = (False, _portable(e)), e
+    ok, value = broadcast_from_rank0(outcome)
+    if not ok:
+        cls, message = value
+        _raise(cls, message, 0 if world_size() > 1 else None, error)
+    return value
+
+
+def _raise(
+    cls: type[Exception], message: str, failed_rank: int | None, cause: Exception | None
+) -> None:
+    if failed_rank is not None:
+        message = f"on rank {failed_rank}: {message}"
     try:
         exc = cls(message)
     except Exception:
         exc = RuntimeError(message)
-    raise exc from error
+    raise exc from cause
 
 
 def _portable(error: Exception) -> tuple[type[Exception], str]:

@@ -3,15 +3,18 @@
 ::
 
     directory/
-        step_000010/          complete: DCP shards + .metadata, extra.pt, checkpoint.json
+        step_000010/          complete: DCP shards + .metadata, __<rank>_checksums.json,
+                              extra.pt, checkpoint.json
         step_000020.tmp/      being written, or left by a save that died: never loaded
 
-A save writes everything into ``step_N.tmp/``. Once every rank has written its shards (DCP's
-coordinator has then written ``.metadata``), rank 0 writes ``checkpoint.json`` into it and renames
-the folder to ``step_N/``. A rename within one directory is atomic on POSIX file systems, so a
-reader sees either no ``step_N/`` or a complete one, and a crash at any point of a save leaves
-the previous checkpoints as they were. The functions here touch the file system only; callers
-decide which rank runs them (rank 0 for every change).
+A save writes everything into ``step_N.tmp/``: each rank its shards and a record of their
+checksums, rank 0 also ``extra.pt`` (see ``_checkpoint_checksums``). Once every rank has written
+its shards (DCP's coordinator has then written ``.metadata``), rank 0 writes ``checkpoint.json``
+into it, with the checksums of ``.metadata``, ``extra.pt`` and its own content, and renames the
+folder to ``step_N/``; every file is fsynced before the rename. A rename within one directory
+is atomic on POSIX file systems, so a reader sees either no ``step_N/`` or a complete one, and a
+crash at any point of a save leaves the previous checkpoints as they were. The functions here
+touch the file system only; callers decide which rank runs them (rank 0 for every change).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from fused_optim_dist._checkpoint_checksums import checksum_bytes, checksum_file
+
 __all__ = [
+    "DCP_METADATA_FILE",
     "EXTRA_FILE",
     "METADATA_FILE",
-    "check_shards",
     "commit",
     "complete_checkpoints",
     "latest",
@@ -45,6 +50,11 @@ REQUIRED_METADATA_KEYS = frozenset(
 """Keys ``fused_optim_dist.checkpoint.save`` always writes into ``METADATA_FILE``."""
 EXTRA_FILE = "extra.pt"
 """The caller's ``extra`` object, ``torch.save``'d by rank 0."""
+CHECKSUMS_KEY = "checksums"
+"""In ``METADATA_FILE``: file name -> checksum of the files rank 0 wrote (``.metadata``,
+``extra.pt``); shard files are recorded by the rank that wrote them."""
+SELF_CHECKSUM_KEY = "metadata_checksum"
+"""In ``METADATA_FILE``: the checksum of the rest of its content (see :func:`_canonical`)."""
 DCP_METADATA_FILE = ".metadata"
 """Written by DCP's coordinator once every rank has written its shards."""
 _TMP_SUFFIX = ".tmp"
@@ -97,12 +107,23 @@ def prepare(final: Path) -> Path:
     return tmp
 
 
+def _canonical(metadata: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in metadata.items() if k != SELF_CHECKSUM_KEY}
+    return json.dumps(body, sort_keys=True).encode()
+
+
 def commit(final: Path, metadata: dict[str, Any]) -> None:
     """Write ``metadata`` into the temporary folder of ``final`` and rename it to ``final``.
 
-    Call only after every rank has finished writing into the temporary folder.
+    Records the checksum of DCP's ``.metadata`` (rank 0 wrote it as DCP's coordinator) and of
+    the metadata itself. Call only after every rank has finished writing into the temporary
+    folder.
     """
     tmp = tmp_dir(final)
+    checksums = {**metadata.get(CHECKSUMS_KEY, {})}
+    checksums[DCP_METADATA_FILE] = checksum_file(tmp / DCP_METADATA_FILE)
+    metadata = {**metadata, CHECKSUMS_KEY: checksums}
+    metadata[SELF_CHECKSUM_KEY] = checksum_bytes(_canonical(metadata))
     with open(tmp / METADATA_FILE, "w") as f:
         json.dump(metadata, f, indent=1)
         f.flush()
@@ -135,11 +156,13 @@ def prune(directory: Path, keep_last: int | None) -> None:
             shutil.rmtree(path)
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
+def read_metadata(path: Path, *, verify_checksum: bool = True) -> dict[str, Any]:
     """The metadata of the committed checkpoint ``path``.
 
     Raises:
         FileNotFoundError: if ``path`` is not a committed checkpoint.
+        ValueError: naming the file, if it is not valid JSON, lacks a key every save writes, or
+            (with ``verify_checksum``) its content differs from what was written.
     """
     file = path / METADATA_FILE
     if not file.is_file():
@@ -160,39 +183,13 @@ def read_metadata(path: Path) -> dict[str, Any]:
             f"{file} is corrupt: it lacks {sorted(missing)}, which every save writes; load an "
             "earlier checkpoint"
         )
-    return metadata
-
-
-def check_shards(path: Path) -> None:
-    """Check that DCP's ``.metadata`` of ``path`` is readable and every shard file it points to
-    is at least as long as it says, before anything is read into live tensors.
-
-    DCP loads shards in place, so a shard that fails half-way would leave the model half
-    loaded; this catches truncated and missing files up front (not bit flips within a file).
-
-    Raises:
-        ValueError: naming the unreadable ``.metadata`` or the missing or truncated shard file.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:
-        raise ValueError(
-            f"{path / DCP_METADATA_FILE} is corrupt or unreadable ({type(e).__name__}: {e}); "
-            "load an earlier checkpoint"
-        ) from e
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"{file} is missing: the checkpoint is incomplete")
-        actual = file.stat().st_size
-        if actual < size:
+    # Format version 1 wrote no checksums; the format check in load() reports newer versions.
+    if verify_checksum and metadata["format_version"] != 1:
+        recorded = metadata.get(SELF_CHECKSUM_KEY)
+        actual = checksum_bytes(_canonical(metadata))
+        if recorded != actual:
             raise ValueError(
-                f"{file} is truncated (corrupt): {actual} bytes, but the checkpoint's metadata "
-                f"needs {size}; load an earlier checkpoint"
+                f"{file} is corrupt: its checksum is {actual}, but {recorded} was recorded when "
+                "it was written; load an earlier checkpoint"
             )
+    return metadata

@@ -4,7 +4,8 @@ A description is a JSON-able dict: the format version, the wrapped optimizer cla
 of the model state dict (name, global shape, dtype) and the parameter names of each param group.
 ``load`` describes the live model and optimizer the same way and compares the two before it
 changes anything, so that a mismatch is reported by name rather than as a failure halfway
-through DCP's load.
+through DCP's load. The optimizer's state (which entries each parameter has, their shapes and
+dtypes) is compared separately, against DCP's own ``.metadata``: see :func:`state_mismatches`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
 from fused_optim_dist.optimizer import OptimizerInBackward
@@ -22,12 +24,17 @@ __all__ = [
     "describe",
     "mismatches",
     "optimizer_class",
+    "saved_state_specs",
+    "state_mismatches",
+    "state_specs",
     "tensor_mismatches",
     "tensor_specs",
 ]
 
-FORMAT_VERSION = 1
-"""Bumped when the layout or the description changes incompatibly."""
+FORMAT_VERSION = 2
+"""Bumped when the layout or the description changes incompatibly. 2: file checksums."""
+OPTIMIZER_STATE_PREFIX = "optimizer.state."
+"""DCP's flat key of ``state_dict["optimizer"]["state"][fqn][key]`` is this + ``fqn.key``."""
 
 # Module wrappers whose attribute name DCP drops from parameter names: activation checkpointing
 # (checkpoint_wrapper) and torch.compile (OptimizedModule). fully_shard adds none.
@@ -43,13 +50,79 @@ def optimizer_class(optim: Optimizer) -> type[Optimizer]:
     return optim.optimizer_cls if isinstance(optim, OptimizerInBackward) else type(optim)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def tensor_specs(state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Name -> global shape and dtype of each tensor in a model state dict (DTensors included)."""
     return {
-        name: {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        name: {"shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
         for name, value in state_dict.items()
         if isinstance(value, torch.Tensor)
     }
+
+
+def _value_spec(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
+    return {"shape": None, "dtype": "a Python object"}
+
+
+def state_specs(optim_state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``fqn.key`` -> global shape and dtype of each entry of an optimizer state dict, as
+    ``get_state_dict`` returns it (non-tensor entries have shape ``None``)."""
+    return {
+        f"{fqn}.{key}": _value_spec(value)
+        for fqn, entries in optim_state["state"].items()
+        for key, value in entries.items()
+    }
+
+
+def saved_state_specs(metadata: Metadata) -> dict[str, dict[str, Any]]:
+    """The same as :func:`state_specs`, for the optimizer state a DCP checkpoint holds."""
+    specs = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if not key.startswith(OPTIMIZER_STATE_PREFIX):
+            continue
+        name = key.removeprefix(OPTIMIZER_STATE_PREFIX)
+        if isinstance(item, TensorStorageMetadata):
+            specs[name] = {"shape": list(item.size), "dtype": _dtype_name(item.properties.dtype)}
+        else:
+            specs[name] = {"shape": None, "dtype": "a Python object"}
+    return specs
+
+
+def _describe_spec(spec: dict[str, Any]) -> str:
+    if spec["shape"] is None:
+        return spec["dtype"]
+    return f"{spec['dtype']} {tuple(spec['shape'])}"
+
+
+def state_mismatches(saved: dict[str, dict], current: dict[str, dict]) -> list[str]:
+    """Differences between the optimizer state a checkpoint holds and the state the optimizer
+    in use has (or gets on its first step), one line per entry, naming it.
+
+    DCP loads the entries the optimizer has and silently ignores the others, converting dtypes
+    on the way: an ``AdamW`` checkpoint loaded into ``AdamW(amsgrad=True)`` would fail halfway
+    (no ``max_exp_avg_sq``), the reverse would leave ``amsgrad=True`` in the groups and no state
+    for it.
+    """
+    problems = [
+        f"optimizer state {name!r} is in the optimizer but not in the checkpoint"
+        for name in current.keys() - saved.keys()
+    ]
+    problems += [
+        f"optimizer state {name!r} is in the checkpoint but not in the optimizer"
+        for name in saved.keys() - current.keys()
+    ]
+    for name in current.keys() & saved.keys():
+        if current[name] != saved[name]:
+            problems.append(
+                f"optimizer state {name!r} is {_describe_spec(current[name])} in the optimizer "
+                f"but {_describe_spec(saved[name])} in the checkpoint"
+            )
+    return sorted(problems)
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -107,11 +180,12 @@ def tensor_mismatches(
         f"{name!r} is in {where} but not in the model" for name in saved.keys() - current.keys()
     ]
     for name in current.keys() & saved.keys():
-        if current[name]["shape"] != saved[name]["shape"]:
-            problems.append(
-                f"{name!r} has shape {tuple(current[name]['shape'])} in the model but "
-                f"{tuple(saved[name]['shape'])} in {where}"
-            )
+        for field in ("shape", "dtype"):
+            now, then = current[name][field], saved[name][field]
+            if now != then:
+                if field == "shape":
+                    now, then = tuple(now), tuple(then)
+                problems.append(f"{name!r} has {field} {now} in the model but {then} in {where}")
     return sorted(problems)
 
 
@@ -149,7 +223,7 @@ def mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     optimizer, one line per problem; empty when it can.
     """
     version = saved.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
         return [
             f"the checkpoint has format version {version!r}; this release reads versions up to "
             f"{FORMAT_VERSION}: upgrade fused_optim_dist"

@@ -2,23 +2,28 @@
 
 ``save`` writes the model and optimizer state with ``torch.distributed.checkpoint`` (DCP): each
 rank writes its own shards, nothing is gathered. With them go the caller's ``extra`` object
-(scheduler state, data position, ...) and a description of the model and optimizer, all into
-``directory/step_<N>/``, which appears only once every rank has written its part (see
-``_checkpoint_layout``): a save that dies leaves the previous checkpoints as they were. ``load``
-takes the newest complete checkpoint, checks that it fits the model and optimizer in use before
-changing anything, and loads it on any number of ranks (DCP reshards).
+(scheduler state, data position, ...), a description of the model and optimizer, and a checksum
+of every file, all into ``directory/step_<N>/``, which appears only once every rank has written
+its part (see ``_checkpoint_layout``): a save that dies leaves the previous checkpoints as they
+were. An asynchronous save appears as soon as the last rank has written, while training goes on.
+``load`` takes the newest complete checkpoint, checks that it fits the model and optimizer in use
+and that its files hold what was written, before changing anything, and loads it on any number
+of ranks (DCP reshards).
 
 The optimizer may be an ``OptimizerInBackward`` or a plain ``torch.optim`` optimizer of the same
 class: both save the same state under the same names, so a checkpoint written with one loads
 into the other, sharded or not. Each checkpoint folder is also a plain DCP checkpoint holding
 ``{"model": ..., "optimizer": ...}`` as ``get_state_dict`` returns them.
 
-Every function except ``latest`` is collective: call it on every rank, in the same order, with
-the same arguments. ``directory`` must be on a file system every rank sees. Loading unpickles
-``extra``: load only checkpoints you trust (DCP's own ``.metadata`` is a pickle too).
+Every function except ``latest`` and ``init_process_group`` is collective: call it on every
+rank, in the same order, with the same arguments. ``directory`` must be on a file system every
+rank sees. Loading unpickles ``extra``: load only checkpoints you trust (DCP's own ``.metadata``
+is a pickle too). Jobs restarted by ``torchrun --max-restarts`` join their process group with
+:func:`init_process_group`.
 
 Example, a loop that resumes and saves every 100 steps in the background::
 
+    checkpoint.init_process_group("nccl")
     step, extra = 0, None
     if checkpoint.latest(ckpt_dir) is not None:
         step, extra = checkpoint.load(ckpt_dir, model, optim)
@@ -28,18 +33,19 @@ Example, a loop that resumes and saves every 100 steps in the background::
         train_one_step(step)
         step += 1
         if step % 100 == 0:
-            # Waits for (and commits) the previous async save first.
+            # Committed in the background once every rank has written its shards.
             pending = checkpoint.save(ckpt_dir, model, optim, step=step, async_=True,
                                       extra={"scheduler": scheduler.state_dict()}, keep_last=3)
     if pending is not None:
-        pending.wait()  # commit the last checkpoint before exiting
+        pending.wait()  # the last save is committed, or its error raised, on every rank
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import os
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,76 +62,101 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from fused_optim_dist import _checkpoint_layout as layout
+from fused_optim_dist._checkpoint_checksums import ChecksumWriter, checksum_bytes, write_durably
 from fused_optim_dist._checkpoint_collectives import (
     agree,
     async_save_group,
-    broadcast_from_rank0,
     is_distributed,
+    on_rank0,
     rank,
     world_size,
 )
 from fused_optim_dist._checkpoint_metadata import (
     describe,
     mismatches,
+    state_mismatches,
+    state_specs,
     tensor_mismatches,
     tensor_specs,
 )
+from fused_optim_dist._checkpoint_reading import Inspection, inspect, verify_share
+from fused_optim_dist._checkpoint_rendezvous import init_process_group
 from fused_optim_dist.optimizer import OptimizerInBackward
 
-__all__ = ["SaveHandle", "export_weights", "latest", "load", "load_weights", "save"]
+__all__ = [
+    "SaveHandle",
+    "export_weights",
+    "init_process_group",
+    "latest",
+    "load",
+    "load_weights",
+    "save",
+]
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 """Top-level keys of the DCP state dict, for reading a checkpoint with plain ``dcp.load``."""
 
-# What a failed DCP save raises (CheckpointException, which gathers every rank's error, is a
-# BaseException).
-_SAVE_ERRORS = (Exception, dcp.CheckpointException)
+# What a failed DCP call raises (CheckpointException, which gathers every rank's error, is a
+# BaseException: it must never reach the caller, whose `except Exception` would miss it).
+_DCP_ERRORS = (Exception, dcp.CheckpointException)
 
-# The async save that has not been committed yet; at most one is in flight.
+# The async save that has not been waited on yet; at most one is in flight.
 _PENDING: SaveHandle | None = None
+# Finishes async saves: waits for this rank's write, then (rank 0) commits and prunes.
+# See [Note: async commit].
+_FINISHER: ThreadPoolExecutor | None = None
+
+
+# [Note: async commit]
+# DCP's coordinator (rank 0) writes ``.metadata`` only after every rank has reported its shards
+# written, and its save completes only after that; if any rank failed, every rank's save raises.
+# So when rank 0's background write completes without error, every rank's part is on disk and
+# rank 0 can commit (write checkpoint.json, rename) at once, in a background thread of its own,
+# without asking the other ranks: the checkpoint becomes the newest complete one while training
+# goes on, with no further call. ``SaveHandle.wait()`` is then only how every rank learns the
+# outcome (the next save or load calls it).
 
 
 class SaveHandle:
     """A checkpoint being written, or written. ``path`` is the folder it commits to.
 
     A synchronous ``save`` returns a handle that is already committed. After ``save(...,
-    async_=True)`` the shards are written by a background thread while training goes on, and the
-    checkpoint becomes visible to ``latest`` and ``load`` when :meth:`wait` commits it. The next
-    ``save`` or ``load`` calls ``wait()`` itself; after the last save of a run, call it on every
-    rank, or that checkpoint stays uncommitted (and is never loaded).
+    async_=True)`` the shards are written by a background thread while training goes on, and
+    rank 0 commits the checkpoint, in the background too, as soon as every rank has written its
+    part: from then on ``latest`` and ``load`` (and a restarted job) see it, without any call.
+    :meth:`wait` tells every rank the outcome; the next ``save`` or ``load`` calls it, and after
+    the last save of a run call it yourself to hear of a failure.
     """
 
-    def __init__(
-        self, path: Path, metadata: dict[str, Any], keep_last: int | None, future: Future
-    ) -> None:
+    def __init__(self, path: Path, step: int, finished: Future) -> None:
         self.path = path
-        self.step: int = metadata["step"]
-        self._metadata = metadata
-        self._keep_last = keep_last
-        # Completes when this rank's part of DCP's save has finished (the coordinator's part
-        # includes writing .metadata after every rank's shards are written).
-        self._future = future
+        self.step = step
+        # Completes when this rank's part is over: its shards written and, on rank 0, the
+        # checkpoint committed and old ones pruned; holds the error if that failed.
+        self._finished = finished
         # None while not waited on; then True, or the exception that made the save fail.
         self._outcome: bool | Exception | None = None
 
     def done(self) -> bool:
-        """Whether this rank has finished writing. Local, does not commit."""
-        return self._future.done()
+        """Whether this rank's part is over (on rank 0: committed or failed). Local."""
+        return self._finished.done()
 
     def wait(self) -> Path:
-        """Wait until every rank has written its shards, commit the checkpoint, return its path.
+        """Wait until the checkpoint is committed and return its path, or raise on every rank
+        why it was not. Collective.
 
-        Collective. Calling it again returns the path (or raises the same error) at once.
+        Calling it again returns the path (or raises the same error) at once.
 
         Raises:
-            RuntimeError, OSError: on every rank, if any rank failed to write or rank 0 failed
-                to commit. The checkpoint is then not committed; earlier ones are untouched.
+            RuntimeError, OSError: on every rank, if any rank failed to write, or rank 0 failed
+                to commit or to prune. Earlier checkpoints are untouched.
         """
         global _PENDING
         if self._outcome is None:
             try:
-                self._finish()
+                error = self._finished.exception()
+                agree(error)
                 self._outcome = True
             except Exception as e:
                 self._outcome = e
@@ -136,29 +167,35 @@ class SaveHandle:
             raise self._outcome
         return self.path
 
-    def _finish(self) -> None:
-        error = None
-        try:
-            self._future.result()
-        except _SAVE_ERRORS as e:
-            error = RuntimeError(
-                f"writing checkpoint step {self.step} into {layout.tmp_dir(self.path)} failed, "
-                f"so it was not committed: {e}"
-            )
-        agree(error)
-        error = None
-        if rank() == 0:
-            try:
-                layout.commit(self.path, self._metadata)
-            except OSError as e:
-                error = e
-        agree(error)
-        if rank() == 0:
-            try:
-                layout.prune(self.path.parent, self._keep_last)
-            except OSError as e:
-                error = OSError(f"checkpoint {self.path} was committed, but pruning failed: {e}")
-        agree(error)
+
+def _finish(
+    write: Future, final: Path, metadata: dict[str, Any], keep_last: int | None, step: int
+) -> None:
+    """This rank's end of a save: wait for its write; on rank 0, commit and prune.
+
+    See [Note: async commit].
+    """
+    try:
+        write.result()
+    except _DCP_ERRORS as e:
+        raise RuntimeError(
+            f"writing checkpoint step {step} into {layout.tmp_dir(final)} failed, so it was not "
+            f"committed: {e}"
+        ) from None
+    if rank() != 0:
+        return
+    layout.commit(final, metadata)
+    try:
+        layout.prune(final.parent, keep_last)
+    except OSError as e:
+        raise OSError(f"checkpoint {final} was committed, but pruning failed: {e}") from e
+
+
+def _finisher() -> ThreadPoolExecutor:
+    global _FINISHER
+    if _FINISHER is None:
+        _FINISHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+    return _FINISHER
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
@@ -180,25 +217,24 @@ def _check_save_args(step: int, keep_last: int | None) -> None:
         raise ValueError(f"keep_last must be None (keep all) or an int >= 1, not {keep_last!r}")
 
 
-def _prepare_on_rank0(final: Path, extra: Any) -> None:
-    """Rank 0 creates the temporary folder and writes ``extra`` into it. Collective."""
-    error = None
-    if rank() == 0:
+def _prepare_on_rank0(final: Path, extra: Any) -> dict[str, str]:
+    """Rank 0 creates the temporary folder and writes ``extra`` into it (fsynced); return the
+    checksum of what it wrote, on every rank. Collective."""
+
+    def prepare() -> dict[str, str]:
         buffer = io.BytesIO()
         try:
             torch.save(extra, buffer)
         except Exception as e:
-            error = ValueError(
+            raise ValueError(
                 f"extra could not be saved with torch.save ({type(e).__name__}: {e}); pass "
                 "picklable objects such as state_dict()s, numbers, strings and tensors"
-            )
-        if error is None:
-            try:
-                tmp = layout.prepare(final)
-                (tmp / layout.EXTRA_FILE).write_bytes(buffer.getbuffer())
-            except OSError as e:
-                error = e
-    agree(error)
+            ) from e
+        tmp = layout.prepare(final)
+        write_durably(tmp / layout.EXTRA_FILE, buffer.getbuffer())
+        return {layout.EXTRA_FILE: checksum_bytes(buffer.getbuffer())}
+
+    return on_rank0(prepare)
 
 
 def save(
@@ -213,18 +249,19 @@ def save(
 ) -> SaveHandle:
     """Save ``model`` and ``optim`` as shards into ``directory/step_<step>/``. Collective.
 
-    First waits for (and commits) an async save still in flight. Each rank writes only its own
-    shards; rank 0 also writes ``extra`` (its own copy: pass what is the same on every rank, or
-    what rank 0's should restore) and, once every rank has finished, commits the checkpoint.
+    First waits for an async save still in flight. Each rank writes only its own shards and a
+    checksum of each; rank 0 also writes ``extra`` (its own copy: pass what is the same on every
+    rank, or what rank 0's should restore) and, once every rank has finished, commits the
+    checkpoint and deletes those ``keep_last`` leaves out.
 
     Args:
         directory: the run's checkpoint folder, created if missing.
         step: the training step, which names the checkpoint; each step is saved once.
         extra: any picklable object, returned by ``load``.
         async_: return as soon as the state is copied to host memory and write in a background
-            thread (``dcp.async_save``); the checkpoint is committed by the handle's ``wait()``
-            (called by the next ``save`` or ``load``). The copy is taken now, so training may
-            change the model and optimizer at once.
+            thread (``dcp.async_save``); rank 0 commits the checkpoint in the background as
+            soon as every rank has written (see :class:`SaveHandle`). The copy is taken now, so
+            training may change the model and optimizer at once.
         keep_last: after committing, delete all but this many newest checkpoints.
 
     Returns:
@@ -255,21 +292,28 @@ def save(
             optim.gradient_state_dict() if isinstance(optim, OptimizerInBackward) else None
         ),
     }
-    _prepare_on_rank0(final, extra)
+    metadata[layout.CHECKSUMS_KEY] = _prepare_on_rank0(final, extra)
     model_state, optim_state = get_state_dict(model, optim)
     state = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
-    tmp = layout.tmp_dir(final)
+    writer = ChecksumWriter(layout.tmp_dir(final))
     if async_:
-        future = dcp.async_save(state, checkpoint_id=tmp, process_group=async_save_group())
-        _PENDING = SaveHandle(final, metadata, keep_last, future)
+        write = dcp.async_save(state, storage_writer=writer, process_group=async_save_group())
+        finished = _finisher().submit(_finish, write, final, metadata, keep_last, step)
+        _PENDING = SaveHandle(final, step, finished)
         return _PENDING
-    future = Future()
+    write = Future()
     try:
-        dcp.save(state, checkpoint_id=tmp)
-        future.set_result(None)
-    except _SAVE_ERRORS as e:
-        future.set_exception(e)
-    handle = SaveHandle(final, metadata, keep_last, future)
+        dcp.save(state, storage_writer=writer)
+        write.set_result(None)
+    except _DCP_ERRORS as e:
+        write.set_exception(e)
+    finished = Future()
+    try:
+        _finish(write, final, metadata, keep_last, step)
+        finished.set_result(None)
+    except Exception as e:
+        finished.set_exception(e)
+    handle = SaveHandle(final, step, finished)
     handle.wait()
     return handle
 
@@ -281,65 +325,133 @@ def _resolve(directory: Path) -> Path | None:
     return layout.latest(directory)
 
 
-def _read_extra(file: Path) -> Any:
+def _inspect_newest(directory: Path, verify_checksums: bool) -> tuple[Path, Inspection]:
+    path = _resolve(directory)
+    if path is None:
+        raise FileNotFoundError(f"no complete checkpoint in {directory}")
+    return path, inspect(path, verify_checksums=verify_checksums)
+
+
+def _refusal(path: Path, problems: list[str]) -> ValueError:
+    return ValueError(
+        f"checkpoint {path} does not fit the model and optimizer; nothing was loaded:\n  "
+        + "\n  ".join(problems)
+        + f"\nBuild them as the checkpoint was written (see {layout.METADATA_FILE})."
+    )
+
+
+def _state_dicts_checked(
+    path: Path, inspection: Inspection, model: nn.Module, optim: Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict(model, optim)``, after checking that the optimizer's state matches the
+    checkpoint's entry by entry. Collective.
+
+    [Note: comparing optimizer state without keeping it]
+    Which state entries an optimizer has (``max_exp_avg_sq`` only with ``amsgrad``), and their
+    shapes and dtypes, are known only once it has state. For an optimizer without state,
+    ``get_state_dict`` creates it with a zero-gradient, zero-lr step (as DCP's load does), which
+    changes no parameter. If the comparison then refuses, that new state is dropped again
+    (``load_state_dict`` with no state and the groups as they were), with the in-backward
+    gradient history, so the optimizer is as before.
+    """
+    fresh = not optim.state
+    if fresh:
+        groups = copy.deepcopy(optim.state_dict()["param_groups"])
+        gradient_state = (
+            copy.deepcopy(optim.gradient_state_dict())
+            if isinstance(optim, OptimizerInBackward)
+            else None
+        )
+    error = None
     try:
-        return torch.load(file, weights_only=False)
+        model_state, optim_state = get_state_dict(model, optim)
+        problems = state_mismatches(inspection.optimizer_state, state_specs(optim_state))
+        if problems:
+            error = _refusal(path, problems)
     except Exception as e:
-        raise ValueError(
-            f"{file} is corrupt or unreadable ({type(e).__name__}: {e}); load an earlier checkpoint"
-        ) from e
+        error = e
+    try:
+        agree(error)
+    except Exception:
+        if fresh:
+            optim.load_state_dict({"state": {}, "param_groups": groups})
+            if gradient_state is not None:
+                optim.load_gradient_state_dict(gradient_state)
+        raise
+    return model_state, optim_state
 
 
-def load(directory: str | os.PathLike, model: nn.Module, optim: Optimizer) -> tuple[int, Any]:
+def load(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optim: Optimizer,
+    *,
+    verify_checksums: bool = True,
+) -> tuple[int, Any]:
     """Load the newest complete checkpoint under ``directory`` into ``model`` and ``optim``.
     Collective.
 
     ``directory`` may also be one checkpoint's ``step_<N>`` folder. The checkpoint may come from
     any number of ranks, and from an ``OptimizerInBackward`` or the plain optimizer of the same
-    class. First waits for (and commits) an async save still in flight.
+    class. First waits for an async save still in flight.
+
+    Before anything changes, rank 0 checks every file (present, long enough; the small files'
+    checksums) and tells the others; the shard files' checksums are verified by all ranks
+    together, each file hashed once by one rank; then the model's tensors, the optimizer class,
+    its param groups and its state (entries, shapes, dtypes) are compared with the checkpoint's.
+
+    Args:
+        verify_checksums: hash every file and compare with the checksums recorded at save.
+            Reads the whole checkpoint once more (split between the ranks); ``False`` skips it
+            and still checks that every file is there and long enough.
 
     Returns:
         ``(step, extra)`` as passed to ``save``.
 
+    Side effect: as ``get_state_dict``, creates the state of an optimizer that has none
+    (dropped again if the load is refused).
+
     Raises:
         FileNotFoundError: if there is no complete checkpoint.
         ValueError: if the checkpoint does not fit: a tensor missing on either side or shaped
-            differently, another optimizer class, other param groups, or a parameter trainable
-            now that was frozen then; or if a file of it is corrupt (unreadable metadata, a
-            missing or truncated shard file, an unreadable ``extra``). Each problem is named;
-            nothing has been changed.
+            or typed differently, another optimizer class, other param groups, a parameter
+            trainable now that was frozen then, optimizer state entries missing on either side
+            or shaped or typed differently; or if a file of it is corrupt (unreadable, missing,
+            truncated, or not what was written). Each problem and file is named; nothing has
+            been changed.
+        RuntimeError: if reading the shards fails after every check passed (an I/O error);
+            the model and optimizer may then be partly loaded.
     """
     directory = Path(directory)
     _wait_pending()
-    path = broadcast_from_rank0(_resolve(directory) if rank() == 0 else None)
-    if path is None:
-        raise FileNotFoundError(f"no complete checkpoint in {directory}")
+    path, inspection = on_rank0(lambda: _inspect_newest(directory, verify_checksums))
     error = None
     try:
-        saved = layout.read_metadata(path)
-        problems = mismatches(saved, describe(get_model_state_dict(model), model, optim))
+        current = describe(get_model_state_dict(model), model, optim)
+        problems = mismatches(inspection.metadata, current)
         if problems:
-            error = ValueError(
-                f"checkpoint {path} does not fit the model and optimizer; nothing was loaded:\n  "
-                + "\n  ".join(problems)
-                + f"\nBuild them as the checkpoint was written (see {layout.METADATA_FILE})."
-            )
+            error = _refusal(path, problems)
         else:
-            # Everything that can fail is read or checked before a live tensor changes.
-            layout.check_shards(path)
-            extra = _read_extra(path / layout.EXTRA_FILE)
+            verify_share(path, inspection.shard_checksums, rank(), world_size())
     except Exception as e:  # e.g. an unreadable file: every rank must hear of it
         error = e
     agree(error)
-    model_state, optim_state = get_state_dict(model, optim)
+    model_state, optim_state = _state_dicts_checked(path, inspection, model, optim)
     state = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model, optim, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY]
-    )
-    if isinstance(optim, OptimizerInBackward) and saved.get("gradient_state") is not None:
-        optim.load_gradient_state_dict(saved["gradient_state"])
-    return saved["step"], extra
+    try:
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model, optim, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY]
+        )
+    except _DCP_ERRORS as e:
+        raise RuntimeError(
+            f"loading checkpoint {path} failed after its checks passed, so the model and "
+            f"optimizer may be partly loaded; load it again or an earlier one: {e}"
+        ) from None
+    gradient_state = inspection.metadata.get("gradient_state")
+    if isinstance(optim, OptimizerInBackward) and gradient_state is not None:
+        optim.load_gradient_state_dict(gradient_state)
+    return inspection.metadata["step"], inspection.extra
 
 
 def export_weights(model: nn.Module, path: str | os.PathLike) -> None:

@@ -4,13 +4,16 @@ A test sets one environment variable on the job it launches::
 
     FUSED_OPTIM_DIST_FAULT=kill:rank=1:step=7:when=after_backward torchrun ... --resume
 
-and the job calls :func:`inject` at its fault points. When the running rank, step and point
+and the job (``finetune.py``, which imports this module only when the variable is set) calls
+:func:`inject` at its fault points. When the running rank, step and point
 match, the process sends itself ``SIGKILL``, the way a preempted or crashed node disappears: no
 exception, no ``finally``, no flush. A fault fires on one attempt of the job only, the first by
 default (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0 or unset), so the job restarted by
 ``torchrun --max-restarts`` runs through; ``attempt=N`` moves it to the N-th restart, and
-several faults separated by ``,`` fail successive attempts. Without the variable :func:`inject`
-does nothing.
+several faults separated by ``,`` fail successive attempts. ``committed=N`` holds the fault back
+until the checkpoint of step N is committed (at most ``COMMIT_WAIT_S``, then the job fails), so
+that a test knows which checkpoint the restart must resume from. Without the variable
+:func:`inject` does nothing.
 
 Fault points (``when=``):
 
@@ -26,7 +29,11 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
+from pathlib import Path
+
+from fused_optim_dist._checkpoint_layout import step_dir
 
 __all__ = ["ENV_VAR", "POINTS", "RESTART_COUNT_VAR", "Fault", "active_faults", "inject", "parse"]
 
@@ -36,8 +43,10 @@ RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
 POINTS = ("after_backward", "during_save")
 _ACTIONS = ("kill",)
 _REQUIRED = ("rank", "step", "when")
-_OPTIONAL = ("attempt",)
-_GRAMMAR = "kill:rank=R:step=S:when=POINT[:attempt=N], several separated by ','"
+_OPTIONAL = ("attempt", "committed")
+_NUMBERS = ("rank", "step", "attempt", "committed")
+_GRAMMAR = "kill:rank=R:step=S:when=POINT[:attempt=N][:committed=C], several separated by ','"
+COMMIT_WAIT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +64,8 @@ class Fault:
     """Fault point, one of :data:`POINTS`."""
     attempt: int = 0
     """Attempt of the job it fires on: torchrun's restart count (0, the first attempt)."""
+    committed: int | None = None
+    """Fire only once the checkpoint of this step is committed (waiting for it)."""
 
     def __post_init__(self) -> None:
         if self.action not in _ACTIONS:
@@ -62,8 +73,10 @@ class Fault:
         if self.when not in POINTS:
             raise ValueError(f"fault point when={self.when!r}: expected one of {POINTS}")
         if self.rank < 0 or self.step < 1 or self.attempt < 0:
-            raise ValueError(f"fault needs rank >= 0, step >= 1 and attempt >= 0, got "
-                             f"rank={self.rank} step={self.step} attempt={self.attempt}")
+            raise ValueError(
+                f"fault needs rank >= 0, step >= 1 and attempt >= 0, got "
+                f"rank={self.rank} step={self.step} attempt={self.attempt}"
+            )
 
 
 def _parse_one(text: str, whole: str) -> Fault:
@@ -72,16 +85,17 @@ def _parse_one(text: str, whole: str) -> Fault:
     for field in fields:
         key, sep, value = field.partition("=")
         if not sep or key not in _REQUIRED + _OPTIONAL or key in values:
-            raise ValueError(f"{ENV_VAR}={whole!r}: bad field {field!r}; expected {_GRAMMAR}, "
-                             "each field once")
+            raise ValueError(
+                f"{ENV_VAR}={whole!r}: bad field {field!r}; expected {_GRAMMAR}, each field once"
+            )
         values[key] = value
     missing = [key for key in _REQUIRED if key not in values]
     if missing:
         raise ValueError(f"{ENV_VAR}={whole!r}: missing {missing}; expected {_GRAMMAR}")
     try:
-        numbers = {key: int(values[key]) for key in ("rank", "step", "attempt") if key in values}
+        numbers = {key: int(values[key]) for key in _NUMBERS if key in values}
     except ValueError:
-        raise ValueError(f"{ENV_VAR}={whole!r}: rank, step and attempt must be integers") from None
+        raise ValueError(f"{ENV_VAR}={whole!r}: {', '.join(_NUMBERS)} must be integers") from None
     return Fault(action=action, when=values["when"], **numbers)
 
 
@@ -109,7 +123,17 @@ def active_faults(environ: Mapping[str, str] = os.environ) -> list[Fault]:
     return [fault for fault in parse(text) if fault.attempt == attempt]
 
 
-def inject(when: str, *, step: int, rank: int) -> None:
+def _wait_until_committed(checkpoint_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    while not step_dir(checkpoint_dir, step).is_dir():  # committed: renamed into place
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{ENV_VAR}: checkpoint step {step} was not committed within {COMMIT_WAIT_S:g} s"
+            )
+        time.sleep(0.05)
+
+
+def inject(when: str, *, step: int, rank: int, checkpoint_dir: Path) -> None:
     """Fault point ``when`` of ``step`` on ``rank``: kill this process if a fault says so.
 
     Prints one line to stderr before the kill, so a test can tell the fault fired.
@@ -117,6 +141,12 @@ def inject(when: str, *, step: int, rank: int) -> None:
     assert when in POINTS, when
     for fault in active_faults():
         if (fault.when, fault.step, fault.rank) == (when, step, rank):
-            print(f"{ENV_VAR}: killing rank {rank} at step {step} ({when}) on attempt "
-                  f"{fault.attempt}", file=sys.stderr, flush=True)
+            if fault.committed is not None:
+                _wait_until_committed(checkpoint_dir, fault.committed)
+            print(
+                f"{ENV_VAR}: killing rank {rank} at step {step} ({when}) on attempt "
+                f"{fault.attempt}",
+                file=sys.stderr,
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
