@@ -22,7 +22,8 @@ from torch import nn
 from torch.optim import AdamW, Optimizer
 
 from benchmarks._config import SweepConfig
-from fused_optim_dist import OptimizerInBackward, backward_micro_batches
+from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist.training import backward_micro_batches
 
 __all__ = ["METHODS", "Method", "Runner"]
 

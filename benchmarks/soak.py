@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from fused_optim_dist import backward_micro_batches, build_optimizer, checkpoint, clip_grad_norm_
+from fused_optim_dist import build_optimizer, checkpoint, clip_grad_norm_
+from fused_optim_dist.training import backward_micro_batches
 from fused_optim_dist_recipes.launch import spawn
 from fused_optim_dist_recipes.metrics import KIB, describe_machine, format_bytes
 from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp

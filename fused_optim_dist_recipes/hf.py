@@ -7,7 +7,8 @@ Loading never holds the whole model on a rank's host: :func:`empty_causal_lm` bu
 with its parameters on the meta device, the caller shards it (``apply_fsdp``), and
 :func:`load_local_shards` reads from the safetensors files only the rows of each parameter this
 rank holds, straight into its shard. Peak host memory per rank is about its shards plus one
-tensor's rows, not the full fp32 model (measured in ``tests/test_hf.py``).
+tensor's rows when the checkpoint's dtype differs, not the full fp32 model (measured in
+``tests/test_hf.py``).
 
 Tokenizer choice: the directory's own tokenizer when it has one (``tokenizer.json``,
 ``tokenizer.model``, ...); otherwise the byte tokenizer of :mod:`fused_optim_dist_recipes.data`,
@@ -143,8 +144,8 @@ class _SafetensorsFile:
     The format: an 8-byte little-endian header length, a JSON header mapping each name to its
     ``dtype``, ``shape`` and ``data_offsets`` (from the end of the header), then the raw
     row-major bytes. Rows ``[start, stop)`` of a tensor are therefore one contiguous byte range,
-    read into a buffer of exactly that size: no memory map, whose resident pages would count
-    against this process.
+    read straight into the shard: no memory map, whose resident pages would count against this
+    process.
     """
 
     def __init__(self, path: Path) -> None:
@@ -155,16 +156,28 @@ class _SafetensorsFile:
         self.header.pop("__metadata__", None)
         self.data_start = 8 + length
 
-    def read_rows(self, f: BinaryIO, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of tensor ``name`` (a 0-dim tensor: all of it), from ``f``."""
+    def read_rows_into(
+        self, f: BinaryIO, name: str, start: int, stop: int, target: torch.Tensor
+    ) -> None:
+        """Copy rows ``[start, stop)`` of tensor ``name`` (of a 0-dim tensor: all of it) from
+        ``f`` into ``target``, directly when ``target`` is a contiguous CPU tensor of the file's
+        dtype, else through a buffer of the rows' size."""
         entry = self.header[name]
         dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
-        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=dtype)
-        row_bytes = math.prod(shape[1:]) * dtype.itemsize
-        f.seek(self.data_start + entry["data_offsets"][0] + start * row_bytes)
-        if out.numel() and f.readinto(memoryview(out.view(torch.uint8).numpy())) != out.nbytes:
+        rows = (stop - start, *shape[1:]) if shape else ()
+        if tuple(target.shape) != rows:
+            raise ValueError(f"{name}: rows of shape {rows} cannot fill a shard of {target.shape}")
+        direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+        buffer = target.detach() if direct else torch.empty(rows, dtype=dtype)
+        f.seek(
+            self.data_start
+            + entry["data_offsets"][0]
+            + start * math.prod(rows[1:]) * dtype.itemsize
+        )
+        if buffer.numel() and f.readinto(buffer.view(torch.uint8).numpy()) != buffer.nbytes:
             raise ValueError(f"{self.path}: {name} is truncated; the file is incomplete")
-        return out
+        if not direct:
+            target.copy_(buffer)
 
 
 def _safetensors_files(directory: Path) -> dict[str, _SafetensorsFile]:
@@ -239,9 +252,8 @@ def load_local_shards(model: nn.Module, directory: str | Path, device: torch.dev
                 )
             if source.path not in handles:
                 handles[source.path] = stack.enter_context(source.path.open("rb"))
-            start, stop = _local_rows(param)
             local = param.to_local() if isinstance(param, DTensor) else param
-            local.copy_(source.read_rows(handles[source.path], name, start, stop))
+            source.read_rows_into(handles[source.path], name, *_local_rows(param), local)
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

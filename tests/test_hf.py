@@ -26,6 +26,9 @@ transformers = pytest.importorskip("transformers")
 
 MIB = KIB * KIB
 LOAD_RANKS = 2
+SHARDED_PEAK_BOUND = 1.5
+"""A rank's peak growth while loading, over its share of the parameter bytes: the shards, plus
+FSDP2's bookkeeping and the allocator's slack."""
 # Embeddings and head dominate: 2 x 16384 x 256 of the 9.6M parameters (38 MiB in fp32).
 MEMORY_MODEL = dict(
     vocab_size=16384,
@@ -104,9 +107,8 @@ def _full_load(directory: str) -> torch.nn.Module:
 
 def _load_both_ways(directory: str) -> list[dict[str, int]]:
     """Rank body: load sharded, then whole; check they agree; every rank's peak growth."""
-    # Import and parse what both paths need first, so that neither pays for it.
-    transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    transformers.models.llama.modeling_llama.LlamaForCausalLM  # noqa: B018
+    # Import what both paths need first (a model on meta costs no memory), so neither pays.
+    hf.empty_causal_lm(directory)
     sharded, sharded_peak = _host_peak_growth(lambda: _sharded_load(directory))
     full, full_peak = _host_peak_growth(lambda: _full_load(directory))
     for (name, ours), (_, reference) in zip(
@@ -140,8 +142,8 @@ def test_sharded_load_matches_full_load_in_a_fraction_of_host_memory(tmp_path, m
             f"rank {rank}: peak host memory growth, sharded {row['sharded'] / MIB:.1f} MiB, "
             f"full {row['full'] / MIB:.1f} MiB (parameters {param_bytes / MIB:.1f} MiB)"
         )
-        # Its shards (half the parameters) plus one tensor's rows, never the whole model.
-        assert row["sharded"] < 0.75 * param_bytes, row
+        # Its shards (half the parameters) and little else; the full load holds the whole model.
+        assert row["sharded"] < SHARDED_PEAK_BOUND * param_bytes / LOAD_RANKS, row
         assert row["full"] > param_bytes, row
 
 
