@@ -1,0 +1,531 @@
+"""Loops a plain optimizer survives, run differentially (gloo, CPU, real processes).
+
+Each body runs the same loop twice on identically initialised models: with plain ``torch.optim``
+stepped after backward (the reference) and with ``OptimizerInBackward``; the parameters must
+match to 1e-6 and gradient norms match ``torch.nn.utils.clip_grad_norm_`` on the same gradients.
+The numbered items are those of the drop-in robustness issue.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _toy import (
+    OUT_DIM,
+    assert_match,
+    assert_same_state_dict,
+    batch,
+    full,
+    loss_fn,
+    make_models,
+    rank_slice,
+    shard,
+)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from fused_optim_dist import InBackwardOptions, OptimizerInBackward, declare_stepping
+
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _pair(sharded: bool = True, freeze: tuple[str, ...] = ()) -> tuple[nn.Module, nn.Module]:
+    model, reference = make_models(freeze=freeze)
+    if sharded:
+        shard(model)
+        shard(reference)
+    return model, reference
+
+
+def _backward(model: nn.Module, step: int, sharded: bool = True) -> torch.Tensor:
+    x, y = batch(step)
+    if sharded:
+        x, y = rank_slice(x), rank_slice(y)
+    loss = loss_fn(model, x, y)
+    loss.backward()
+    return loss
+
+
+def _plain_step(reference: nn.Module, optim: torch.optim.Optimizer, step: int, **kw) -> None:
+    _backward(reference, step, **kw)
+    optim.step()
+    optim.zero_grad()
+
+
+def _ours_step(model: nn.Module, optim: OptimizerInBackward, step: int, **kw) -> None:
+    _backward(model, step, **kw)
+    optim.step()
+    optim.zero_grad()
+
+
+def _grad_norm(model: nn.Module) -> float:
+    """``clip_grad_norm_``'s norm: DTensor gradients over all ranks, plain ones local (it takes
+    the two kinds in separate calls)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    assert params, "no gradient to take the norm of"
+    total = 0.0
+    for sharded in (True, False):
+        kind = [p for p in params if isinstance(p.grad, DTensor) == sharded]
+        if kind:
+            total += float(full(torch.nn.utils.clip_grad_norm_(kind, math.inf))) ** 2
+    return math.sqrt(total)
+
+
+# ------------------------------------------------------- 1. add_param_group with a generator
+
+
+def _add_group_generator_body() -> None:
+    model, reference = _pair()
+    body = [p for n, p in model.named_parameters() if not n.startswith("head")]
+    ref_body = [p for n, p in reference.named_parameters() if not n.startswith("head")]
+    optim = OptimizerInBackward(body, torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(ref_body, **ADAMW)
+    for step in range(4):
+        if step == 2:
+            optim.add_param_group({"params": model.head.parameters(), "lr": 0.05})
+            plain.add_param_group({"params": reference.head.parameters(), "lr": 0.05})
+            assert len(optim.param_groups[1]["params"]) == 2
+        _ours_step(model, optim, step)
+        _plain_step(reference, plain, step)
+    assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain.state_dict())
+
+
+# ------------------------------------------------------- 2. freezing and unfreezing
+
+
+def _unfreezing_body(add_group_while_frozen: bool) -> None:
+    frozen = ("layers.1",)
+    model, reference = _pair(freeze=frozen)
+    later = [p for n, p in model.named_parameters() if n.startswith(frozen)]
+    ref_later = [p for n, p in reference.named_parameters() if n.startswith(frozen)]
+    if add_group_while_frozen:
+        rest = [p for n, p in model.named_parameters() if not n.startswith(frozen)]
+        ref_rest = [p for n, p in reference.named_parameters() if not n.startswith(frozen)]
+        optim = OptimizerInBackward(rest, torch.optim.AdamW, **ADAMW)
+        plain = torch.optim.AdamW(ref_rest, **ADAMW)
+    else:
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+        plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(6):
+        if step == 1 and add_group_while_frozen:
+            optim.add_param_group({"params": later})
+            plain.add_param_group({"params": ref_later})
+        if step == 2:  # progressive unfreezing, behind the optimizer's back
+            for p in later + ref_later:
+                p.requires_grad_(True)
+        if step == 4:  # and frozen again
+            for p in later + ref_later:
+                p.requires_grad_(False)
+        before = [full(p).detach().clone() for p in later]
+        _ours_step(model, optim, step)
+        _plain_step(reference, plain, step)
+        moved = any(not torch.equal(b, full(p)) for b, p in zip(before, later, strict=True))
+        assert moved == (step in (2, 3)), (step, moved)
+        assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain.state_dict())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("add_group_while_frozen", [False, True], ids=["in-groups", "added"])
+def test_unfreezing_trains_like_plain(worlds, world_size, add_group_while_frozen):
+    worlds.run(world_size, _unfreezing_body, add_group_while_frozen=add_group_while_frozen)
+
+
+# ------------------------------------------------------- 4. an optimizer that gets no gradient
+
+
+class _WithAux(nn.Module):
+    """The toy model plus an auxiliary head used on some steps only."""
+
+    def __init__(self, main: nn.Module) -> None:
+        super().__init__()
+        self.main = main
+        self.aux = nn.Linear(OUT_DIM, 1)
+
+    def loss(self, step: int) -> torch.Tensor:
+        x, y = batch(step)
+        out = self.main(rank_slice(x))
+        loss = nn.functional.mse_loss(out, rank_slice(y))
+        if step % 3 == 0:
+            loss = loss + self.aux(out).pow(2).mean()
+        return loss
+
+
+def _no_gradient_body() -> None:
+    torch.manual_seed(0)
+    ours_model = _WithAux(make_models()[0])
+    ref_model = copy.deepcopy(ours_model)
+    for m in (ours_model, ref_model):
+        shard(m.main)
+        fully_shard(m.aux)
+    main = OptimizerInBackward(ours_model.main.parameters(), torch.optim.AdamW, **ADAMW)
+    aux = OptimizerInBackward(ours_model.aux.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    plain_main = torch.optim.AdamW(ref_model.main.parameters(), **ADAMW)
+    plain_aux = torch.optim.SGD(ref_model.aux.parameters(), lr=0.1, momentum=0.9)
+    for step in range(1, 7):  # the aux head is unused on the first steps
+        for model, optims in ((ours_model, (main, aux)), (ref_model, (plain_main, plain_aux))):
+            model.loss(step).backward()
+            for optim in optims:
+                optim.step()  # aux: no gradient on most steps, nothing to do
+                optim.zero_grad()
+    assert_match(ours_model, ref_model)
+
+
+# ------------------------------------------------------- 5. skip_nonfinite with clipping
+
+
+class _NaNGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+def _poison(linear: nn.Linear, active: list[bool]) -> None:
+    """Make ``linear.weight``'s gradient NaN while ``active[0]``; nothing else is touched."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = _NaNGrad.apply(linear.weight) if active[0] else linear.weight
+        return nn.functional.linear(x, weight, linear.bias)
+
+    linear.forward = forward
+
+
+def _skip_with_clipping_body() -> None:
+    model, reference = _pair()
+    active = [False]
+    for m in (model, reference):
+        _poison(m.layers[1].up, active)
+    # A clip norm far above the gradients: the coefficient must stay exactly 1.
+    optim = OptimizerInBackward(
+        model.parameters(),
+        torch.optim.AdamW,
+        max_grad_norm=1e6,
+        skip_nonfinite=True,
+        **ADAMW,
+    )
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    unit = {id(p) for p in reference.layers[1].parameters()}
+    for step in range(5):
+        active[0] = step == 2
+        _ours_step(model, optim, step)
+        _backward(reference, step)
+        if active[0]:  # the reference skips the poisoned unit's update
+            for p in reference.parameters():
+                if id(p) in unit:
+                    p.grad = None
+        plain.step()
+        plain.zero_grad()
+        norm = optim.grad_norm()
+        assert math.isfinite(norm) == (step != 2), (step, norm)
+    assert optim.nonfinite_steps == 1
+    assert_match(model, reference)
+
+
+# ------------------------------------------------------- 6. DCP's state-creation step
+
+
+def _dcp_state_creation_body(sharded: bool) -> None:
+    runs = []
+    for call_get_state_dict in (False, True):
+        model, _ = make_models()
+        if sharded:
+            shard(model)
+        optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1, max_grad_norm=0.5)
+        norms = []
+        for step in range(4):
+            if step == 2 and call_get_state_dict:
+                norm_before = optim.grad_norm().clone()
+                history = optim.gradient_state_dict()
+                _, optim_state = get_state_dict(model, optim)  # a zero-lr, zero-grad step
+                assert optim_state["state"] == {}  # plain SGD keeps no state either
+                assert not optim.state
+                assert torch.equal(optim.grad_norm(), norm_before)
+                assert optim.gradient_state_dict() == history
+            _ours_step(model, optim, step, sharded=sharded)
+            norms.append(float(optim.grad_norm()))
+        runs.append(([full(p).detach().clone() for p in model.parameters()], norms))
+    (params_a, norms_a), (params_b, norms_b) = runs
+    assert norms_a == norms_b
+    for a, b in zip(params_a, params_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ------------------------------------------------------- 7. a head applied after the FSDP root
+
+
+class _HeadAfterRoot(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.post = nn.Linear(OUT_DIM, OUT_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.body(x))
+
+
+def _follow(reference: nn.Module, model: nn.Module) -> None:
+    """Put ``reference`` on ``model``'s weights, so that the next gradients compare."""
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            q.copy_(p)
+
+
+def _head_after_root_body() -> None:
+    """Clipping on: the norm and the history must cover the head and the FSDP units alike."""
+    torch.manual_seed(0)
+    ours, _ = make_models()
+    ours = _HeadAfterRoot(ours)
+    ref = copy.deepcopy(ours)
+    shard(ours.body)  # the root is ``body``: ``post`` is outside every fully_shard
+    shard(ref.body)
+    optim = OptimizerInBackward(ours.parameters(), torch.optim.AdamW, max_grad_norm=1.0, **ADAMW)
+    for step in range(4):
+        _ours_step(ours, optim, step)
+        _backward(ref, step)
+        torch.testing.assert_close(float(optim.grad_norm()), _grad_norm(ref), rtol=1e-5, atol=0)
+        ref.zero_grad()
+        _follow(ref, ours)
+    history = optim.gradient_state_dict()["previous_sq"]
+    assert len(history) == len(optim._current_plan().buckets)
+    torch.testing.assert_close(
+        math.sqrt(sum(history.values())), float(optim.grad_norm()), rtol=1e-5, atol=0
+    )
+
+
+def _head_after_root_parity_body() -> None:
+    torch.manual_seed(0)
+    ours, _ = make_models()
+    ours = _HeadAfterRoot(ours)
+    ref = copy.deepcopy(ours)
+    shard(ours.body)
+    shard(ref.body)
+    optim = OptimizerInBackward(ours.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step in range(4):
+        _ours_step(ours, optim, step)
+        _backward(ref, step)
+        torch.testing.assert_close(float(optim.grad_norm()), _grad_norm(ref), rtol=1e-5, atol=0)
+        plain.step()
+        plain.zero_grad()
+    assert_match(ours, ref)
+
+
+# ------------------------------------------------------- 10. norms on the parameters' mesh
+
+
+def _sub_mesh_body() -> None:
+    """Two independent data-parallel jobs in one world (ranks {0,1} and {2,3}): each norm and
+    clip must see only its own job's gradients."""
+    rank = dist.get_rank()
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("job", "dp"))["dp"]
+    job = rank // 2
+    model, reference = make_models(seed=job)
+    for m in (model, reference):
+        for layer in m.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1, max_grad_norm=0.3)
+    for step in range(3):
+        x, y = batch(10 * job + step)
+        share = lambda t: t.chunk(2)[rank % 2]  # noqa: E731
+        loss_fn(model, share(x), share(y)).backward()
+        optim.step()
+        loss_fn(reference, share(x), share(y)).backward()
+        torch.testing.assert_close(
+            float(optim.grad_norm()), _grad_norm(reference), rtol=1e-5, atol=0
+        )
+        reference.zero_grad()
+        _follow(reference, model)
+
+
+def _no_collective_for_plain_tensors_body() -> None:
+    model, _ = make_models()
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.SGD, lr=0.1, max_grad_norm=0.3, bucket_numel=20
+    )
+    calls = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        for step in range(2):
+            _ours_step(model, optim, step, sharded=False)
+    finally:
+        dist.all_reduce = original
+    assert calls == []
+
+
+# ------------------------------------------------------- a backward that raises
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise_at(module: nn.Module) -> torch.utils.hooks.RemovableHandle:
+    def hook(_module, _grad_input, _grad_output):
+        raise _Boom("a bad batch")
+
+    return module.register_full_backward_hook(hook)
+
+
+def _state_steps(optim: torch.optim.Optimizer) -> dict[int, float]:
+    return {id(p): float(s["step"]) for p, s in optim.state.items() if "step" in s}
+
+
+def _failing_backward_body(sharded: bool) -> None:
+    model, reference = _pair(sharded=sharded)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=20, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for step in range(5):
+        if step == 2:
+            handle = _raise_at(model.layers[0])
+            before = _state_steps(optim)
+            with pytest.raises(_Boom):
+                _backward(model, step, sharded=sharded)
+            handle.remove()
+            optim.zero_grad()
+            # What ours stepped before the exception, the reference steps too.
+            stepped = {names[k] for k, v in _state_steps(optim).items() if before.get(k) != v}
+            assert stepped, "the failure came before any bucket stepped"
+            _backward(reference, step, sharded=sharded)
+            for n, p in reference.named_parameters():
+                if n not in stepped:
+                    p.grad = None
+            plain.step()
+            plain.zero_grad()
+            continue
+        _ours_step(model, optim, step, sharded=sharded)
+        _plain_step(reference, plain, step, sharded=sharded)
+    assert_match(model, reference)
+
+
+# ------------------------------------------------------- deepcopy, options, declarations
+
+
+class _Lamb(torch.optim.SGD):
+    """An optimizer taking its own ``max_grad_norm``, as timm's Lamb does."""
+
+    def __init__(self, params, lr: float = 0.1, max_grad_norm: float = 1.0) -> None:
+        super().__init__(params, lr=lr)
+        self.own_max_grad_norm = max_grad_norm
+
+
+def test_options_apart_from_the_wrapped_class():
+    model, _ = make_models()
+    with pytest.raises(TypeError, match="max_grad_norm: both an option of OptimizerInBackward"):
+        OptimizerInBackward(model.parameters(), _Lamb, max_grad_norm=2.0)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    optim = OptimizerInBackward(
+        model.parameters(), _Lamb, max_grad_norm=2.0, options=InBackwardOptions(max_grad_norm=0.5)
+    )
+    assert optim.max_grad_norm == 0.5 and optim._stepper.optimizer.own_max_grad_norm == 2.0
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive"):
+        InBackwardOptions(max_grad_norm=-1.0)
+
+
+def test_declared_subclass_steps_local_shards():
+    @declare_stepping("elementwise")
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    class Undeclared(torch.optim.AdamW):
+        pass
+
+    model, _ = make_models()
+    assert OptimizerInBackward(model.parameters(), MyAdamW, lr=0.1)._stepper.local_shards
+    other, _ = make_models()
+    assert not OptimizerInBackward(other.parameters(), Undeclared, lr=0.1)._stepper.local_shards
+    with pytest.raises(ValueError, match="stepping must be one of"):
+        declare_stepping("sideways")
+
+
+def test_deepcopy_gives_a_working_optimizer():
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=20, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _ours_step(model, optim, 0, sharded=False)
+    _plain_step(reference, plain, 0, sharded=False)
+    model_copy, optim_copy = copy.deepcopy((model, optim))
+    for step in range(1, 4):
+        _ours_step(model, optim, step, sharded=False)
+        _ours_step(model_copy, optim_copy, step, sharded=False)
+        _plain_step(reference, plain, step, sharded=False)
+    assert_match(model, reference)
+    assert_match(model_copy, reference)
+    assert_same_state_dict(optim_copy.state_dict(), plain.state_dict())
+
+
+def test_parameter_removed_from_groups_by_hand_is_named():
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    params = optim.param_groups[0]["params"]
+    del params[next(i for i, p in enumerate(params) if p is model.head.weight)]
+    with pytest.raises(RuntimeError, match="no longer in its param_groups"):
+        _backward(model, 0, sharded=False)
+
+
+def test_clipping_history_never_reaches_another_bucket():
+    model, _ = make_models()
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.SGD, lr=0.1, max_grad_norm=1.0, bucket_numel=20
+    )
+    _ours_step(model, optim, 0, sharded=False)
+    history = optim.gradient_state_dict()
+    assert len(history["previous_sq"]) > 1
+    other, _ = make_models()  # the same model in one bucket: no key matches
+    one_bucket = OptimizerInBackward(other.parameters(), torch.optim.SGD, lr=0.1, max_grad_norm=1.0)
+    one_bucket.load_gradient_state_dict(history)
+    assert one_bucket.gradient_state_dict()["previous_sq"] == {}
+    same, _ = make_models()
+    again = OptimizerInBackward(
+        same.parameters(), torch.optim.SGD, lr=0.1, max_grad_norm=1.0, bucket_numel=20
+    )
+    again.load_gradient_state_dict(history)
+    assert again.gradient_state_dict() == history
+
+
+# ------------------------------------------------------- the world tests
+
+
+@pytest.mark.parametrize(
+    ("world_size", "body", "kwargs"),
+    [
+        (2, _add_group_generator_body, {}),
+        (2, _no_gradient_body, {}),
+        (2, _skip_with_clipping_body, {}),
+        (2, _dcp_state_creation_body, {"sharded": True}),
+        (1, _dcp_state_creation_body, {"sharded": False}),
+        (1, _head_after_root_body, {}),
+        (2, _head_after_root_parity_body, {}),
+        (4, _sub_mesh_body, {}),
+        (2, _no_collective_for_plain_tensors_body, {}),
+        (1, _failing_backward_body, {"sharded": False}),
+    ],
+    ids=[
+        "1-add-group-generator",
+        "4-no-gradient",
+        "5-skip-with-clipping",
+        "6-dcp-state-creation-sharded",
+        "6-dcp-state-creation-plain",
+        "7-head-after-root-norm",
+        "7-head-after-root-parity",
+        "10-sub-mesh-norms",
+        "10-no-collective-plain",
+        "3-failing-backward",
+    ],
+)
+def test_drop_in(worlds, world_size, body, kwargs):
+    worlds.run(world_size, body, **kwargs)
