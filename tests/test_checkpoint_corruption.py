@@ -1,10 +1,11 @@
 """Broken checkpoints: a clear error naming the problem, on every rank, and nothing changed.
 
 One body on a 2-rank gloo world saves a checkpoint of the tiny Llama preset, breaks a copy of it
-in one way per case, and tries ``checkpoint.load`` into a model and optimizer that have trained
-one step further (so a partial load would show). Every rank reports what it raised and which of
-its local parameter and optimizer-state shards changed; the tests judge those reports, so a
-failing case does not break the shared world.
+in one way per case (garbage, truncation, or one flipped bit in each kind of file), and tries
+``checkpoint.load`` into a model and optimizer that have trained one step further (so a partial
+load would show). Every rank reports what it raised and which of its local parameter and
+optimizer-state shards changed; the tests judge those reports, so a failing case does not break
+the shared world.
 """
 
 from __future__ import annotations
@@ -41,16 +42,34 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
+def _flip_byte(path: Path) -> None:
+    """Flip one bit in the middle of ``path``: same size, and for a shard a tensor element that
+    DCP alone would load without a word."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 # label -> how rank 0 breaks the copied checkpoint folder
 CORRUPTIONS: dict[str, Callable[[Path], None]] = {
     "truncated_shard": lambda step_dir: _truncate(step_dir / SHARD_FILE),
     "dcp_metadata": lambda step_dir: (step_dir / layout.DCP_METADATA_FILE).write_bytes(GARBAGE),
     "library_metadata": lambda step_dir: (step_dir / layout.METADATA_FILE).write_bytes(GARBAGE),
     # Valid JSON, but not what save wrote (a file emptied to "{}" by a tool, a hand edit).
-    "library_metadata_empty_object": lambda step_dir: (step_dir / layout.METADATA_FILE
-                                                       ).write_text("{}"),
+    "library_metadata_empty_object": lambda step_dir: (step_dir / layout.METADATA_FILE).write_text(
+        "{}"
+    ),
     "extra": lambda step_dir: (step_dir / layout.EXTRA_FILE).write_bytes(GARBAGE),
+    # One flipped bit, the size unchanged: found only by the checksums.
+    "flipped_shard_0": lambda step_dir: _flip_byte(step_dir / "__0_0.distcp"),
+    "flipped_shard_1": lambda step_dir: _flip_byte(step_dir / "__1_0.distcp"),
+    "flipped_dcp_metadata": lambda step_dir: _flip_byte(step_dir / layout.DCP_METADATA_FILE),
+    "flipped_extra": lambda step_dir: _flip_byte(step_dir / layout.EXTRA_FILE),
+    "flipped_library_metadata": lambda step_dir: _flip_byte(step_dir / layout.METADATA_FILE),
+    "flipped_checksum_record": lambda step_dir: _flip_byte(step_dir / "__0_checksums.json"),
 }
+UNVERIFIED = "flipped_shard_1_unverified"
+"""The flipped shard loaded with ``verify_checksums=False``: what DCP alone does."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +90,9 @@ def _build(config=PRESETS["tiny"], *, steps: int) -> tuple[nn.Module, OptimizerI
     torch.manual_seed(0)
     model = apply_fsdp(Llama(config))
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2)
-    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(
-        dist.get_rank()))
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
     for _ in range(steps):
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optim.step()
@@ -93,11 +113,11 @@ def _snapshot(model: nn.Module, optim: OptimizerInBackward) -> dict[str, torch.T
     return tensors
 
 
-def _try_load(source: Path) -> Outcome:
+def _try_load(source: Path, verify_checksums: bool = True) -> Outcome:
     model, optim = _build(steps=STEP + 1)
     before = _snapshot(model, optim)
     try:
-        checkpoint.load(source, model, optim)
+        checkpoint.load(source, model, optim, verify_checksums=verify_checksums)
         error = None
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         error = e
@@ -125,6 +145,7 @@ def _corruption_body(root: str) -> dict[str, Outcome]:
             corrupt(copy)
     dist.barrier()
     outcomes = {label: _try_load(root / label) for label in [*CORRUPTIONS, "other_model"]}
+    outcomes[UNVERIFIED] = _try_load(root / "flipped_shard_1", verify_checksums=False)
     # The world is still usable, and the intact checkpoint still loads.
     outcomes["intact"] = _try_load(root / "source")
     return outcomes
@@ -145,14 +166,18 @@ def _assert_refused(outcomes, label: str, *patterns: str) -> None:
     for rank, outcome in enumerate(by_rank):
         seen = outcome[label]
         assert seen.error_type is not None, f"rank {rank}: the broken checkpoint loaded"
-        problems = [f"/{p}/ not in the message" for p in patterns
-                    if not re.search(p.format(dir=re.escape(str(step_dir))), seen.message)]
+        problems = [
+            f"/{p}/ not in the message"
+            for p in patterns
+            if not re.search(p.format(dir=re.escape(str(step_dir))), seen.message)
+        ]
         if not seen.is_exception:
             problems.append("not an Exception, so `except Exception` misses it")
         if seen.changed:
             problems.append(f"changed {seen.changed}")
-        assert not problems, (f"rank {rank}: " + "; ".join(problems)
-                              + f"\n{seen.error_type}: {seen.message[:2000]}")
+        assert not problems, (
+            f"rank {rank}: " + "; ".join(problems) + f"\n{seen.error_type}: {seen.message[:2000]}"
+        )
 
 
 def test_intact_checkpoint_loads(outcomes):
@@ -165,7 +190,9 @@ def test_intact_checkpoint_loads(outcomes):
 
 def test_checkpoint_of_another_model_is_refused_by_name(outcomes):
     _assert_refused(
-        outcomes, "other_model", "does not fit the model and optimizer; nothing was loaded",
+        outcomes,
+        "other_model",
+        "does not fit the model and optimizer; nothing was loaded",
         r"'layers\.2\.attention\.wq\.weight' is in the checkpoint but not in the model",
         rf"'tok_embeddings\.weight' has shape \({VOCAB}, 32\) in the model but \({VOCAB}, 48\) "
         "in the checkpoint",
@@ -173,24 +200,74 @@ def test_checkpoint_of_another_model_is_refused_by_name(outcomes):
 
 
 def test_truncated_shard_is_refused_by_name_and_changes_nothing(outcomes):
-    _assert_refused(outcomes, "truncated_shard", rf"{{dir}}/{re.escape(SHARD_FILE)}",
-                    "(?i)truncated|corrupt")
+    _assert_refused(
+        outcomes, "truncated_shard", rf"{{dir}}/{re.escape(SHARD_FILE)}", "(?i)truncated|corrupt"
+    )
 
 
 def test_garbage_dcp_metadata_is_refused_by_name_and_changes_nothing(outcomes):
-    _assert_refused(outcomes, "dcp_metadata", rf"{{dir}}/{re.escape(layout.DCP_METADATA_FILE)}",
-                    "(?i)corrupt|unreadable|cannot be read")
+    _assert_refused(
+        outcomes,
+        "dcp_metadata",
+        rf"{{dir}}/{re.escape(layout.DCP_METADATA_FILE)}",
+        "(?i)corrupt|unreadable|cannot be read",
+    )
 
 
 def test_garbage_library_metadata_is_refused_by_name_and_changes_nothing(outcomes):
-    _assert_refused(outcomes, "library_metadata",
-                    rf"{{dir}}/{re.escape(layout.METADATA_FILE)}", "(?i)corrupt|not valid JSON")
+    _assert_refused(
+        outcomes,
+        "library_metadata",
+        rf"{{dir}}/{re.escape(layout.METADATA_FILE)}",
+        "(?i)corrupt|not valid JSON",
+    )
 
 
 def test_library_metadata_without_its_keys_is_refused_as_corrupt(outcomes):
-    _assert_refused(outcomes, "library_metadata_empty_object",
-                    rf"{{dir}}/{re.escape(layout.METADATA_FILE)}", "(?i)corrupt")
+    _assert_refused(
+        outcomes,
+        "library_metadata_empty_object",
+        rf"{{dir}}/{re.escape(layout.METADATA_FILE)}",
+        "(?i)corrupt",
+    )
 
 
 def test_garbage_extra_is_refused_by_name_and_changes_nothing(outcomes):
     _assert_refused(outcomes, "extra", rf"{{dir}}/{re.escape(layout.EXTRA_FILE)}")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_flipped_bit_in_a_shard_is_refused_by_name_and_changes_nothing(outcomes, rank):
+    # Each rank verifies its share of the shard files: the verdict reaches every rank.
+    _assert_refused(
+        outcomes,
+        f"flipped_shard_{rank}",
+        rf"{{dir}}/__{rank}_0\.distcp",
+        "is corrupt: its checksum is",
+    )
+
+
+@pytest.mark.parametrize(
+    ("label", "file"),
+    [
+        ("flipped_dcp_metadata", layout.DCP_METADATA_FILE),
+        ("flipped_extra", layout.EXTRA_FILE),
+        ("flipped_library_metadata", layout.METADATA_FILE),
+    ],
+)
+def test_flipped_bit_in_a_small_file_is_refused_by_name_and_changes_nothing(outcomes, label, file):
+    _assert_refused(outcomes, label, rf"{{dir}}/{re.escape(file)}", "(?i)corrupt")
+
+
+def test_flipped_bit_in_a_checksum_record_is_refused(outcomes):
+    # The record no longer matches its shard (or is no longer JSON): either way, named.
+    _assert_refused(
+        outcomes, "flipped_checksum_record", r"{dir}/__0_(0\.distcp|checksums\.json)", "(?i)corrupt"
+    )
+
+
+def test_skipping_verification_loads_a_flipped_shard_silently(outcomes):
+    # Why the checksums exist: DCP itself loads the damaged tensor without a word.
+    _, by_rank = outcomes
+    for outcome in by_rank:
+        assert outcome[UNVERIFIED].error_type is None, outcome[UNVERIFIED].message

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -50,8 +51,10 @@ SAVE_AT, TOTAL = 3, 6
 RESUME_ATOL = 1e-5
 OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "AdamW-amsgrad": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
     "SGD": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
 }
+COMMIT_TIMEOUT_S = 60
 MOMENTS = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
 
 
@@ -393,6 +396,18 @@ def _wide_block_model() -> ToyModel:
     return model
 
 
+class _Bfloat16Model(ToyModel):
+    """The toy model in bfloat16 (inputs cast to it, outputs back), the same tensor names."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(torch.bfloat16)).float()
+
+
 def _frozen_inp_model() -> ToyModel:
     torch.manual_seed(0)
     model = ToyModel()
@@ -422,6 +437,42 @@ MISMATCHES = [
         lambda: _run("SGD"),
         r"holds torch\.optim\.adamw\.AdamW state but .* runs torch\.optim\.sgd\.SGD",
     ),
+    (
+        "model_dtype",
+        lambda: _run(model=_Bfloat16Model()),
+        r"'inp\.weight' has dtype bfloat16 in the model but float32 in the checkpoint",
+    ),
+    (
+        # The same class, and DCP would fail halfway: no max_exp_avg_sq in the checkpoint.
+        "state_keys",
+        lambda: _run("AdamW-amsgrad"),
+        r"optimizer state 'inp\.weight\.max_exp_avg_sq' is in the optimizer but not in the "
+        "checkpoint",
+    ),
+]
+# label: the checkpoint (written by the plain optimizer) a default run refuses; the error
+STATE_MISMATCHES = [
+    (
+        "state_extra_keys",
+        "AdamW-amsgrad",
+        lambda state: None,
+        r"optimizer state 'inp\.weight\.max_exp_avg_sq' is in the checkpoint but not in the "
+        "optimizer",
+    ),
+    (
+        "state_dtype",
+        "AdamW",
+        lambda state: state.update(exp_avg_sq=state["exp_avg_sq"].double()),
+        r"optimizer state 'inp\.weight\.exp_avg_sq' is float32 \(6, 4\) in the optimizer but "
+        r"float64 \(6, 4\) in the checkpoint",
+    ),
+    (
+        "state_shape",
+        "AdamW",
+        lambda state: state.update(step=state["step"].reshape(1)),
+        r"optimizer state 'inp\.weight\.step' is float32 \(\) in the optimizer but float32 "
+        r"\(1,\) in the checkpoint",
+    ),
 ]
 
 
@@ -444,6 +495,17 @@ def _assert_unchanged(run: Run, before: dict, label: str) -> None:
     assert all(p.grad is None for p in run.model.parameters()), label
 
 
+def _tampered_checkpoint(root: Path, name: str, tamper) -> Path:
+    """A checkpoint of the plain optimizer ``name`` after one step, each parameter's state
+    changed by ``tamper`` before saving."""
+    run = _run(name, in_backward=False)
+    _train(run, range(1))
+    for state in run.optim.state.values():
+        tamper(state)
+    checkpoint.save(root, *run[:2], step=1)
+    return root
+
+
 def _mismatch_body(root: str) -> None:
     root = Path(root)
     saved = _run()
@@ -461,14 +523,19 @@ def _mismatch_body(root: str) -> None:
             r"'inp\.weight' requires grad but was frozen when the checkpoint was written",
         )
     )
+    for label, name, tamper, pattern in STATE_MISMATCHES:
+        cases.append((label, _run, _tampered_checkpoint(root / label, name, tamper), pattern))
     for label, make, source, pattern in cases:
         for trained in (False, True):  # a fresh optimizer has no state, which DCP would create
             run = make()
             if trained:
                 _train(run, range(1))
             before = _snapshot(run)
-            with pytest.raises(ValueError, match=pattern):
+            # ValueError: an ordinary Exception, never DCP's CheckpointException (a
+            # BaseException that `except Exception` misses).
+            with pytest.raises(ValueError, match=pattern) as refused:
                 checkpoint.load(source, run.model, run.optim)
+            assert str(source) in str(refused.value), f"{label}: the checkpoint is not named"
             _assert_unchanged(run, before, f"{label}, trained={trained}")
 
 
@@ -484,6 +551,14 @@ def _load_state(root: Path) -> dict:
     checkpoint.load(root, run.model, run.optim)
     model_state, optim_state = get_state_dict(run.model, run.optim)
     return {"model": model_state, "optimizer": optim_state}
+
+
+def _wait_for_commit(root: Path, step: int) -> None:
+    """Poll the folder (local, no collective) until the checkpoint of ``step`` is committed."""
+    deadline = time.monotonic() + COMMIT_TIMEOUT_S
+    while checkpoint.latest(root) != layout.step_dir(root, step):
+        assert time.monotonic() < deadline, f"step {step} not committed in {COMMIT_TIMEOUT_S} s"
+        time.sleep(0.02)
 
 
 def _async_body(root: str) -> None:
@@ -502,23 +577,30 @@ def _async_body(root: str) -> None:
     with mock.patch.object(FileSystemWriter, "write_data", gated_write):
         handle = checkpoint.save(root / "async", *run[:2], step=SAVE_AT, extra=extra, async_=True)
         # Training goes on while the background thread has not written anything.
-        _train(run, range(SAVE_AT, TOTAL))
+        _train(run, range(SAVE_AT, SAVE_AT + 1))
         assert not handle.done()
         assert checkpoint.latest(root / "async") is None
         release.set()
-        assert handle.wait() == layout.step_dir(root / "async", SAVE_AT)
+        # Committed as soon as every rank has written, while training goes on: no further
+        # save, load or wait() on any rank.
+        _train(run, range(SAVE_AT + 1, TOTAL))
+        _wait_for_commit(root / "async", SAVE_AT)
+    assert handle.wait() == layout.step_dir(root / "async", SAVE_AT)
     assert_match(run.model, _reference("AdamW", TOTAL).model, atol=RESUME_ATOL)
 
     synced, overlapped = _load_state(root / "sync"), _load_state(root / "async")
     assert_same_state_dict(overlapped, synced)
     _assert_resumes_at(root / "async", SAVE_AT)
 
-    # The next save (or load) commits a pending async save first.
-    checkpoint.save(root / "async", *run[:2], step=TOTAL, extra=extra, async_=True)
-    checkpoint.save(root / "async", *run[:2], step=TOTAL + 1, extra=extra, async_=True)
-    assert checkpoint.latest(root / "async") == layout.step_dir(root / "async", TOTAL)
+    # keep_last prunes in the background too, after the commit.
+    checkpoint.save(root / "async", *run[:2], step=TOTAL, extra=extra, async_=True, keep_last=1)
+    _wait_for_commit(root / "async", TOTAL)
+    deadline = time.monotonic() + COMMIT_TIMEOUT_S
+    while layout.step_dir(root / "async", SAVE_AT).exists():
+        assert time.monotonic() < deadline, "keep_last=1 did not prune the older checkpoint"
+        time.sleep(0.02)
     step, _ = checkpoint.load(root / "async", *_run(seed=1)[:2])
-    assert step == TOTAL + 1
+    assert step == TOTAL
 
 
 def test_async_save_overlaps_training_and_matches_a_sync_save(worlds, tmp_path):
