@@ -202,7 +202,8 @@ def _poison(linear: nn.Linear, active: list[bool]) -> None:
     linear.forward = forward
 
 
-def _skip_with_clipping_body() -> None:
+def _skip_with_clipping_body(fused: bool) -> None:
+    """``fused``: the skip happens on the device (``found_inf``), else on the host."""
     model, reference = _pair()
     active = [False]
     for m in (model, reference):
@@ -213,9 +214,10 @@ def _skip_with_clipping_body() -> None:
         torch.optim.AdamW,
         max_grad_norm=1e6,
         skip_nonfinite=True,
+        fused=fused,
         **ADAMW,
     )
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), fused=fused, **ADAMW)
     unit = {id(p) for p in reference.layers[1].parameters()}
     for step in range(5):
         active[0] = step == 2
@@ -231,6 +233,7 @@ def _skip_with_clipping_body() -> None:
         assert math.isfinite(norm) == (step != 2), (step, norm)
     assert optim.nonfinite_steps == 1
     assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain.state_dict())
 
 
 # ------------------------------------------------------- 6. DCP's state-creation step
@@ -505,7 +508,8 @@ def test_clipping_history_never_reaches_another_bucket():
     [
         (2, _add_group_generator_body, {}),
         (2, _no_gradient_body, {}),
-        (2, _skip_with_clipping_body, {}),
+        (2, _skip_with_clipping_body, {"fused": False}),
+        (2, _skip_with_clipping_body, {"fused": True}),
         (2, _dcp_state_creation_body, {"sharded": True}),
         (1, _dcp_state_creation_body, {"sharded": False}),
         (1, _head_after_root_body, {}),
@@ -517,7 +521,8 @@ def test_clipping_history_never_reaches_another_bucket():
     ids=[
         "1-add-group-generator",
         "4-no-gradient",
-        "5-skip-with-clipping",
+        "5-skip-with-clipping-host",
+        "5-skip-with-clipping-device",
         "6-dcp-state-creation-sharded",
         "6-dcp-state-creation-plain",
         "7-head-after-root-norm",
