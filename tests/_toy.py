@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -126,6 +127,33 @@ def bypassed(*modules: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             del module.forward
+
+
+def unit_order(reference: ToyModel) -> list[list[nn.Parameter]]:
+    """The FSDP units of ``shard(model)`` in the order backward completes them."""
+    layers = [list(layer.parameters()) for layer in reversed(reference.layers)]
+    root = [*reference.inp.parameters(), *reference.head.parameters()]
+    return [*layers, root]
+
+
+def clip_like_in_backward(
+    units: list[list[nn.Parameter]], previous: list[float], max_norm: float
+) -> list[float]:
+    """Scale the gradients of ``units`` (in backward order) by the documented in-backward
+    coefficients, ``min(1, max_norm / sqrt(seen + predicted))`` (README, "Clipping in one
+    backward"), given the previous step's squared norms per unit (``[]`` on the first step).
+
+    Returns this step's squared norms per unit, before clipping: the next step's ``previous``.
+    """
+    squares = [sum(p.grad.square().sum().item() for p in unit) for unit in units]
+    total_previous, seen, seen_previous = sum(previous), 0.0, 0.0
+    for index, (unit, square) in enumerate(zip(units, squares, strict=True)):
+        seen += square
+        seen_previous += previous[index] if previous else 0.0
+        coefficient = min(1.0, max_norm / (math.sqrt(seen + total_previous - seen_previous) + 1e-6))
+        for p in unit:
+            p.grad.mul_(coefficient)
+    return squares
 
 
 def assert_same_state_dict(actual: object, expected: object, path: str = "") -> None:

@@ -53,22 +53,3 @@ def test_adamw_parity_across_world_sizes(worlds, world_size):
 )
 def test_optimizer_parity_4_ranks(worlds, name, kwargs):
     worlds.run(4, _parity_body, name=name, kwargs=kwargs)
-
-
-def _offload_body() -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    model, reference = make_models()
-    shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2)
-    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss_fn(model, rank_slice(x), rank_slice(y)).backward()
-        optim.step()
-    train_reference(reference, ref_optim, STEPS)
-    assert_match(model, reference)
-
-
-def test_cpu_offload_policy(worlds):
-    worlds.run(2, _offload_body)
