@@ -17,7 +17,12 @@ class SweepConfig:
     shapes: tuple[str, ...] = ("many-small", "few-large", "llama-12x256")
     """Model shapes, keys of ``_shapes.SHAPES``."""
     methods: tuple[str, ...] = (
-        "plain", "per-param", "ours", "plain+accum+clip", "ours+accum+clip", "torchtune"
+        "plain",
+        "per-param",
+        "ours",
+        "plain+accum+clip",
+        "ours+accum+clip",
+        "torchtune",
     )
     """Methods, keys of ``_methods.METHODS``; unavailable ones are recorded as skipped."""
     scalings: tuple[str, ...] = SCALINGS

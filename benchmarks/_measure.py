@@ -114,10 +114,10 @@ def build_runner(shape: Shape, config: SweepConfig, mesh: DeviceMesh, method: st
         model = shape.build()
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if config.bf16 else None
+        if config.bf16
+        else None
     )
-    apply_fsdp(model, mesh=mesh, mp_policy=mp_policy,
-               activation_checkpointing=shape.checkpointing)
+    apply_fsdp(model, mesh=mesh, mp_policy=mp_policy, activation_checkpointing=shape.checkpointing)
     return METHODS[method].build(model, shape.loss, config)
 
 
@@ -135,10 +135,18 @@ def _memory_step(runner: Runner, batch: Batch, baseline: int, config: SweepConfi
         with tracker.after_backward():
             runner.optimizer_step()
     peak, by_kind, by_category = tracker.peak()
-    bound = lower_bound(runner.model, runner.state_tensors(), tracker.activation_peak,
-                        torch.bfloat16 if config.bf16 else None)
-    memory = {"peak_bytes": peak, "peak_by_kind": by_kind, "peak_by_category": by_category,
-              "lower_bound": bound}
+    bound = lower_bound(
+        runner.model,
+        runner.state_tensors(),
+        tracker.activation_peak,
+        torch.bfloat16 if config.bf16 else None,
+    )
+    memory = {
+        "peak_bytes": peak,
+        "peak_by_kind": by_kind,
+        "peak_by_category": by_category,
+        "lower_bound": bound,
+    }
     if config.device == "cuda":
         _sync(config.device)
         memory["allocator_peak_bytes"] = torch.cuda.max_memory_allocated() - baseline
@@ -146,7 +154,9 @@ def _memory_step(runner: Runner, batch: Batch, baseline: int, config: SweepConfi
 
 
 def _timed_steps(
-    runners: dict[str, Runner], batch: Callable[[int], Batch], first_step: int,
+    runners: dict[str, Runner],
+    batch: Callable[[int], Batch],
+    first_step: int,
     config: SweepConfig,
 ) -> dict[str, list[StepTime]]:
     """Each method's timed steps on this rank, the methods interleaved."""
@@ -166,11 +176,13 @@ def _timed_steps(
             backward_done = time.perf_counter()
             runner.optimizer_step()
             _sync(config.device)
-            times[name].append(StepTime(
-                fwd_bwd=backward_done - start,
-                after_backward=time.perf_counter() - backward_done,
-                cpu=time.process_time() - start_cpu,
-            ))
+            times[name].append(
+                StepTime(
+                    fwd_bwd=backward_done - start,
+                    after_backward=time.perf_counter() - backward_done,
+                    cpu=time.process_time() - start_cpu,
+                )
+            )
     return times
 
 
@@ -222,9 +234,18 @@ def _run_case(
         return []
     records = [{**case, "method": name, "skipped": reason} for name, reason in skipped.items()]
     for name in memory:
-        records.append({**case, "method": name, "skipped": None,
-                        **_combine([g[0][name] for g in gathered], [g[1][name] for g in gathered],
-                                   case["tokens_per_step"])})
+        records.append(
+            {
+                **case,
+                "method": name,
+                "skipped": None,
+                **_combine(
+                    [g[0][name] for g in gathered],
+                    [g[1][name] for g in gathered],
+                    case["tokens_per_step"],
+                ),
+            }
+        )
     return records
 
 

@@ -117,8 +117,12 @@ def _local_nbytes(tensor: torch.Tensor) -> int:
 
 def _unit_params(unit: nn.Module) -> Iterator[nn.Parameter]:
     """Parameters ``unit``'s own ``fully_shard`` manages (not those of nested units)."""
-    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
-              for p in m.parameters()}
+    nested = {
+        id(p)
+        for m in unit.modules()
+        if m is not unit and isinstance(m, FSDPModule)
+        for p in m.parameters()
+    }
     return (p for p in unit.parameters() if id(p) not in nested)
 
 
@@ -136,9 +140,7 @@ def lower_bound(
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     def unsharded(unit: nn.Module) -> int:
-        return sum(
-            2 * p.numel() * (compute_dtype or p.dtype).itemsize for p in _unit_params(unit)
-        )
+        return sum(2 * p.numel() * (compute_dtype or p.dtype).itemsize for p in _unit_params(unit))
 
     terms = {
         "sharded_params": sum(_local_nbytes(p) for p in model.parameters()),

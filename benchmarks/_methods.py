@@ -169,10 +169,16 @@ METHODS: dict[str, Method] = {
         Method(name="plain", build=lambda m, loss, c: _Plain(m, loss, c, clip=False)),
         Method(name="per-param", build=_PerParam),
         Method(name="ours", build=lambda m, loss, c: _Ours(m, loss, c, clip=False)),
-        Method(name="plain+accum+clip", accumulates=True,
-               build=lambda m, loss, c: _Plain(m, loss, c, clip=True)),
-        Method(name="ours+accum+clip", accumulates=True,
-               build=lambda m, loss, c: _Ours(m, loss, c, clip=True)),
+        Method(
+            name="plain+accum+clip",
+            accumulates=True,
+            build=lambda m, loss, c: _Plain(m, loss, c, clip=True),
+        ),
+        Method(
+            name="ours+accum+clip",
+            accumulates=True,
+            build=lambda m, loss, c: _Ours(m, loss, c, clip=True),
+        ),
         Method(name="torchtune", build=_Torchtune, missing=_torchtune_missing),
     )
 }

@@ -66,8 +66,9 @@ def profile_world(config: SweepConfig) -> list[dict[str, Any]]:
     shape = get_shape(config.shapes[0], quick=config.quick)
     world_size = dist.get_world_size()
     mesh = init_device_mesh(config.device, (world_size,))
-    batch = make_batches(shape, config, per_rank_batch(shape, config.scalings[0], world_size,
-                                                        config))
+    batch = make_batches(
+        shape, config, per_rank_batch(shape, config.scalings[0], world_size, config)
+    )
     runners = {}
     for name in config.methods:
         if METHODS[name].missing() is None:
@@ -92,18 +93,25 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="many-small")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--scaling", choices=("strong", "weak"), default="strong")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS),
-                        default=["plain", "per-param", "ours"])
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=["plain", "per-param", "ours"]
+    )
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     config = dataclasses.replace(
-        SweepConfig(), world_sizes=(args.world_size,), shapes=(args.shape,),
-        methods=tuple(args.methods), scalings=(args.scaling,), timed_steps=args.steps,
+        SweepConfig(),
+        world_sizes=(args.world_size,),
+        shapes=(args.shape,),
+        methods=tuple(args.methods),
+        scalings=(args.scaling,),
+        timed_steps=args.steps,
         warmup_steps=2,
     )
     rows = spawn(args.world_size, profile_world, config, device=config.device)
-    print(f"{args.shape}, {args.world_size} rank(s), {args.scaling} scaling: rank 0, ms per "
-          f"step under cProfile, mean of {args.steps} steps")
+    print(
+        f"{args.shape}, {args.world_size} rank(s), {args.scaling} scaling: rank 0, ms per "
+        f"step under cProfile, mean of {args.steps} steps"
+    )
     width = max(map(len, PATHS))
     print(" " * width + "".join(f"{row['method']:>18}" for row in rows))
     for label in PATHS:

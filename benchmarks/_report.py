@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from benchmarks._config import SweepConfig
 from benchmarks._memory import KINDS
@@ -85,7 +82,8 @@ def _summary(records: list[dict[str, Any]]) -> list[str]:
         ours_bound = case[OURS]["lower_bound"]["total"] if OURS in case else None
         saved = (
             case[BASELINE]["step_ms"] - case[OURS]["step_ms"]
-            if BASELINE in case and OURS in case else None
+            if BASELINE in case and OURS in case
+            else None
         )
         after = _get(case, BASELINE, "after_backward_ms")
         lines.append(
@@ -105,21 +103,40 @@ def _summary(records: list[dict[str, Any]]) -> list[str]:
 def _shape_table(records: list[dict[str, Any]], shape: str) -> list[str]:
     kinds = list(KINDS)
     allocator = any("allocator_peak_bytes" in r for r in records)
-    head = ["ranks", "scaling", "method", "step ms", "fwd+bwd ms", "after-bwd ms",
-            "step CPU ms", "tokens/s",
-            "peak MiB", *(f"{k.replace('_', ' ')} MiB" for k in kinds), "bound MiB",
-            "peak / bound"]
+    head = [
+        "ranks",
+        "scaling",
+        "method",
+        "step ms",
+        "fwd+bwd ms",
+        "after-bwd ms",
+        "step CPU ms",
+        "tokens/s",
+        "peak MiB",
+        *(f"{k.replace('_', ' ')} MiB" for k in kinds),
+        "bound MiB",
+        "peak / bound",
+    ]
     if allocator:
         head.append("allocator peak MiB")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in _ok(records):
         if r["shape"] != shape:
             continue
-        row = [str(r["world_size"]), r["scaling"], r["method"], f"{r['step_ms']:.1f}",
-               f"{r['fwd_bwd_ms']:.1f}", f"{r['after_backward_ms']:.1f}",
-               f"{r['step_cpu_ms']:.1f}", f"{r['tokens_per_s']:.0f}", _mib(r["peak_bytes"]),
-               *(_mib(r["peak_by_kind"][k]) for k in kinds), _mib(r["lower_bound"]["total"]),
-               _ratio(r["peak_bytes"], r["lower_bound"]["total"])]
+        row = [
+            str(r["world_size"]),
+            r["scaling"],
+            r["method"],
+            f"{r['step_ms']:.1f}",
+            f"{r['fwd_bwd_ms']:.1f}",
+            f"{r['after_backward_ms']:.1f}",
+            f"{r['step_cpu_ms']:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+            _mib(r["peak_bytes"]),
+            *(_mib(r["peak_by_kind"][k]) for k in kinds),
+            _mib(r["lower_bound"]["total"]),
+            _ratio(r["peak_bytes"], r["lower_bound"]["total"]),
+        ]
         if allocator:
             row.append(_mib(r.get("allocator_peak_bytes", 0)))
         lines.append("| " + " | ".join(row) + " |")
@@ -157,7 +174,8 @@ def markdown(payload: dict[str, Any]) -> str:
             "",
             f"## {shape} ({first['bound']}-bound: {first['n_params']:,} parameters in "
             f"{first['n_tensors']} tensors, {first['n_units']} FSDP units"
-            + (", activation checkpointing" if first["checkpointing"] else "") + ")",
+            + (", activation checkpointing" if first["checkpointing"] else "")
+            + ")",
             "",
             *_shape_table(records, shape),
         ]
@@ -190,7 +208,8 @@ def _plots(out: Path, config: SweepConfig, records: list[dict[str, Any]]) -> lis
             for method in dict.fromkeys(r["method"] for r in chosen):
                 points = sorted(
                     (r["world_size"], r["peak_bytes"] / MIB, r["step_ms"], r["step_cpu_ms"])
-                    for r in chosen if r["shape"] == shape and r["method"] == method
+                    for r in chosen
+                    if r["shape"] == shape and r["method"] == method
                 )
                 if not points:
                     continue

@@ -82,8 +82,10 @@ class _Stack(nn.Module):
 
 
 def _regression_batch(generator: torch.Generator, n: int, *, seq: int, dim: int) -> Batch:
-    return (torch.randn(n, seq, dim, generator=generator),
-            torch.randn(n, seq, dim, generator=generator))
+    return (
+        torch.randn(n, seq, dim, generator=generator),
+        torch.randn(n, seq, dim, generator=generator),
+    )
 
 
 def _mse(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -91,8 +93,15 @@ def _mse(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch
 
 
 def _stack_shape(
-    name: str, bound: str, *, n_blocks: int, depth: int, dim: int, hidden: int,
-    batch_size: int, seq: int,
+    name: str,
+    bound: str,
+    *,
+    n_blocks: int,
+    depth: int,
+    dim: int,
+    hidden: int,
+    batch_size: int,
+    seq: int,
 ) -> Shape:
     return Shape(
         name=name,
@@ -134,14 +143,22 @@ SHAPES: dict[str, Shape] = {
     shape.name: shape
     for shape in (
         # 4 units x 8 sublayers x 6 tensors = 192 tensors of 32-1024 elements.
-        _stack_shape("many-small", "optimizer overhead", n_blocks=4, depth=8, dim=32,
-                     hidden=32, batch_size=8, seq=16),
+        _stack_shape(
+            "many-small",
+            "optimizer overhead",
+            n_blocks=4,
+            depth=8,
+            dim=32,
+            hidden=32,
+            batch_size=8,
+            seq=16,
+        ),
         # 4 units x 6 tensors of up to 262K elements; 512 rows per step at one rank.
-        _stack_shape("few-large", "compute", n_blocks=4, depth=1, dim=256, hidden=1024,
-                     batch_size=8, seq=64),
+        _stack_shape(
+            "few-large", "compute", n_blocks=4, depth=1, dim=256, hidden=1024, batch_size=8, seq=64
+        ),
         _llama_shape("llama-12x256", "12x256", batch_size=8, seq=32, checkpointing=True),
-        _llama_shape("llama-12x256-noac", "12x256", batch_size=8, seq=32,
-                     checkpointing=False),
+        _llama_shape("llama-12x256-noac", "12x256", batch_size=8, seq=32, checkpointing=False),
         _llama_shape("llama-tiny", "tiny", batch_size=4, seq=32, checkpointing=True),
         _llama_shape("llama-1b", "1b", batch_size=4, seq=1024, checkpointing=False),
     )
@@ -151,10 +168,19 @@ SHAPES: dict[str, Shape] = {
 QUICK_SHAPES: dict[str, Shape] = {
     shape.name: shape
     for shape in (
-        _stack_shape("many-small", "optimizer overhead", n_blocks=2, depth=2, dim=16,
-                     hidden=16, batch_size=4, seq=4),
-        _stack_shape("few-large", "compute", n_blocks=2, depth=1, dim=64, hidden=256,
-                     batch_size=4, seq=8),
+        _stack_shape(
+            "many-small",
+            "optimizer overhead",
+            n_blocks=2,
+            depth=2,
+            dim=16,
+            hidden=16,
+            batch_size=4,
+            seq=4,
+        ),
+        _stack_shape(
+            "few-large", "compute", n_blocks=2, depth=1, dim=64, hidden=256, batch_size=4, seq=8
+        ),
         _llama_shape("llama-12x256", "tiny", batch_size=4, seq=16, checkpointing=True),
         _llama_shape("llama-tiny", "tiny", batch_size=4, seq=16, checkpointing=True),
     )

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     base = medians["bare (no norm)"]
     machine = describe_machine()
     lines = [
-        f"In-backward gradient features, Llama 12x256, batch {BATCH}x{SEQ}, 1 rank ({machine_summary(machine)})",
+        f"In-backward gradient features, Llama 12x256, batch {BATCH}x{SEQ}, 1 rank "
+        f"({machine_summary(machine)})",
         "",
         "| variant | median step ms | vs bare |",
         "|---|---|---|",

@@ -55,8 +55,12 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SweepConfig, Path]:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument("--quick", action="store_true", help="reduced shapes, 1 and 2 ranks")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device)
-    parser.add_argument("--world-sizes", type=int, nargs="+",
-                        help="default: 1 2 4 on CPU, 1 2 4 ... all visible GPUs on CUDA")
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        help="default: 1 2 4 on CPU, 1 2 4 ... all visible GPUs on CUDA",
+    )
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=defaults.shapes)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=defaults.methods)
     parser.add_argument("--scalings", nargs="+", choices=SCALINGS, default=defaults.scalings)

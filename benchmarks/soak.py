@@ -83,11 +83,13 @@ class SoakConfig:
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.steps * (1 - self.warmup_fraction) < 3 * self.sample_every:
-            raise ValueError("fewer than 3 samples after warm-up: raise steps or lower "
-                             "sample_every")
+            raise ValueError(
+                "fewer than 3 samples after warm-up: raise steps or lower sample_every"
+            )
 
 
 # ---------------------------------------------------------------------------------- probes
+
 
 def rss_bytes() -> int:
     """Resident set size of this process (Linux ``/proc/self/statm``, in pages)."""
@@ -119,6 +121,7 @@ def live_tensors() -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------- the run
 
+
 def _batch(config: SoakConfig, step: int, micro: int) -> torch.Tensor:
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed((step * config.grad_accum + micro) * 1000 + rank)
@@ -130,8 +133,13 @@ def run_rank(config: SoakConfig, checkpoint_dir: Path) -> list[dict[str, float]]
     """Train ``config.steps`` steps on this rank; return its samples. Collective."""
     torch.manual_seed(0)
     model = apply_fsdp(Llama(PRESETS["tiny"]))
-    optim = build_optimizer(model.parameters(), "torch.optim.AdamW", in_backward=True,
-                            max_grad_norm=config.max_grad_norm, lr=1e-3)
+    optim = build_optimizer(
+        model.parameters(),
+        "torch.optim.AdamW",
+        in_backward=True,
+        max_grad_norm=config.max_grad_norm,
+        lr=1e-3,
+    )
     samples, pending, started = [], None, time.perf_counter()
 
     def loss_fn(tokens: torch.Tensor) -> torch.Tensor:
@@ -147,13 +155,21 @@ def run_rank(config: SoakConfig, checkpoint_dir: Path) -> list[dict[str, float]]
         if step % config.sample_every == 0:
             # Before this step's save, so that every sample sees the same save state.
             count, nbytes = live_tensors()
-            samples.append({"step": step, "rss_bytes": rss_bytes(), "tensors": count,
-                            "tensor_bytes": nbytes, "loss": loss_value,
-                            "grad_norm": grad_norm.item(),
-                            "seconds": time.perf_counter() - started})
+            samples.append(
+                {
+                    "step": step,
+                    "rss_bytes": rss_bytes(),
+                    "tensors": count,
+                    "tensor_bytes": nbytes,
+                    "loss": loss_value,
+                    "grad_norm": grad_norm.item(),
+                    "seconds": time.perf_counter() - started,
+                }
+            )
         if config.save_every and step % config.save_every == 0:
-            pending = checkpoint.save(checkpoint_dir, model, optim, step=step, async_=True,
-                                      keep_last=config.keep_last)
+            pending = checkpoint.save(
+                checkpoint_dir, model, optim, step=step, async_=True, keep_last=config.keep_last
+            )
     if pending is not None:
         pending.wait()
     return samples
@@ -161,15 +177,20 @@ def run_rank(config: SoakConfig, checkpoint_dir: Path) -> list[dict[str, float]]
 
 # ---------------------------------------------------------------------------------- analysis
 
+
 def slope(steps: list[float], values: list[float]) -> float:
     """Least-squares slope of ``values`` against ``steps`` (units per step)."""
     return float(np.polyfit(np.asarray(steps, float), np.asarray(values, float), 1)[0])
 
 
-def analyse(samples: list[dict[str, float]], *, warmup_steps: int,
-            rss_limit: float = RSS_FLAT_BYTES_PER_STEP,
-            tensors_limit: float = TENSORS_FLAT_PER_STEP,
-            tensor_bytes_limit: float = TENSOR_BYTES_FLAT_PER_STEP) -> dict[str, Any]:
+def analyse(
+    samples: list[dict[str, float]],
+    *,
+    warmup_steps: int,
+    rss_limit: float = RSS_FLAT_BYTES_PER_STEP,
+    tensors_limit: float = TENSORS_FLAT_PER_STEP,
+    tensor_bytes_limit: float = TENSOR_BYTES_FLAT_PER_STEP,
+) -> dict[str, Any]:
     """Slopes of one rank's series after ``warmup_steps``, each with its limit and verdict.
 
     A series is flat when its slope is below the limit: only growth is a leak (RSS may shrink
@@ -183,12 +204,19 @@ def analyse(samples: list[dict[str, float]], *, warmup_steps: int,
         raise ValueError(f"{len(kept)} samples after step {warmup_steps}; need at least 3")
     steps = [s["step"] for s in kept]
     result: dict[str, Any] = {"from_step": steps[0], "to_step": steps[-1], "samples": len(kept)}
-    for key, limit in (("rss_bytes", rss_limit), ("tensors", tensors_limit),
-                       ("tensor_bytes", tensor_bytes_limit)):
+    for key, limit in (
+        ("rss_bytes", rss_limit),
+        ("tensors", tensors_limit),
+        ("tensor_bytes", tensor_bytes_limit),
+    ):
         per_step = slope(steps, [s[key] for s in kept])
-        result[key] = {"slope_per_step": per_step, "limit_per_step": limit,
-                       "flat": per_step < limit,
-                       "first": kept[0][key], "last": kept[-1][key]}
+        result[key] = {
+            "slope_per_step": per_step,
+            "limit_per_step": limit,
+            "flat": per_step < limit,
+            "first": kept[0][key],
+            "last": kept[-1][key],
+        }
     result["flat"] = all(result[key]["flat"] for key in ("rss_bytes", "tensors", "tensor_bytes"))
     return result
 
@@ -201,12 +229,16 @@ def plot(samples_by_rank: list[list[dict[str, float]]], warmup_steps: int, path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), dpi=110)
-    series = (("rss_bytes", "RSS (MiB)", KIB * KIB), ("tensor_bytes", "live tensor KiB", KIB),
-              ("tensors", "live tensors", 1))
+    series = (
+        ("rss_bytes", "RSS (MiB)", KIB * KIB),
+        ("tensor_bytes", "live tensor KiB", KIB),
+        ("tensors", "live tensors", 1),
+    )
     for axis, (key, label, unit) in zip(axes, series, strict=True):
         for rank, samples in enumerate(samples_by_rank):
-            axis.plot([s["step"] for s in samples], [s[key] / unit for s in samples],
-                      label=f"rank {rank}")
+            axis.plot(
+                [s["step"] for s in samples], [s[key] / unit for s in samples], label=f"rank {rank}"
+            )
         axis.axvline(warmup_steps, color="grey", linestyle=":", label="end of warm-up")
         axis.set_xlabel("step")
         axis.set_title(label)
@@ -217,6 +249,7 @@ def plot(samples_by_rank: list[list[dict[str, float]]], warmup_steps: int, path:
 
 
 # ---------------------------------------------------------------------------------- launch
+
 
 def _soak_world(config: SoakConfig) -> list[list[dict[str, float]]]:
     """Every rank's samples (on every rank). Collective."""
@@ -235,10 +268,13 @@ def soak(config: SoakConfig, world_size: int, out_dir: Path) -> dict[str, Any]:
     warmup_steps = int(config.steps * config.warmup_fraction)
     analyses = [analyse(samples, warmup_steps=warmup_steps) for samples in samples_by_rank]
     report = {
-        "config": dataclasses.asdict(config), "world_size": world_size,
+        "config": dataclasses.asdict(config),
+        "world_size": world_size,
         "machine": machine,
-        "seconds": time.perf_counter() - started, "warmup_steps": warmup_steps,
-        "flat": all(a["flat"] for a in analyses), "analysis": analyses,
+        "seconds": time.perf_counter() - started,
+        "warmup_steps": warmup_steps,
+        "flat": all(a["flat"] for a in analyses),
+        "analysis": analyses,
         "samples": samples_by_rank,
     }
     (out_dir / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -248,32 +284,40 @@ def soak(config: SoakConfig, world_size: int, out_dir: Path) -> dict[str, Any]:
 
 def summary(report: dict[str, Any]) -> str:
     """Human-readable slopes and verdicts, one line per rank and series."""
-    lines = [f"{report['config']['steps']} steps on {report['world_size']} ranks in "
-             f"{report['seconds']:.0f} s; slopes after step {report['warmup_steps']}:"]
+    lines = [
+        f"{report['config']['steps']} steps on {report['world_size']} ranks in "
+        f"{report['seconds']:.0f} s; slopes after step {report['warmup_steps']}:"
+    ]
     for rank, analysis in enumerate(report["analysis"]):
-        for key, fmt in (("rss_bytes", format_bytes), ("tensor_bytes", format_bytes),
-                         ("tensors", lambda v: f"{v:.0f}")):
+        for key, fmt in (
+            ("rss_bytes", format_bytes),
+            ("tensor_bytes", format_bytes),
+            ("tensors", lambda v: f"{v:.0f}"),
+        ):
             a = analysis[key]
             lines.append(
                 f"  rank {rank} {key:<12} {a['slope_per_step']:+.4g}/step (limit "
                 f"{a['limit_per_step']:g}) {fmt(a['first'])} -> {fmt(a['last'])}: "
-                + ("flat" if a["flat"] else "GROWING"))
+                + ("flat" if a["flat"] else "GROWING")
+            )
     lines.append("verdict: " + ("flat" if report["flat"] else "NOT flat"))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     defaults = SoakConfig()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--sample-every", type=int, default=defaults.sample_every)
     p.add_argument("--save-every", type=int, default=defaults.save_every)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
-    config = SoakConfig(steps=args.steps, sample_every=args.sample_every,
-                        save_every=args.save_every)
+    config = SoakConfig(
+        steps=args.steps, sample_every=args.sample_every, save_every=args.save_every
+    )
     report = soak(config, args.world_size, args.out)
     print(summary(report), flush=True)
     return 0 if report["flat"] else 1

@@ -77,7 +77,8 @@ def _files_under(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     files = sorted(
-        p for p in path.rglob("*")
+        p
+        for p in path.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if not files:
@@ -174,7 +175,7 @@ class BatchSampler:
         """Windows ``start .. start + count - 1`` of step ``step``'s global batch: (count, T+1)."""
         rng = np.random.default_rng([self.seed, step])
         offsets = rng.integers(0, self.tokens.numel() - self.seq_len, size=self.global_batch)
-        picked = torch.from_numpy(offsets[start:start + count])
+        picked = torch.from_numpy(offsets[start : start + count])
         return self.tokens[picked[:, None] + torch.arange(self.seq_len + 1)]
 
     def micro_batch(

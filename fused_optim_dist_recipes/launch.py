@@ -56,9 +56,7 @@ def _entry(
     else:
         torch.set_num_threads(CPU_THREADS_PER_RANK)
         backend = "gloo"
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     try:
         result = body(*args)
         if rank == 0:

@@ -48,8 +48,15 @@ class LlamaConfig:
     """Epsilon of every RMSNorm."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-                     "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LlamaConfig.{name} must be a positive int, not {value!r}")
@@ -81,17 +88,27 @@ class LlamaConfig:
 
 PRESETS: dict[str, LlamaConfig] = {
     # Unit and end-to-end tests: a step takes milliseconds on one CPU core.
-    "tiny": LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                        max_seq_len=128),
+    "tiny": LlamaConfig(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=128
+    ),
     # The default fine-tuning run: a few hundred steps in about two minutes on two CPU ranks.
-    "small": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384,
-                         max_seq_len=256),
+    "small": LlamaConfig(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=256
+    ),
     # Benchmarks: 12 layers of width 256 on the byte vocabulary (about 9.5M parameters).
-    "12x256": LlamaConfig(dim=256, n_layers=12, n_heads=8, n_kv_heads=4, ffn_hidden=768,
-                          max_seq_len=512),
+    "12x256": LlamaConfig(
+        dim=256, n_layers=12, n_heads=8, n_kv_heads=4, ffn_hidden=768, max_seq_len=512
+    ),
     # GPU benchmarks: Llama-3.2-1B's layer shapes on the byte vocabulary (about 1B parameters).
-    "1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
-                      max_seq_len=2048, rope_theta=500000.0),
+    "1b": LlamaConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        max_seq_len=2048,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -130,7 +147,9 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = (
-            config.n_heads, config.n_kv_heads, config.head_dim
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
         )
         self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
