@@ -145,15 +145,22 @@ def prune(directory: Path, keep_last: int | None) -> None:
     """Delete temporary folders of dead saves and, if ``keep_last`` is set, all but the
     ``keep_last`` newest committed checkpoints.
 
-    Call only while no save into ``directory`` is in flight.
+    Call only while no save into ``directory`` is in flight. A checkpoint is renamed to a
+    temporary folder before it is deleted: a prune killed halfway (it runs in the background
+    of an async save) leaves a temporary folder, removed by the next prune, never a step folder
+    without its ``METADATA_FILE``. Step folders left so by older releases are removed too.
     """
     for child in directory.iterdir():
         stem = child.name.removesuffix(_TMP_SUFFIX)
-        if stem != child.name and _STEP_DIR.fullmatch(stem):
+        if _STEP_DIR.fullmatch(stem) and (
+            stem != child.name or not (child / METADATA_FILE).is_file()
+        ):
             shutil.rmtree(child)
     if keep_last is not None:
         for _, path in complete_checkpoints(directory)[:-keep_last]:
-            shutil.rmtree(path)
+            doomed = tmp_dir(path)
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
 
 
 def read_metadata(path: Path, *, verify_checksum: bool = True) -> dict[str, Any]:
