@@ -13,6 +13,24 @@ Phases: ``COLLECTING`` (hooks arrive; complete buckets are stepped at once), the
 (:meth:`BackwardPass.finish`: the buckets that did not complete are stepped, gradients that
 reached the parameters without a hook too, the norm is completed). A ``step()`` outside
 backward runs a ``BackwardPass`` of its own over the gradients it finds.
+
+[Note: a unit closes when FSDP2 has reduced it]
+A bucket that is an FSDP unit is stepped when its last gradient arrives, or as soon as FSDP2 has
+handed out the last gradient it reduced for the unit in this backward, whichever comes first:
+a parameter the forward did not use (an expert no token was routed to, a branch not taken) gets
+no gradient, and waiting for it until the end of backward would keep the unit's whole
+reduce-scatter output alive through the rest of backward. FSDP2 runs the unit's hooks back to
+back, in parameter order, each on a view into that one output, so the gradient whose view ends
+at the output's end is the last (``ends_reduce_output`` in ``_torch_internals``). Every rank
+reduces the same parameters of a unit, so every rank closes it at the same hook. A parameter of
+a closed unit that still gets a gradient in this backward (not from FSDP2's reduction) is
+stepped like any other, at the end of backward.
+
+Profiler ranges, stable names for traces: ``fused_optim_dist::step_bucket`` (one bucket, all
+of it), inside it ``fused_optim_dist::gradients`` (norm, clipping, non-finite check),
+``fused_optim_dist::derive_local_views`` (only when the cached views are re-derived) and
+``fused_optim_dist::update`` (the wrapped optimizer's update);
+``fused_optim_dist::end_of_backward``.
 """
 
 from __future__ import annotations
@@ -29,6 +47,7 @@ from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientPr
 from fused_optim_dist._plan import Bucket, BucketPlan
 from fused_optim_dist._stepping import BucketStepper, place_grad_like_param
 from fused_optim_dist._streams import StepEvents, keep_alive_until_done
+from fused_optim_dist._torch_internals import ends_reduce_output, local_tensor
 
 __all__ = ["BackwardPass", "Phase"]
 
@@ -100,6 +119,12 @@ class BackwardPass:
         if len(arrived) == len(bucket.params):
             del self._arrived[bucket.index]
             self._step_bucket(bucket, bucket.params)
+            return
+        # See [Note: a unit closes when FSDP2 has reduced it].
+        slot = self._plan.gradient_slots.get(id(param))
+        if slot is not None and ends_reduce_output(param.grad, slot):
+            del self._arrived[bucket.index]
+            self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
 
     def step_all(self, params: Sequence[torch.Tensor]) -> None:
         """Step ``params`` (members of the plan holding gradients) bucket by bucket, in order."""
@@ -153,19 +178,20 @@ class BackwardPass:
                     for index, members in bucket.by_group(params)
                 ]
                 verdict = BucketVerdict()
-                if self._record:
+                if self._record and self._gradients.active:
                     device_skip = self._gradients.skip_nonfinite and self._stepper.takes_found_inf(
                         batches
                     )
-                    verdict = self._gradients.before_step(
-                        self._norms, bucket, params, device_skip=device_skip
-                    )
+                    with record_function("fused_optim_dist::gradients"):
+                        verdict = self._gradients.before_step(
+                            self._norms, bucket, params, device_skip=device_skip
+                        )
                 if verdict.step:
                     self._stepper.step(batches, self._state, verdict.found_inf)
             finally:
                 # See [Note: streams of the in-backward step].
                 grads = [p.grad for p in params if p.grad is not None]
-                keep_alive_until_done(g.to_local() if hasattr(g, "to_local") else g for g in grads)
+                keep_alive_until_done(map(local_tensor, grads))
                 if grads:
                     self._events.record(grads[0].device)
                 for param in params:

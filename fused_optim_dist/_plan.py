@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fused_optim_dist._torch_internals import fsdp_units
+from fused_optim_dist._torch_internals import fsdp_gradient_slots, fsdp_units
 
 __all__ = ["Bucket", "BucketPlan"]
 
@@ -84,6 +84,10 @@ class BucketPlan:
             for index, params in enumerate(_split(trainable, bucket_numel))
         )
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        # id -> elements of the parameter's slot in its FSDP unit's reduce-scatter output, for
+        # the parameters whose unit can be closed as soon as FSDP2 has reduced it. See
+        # [Note: a unit closes when FSDP2 has reduced it].
+        self.gradient_slots = fsdp_gradient_slots(trainable)
 
     def is_current(self, param_groups: Sequence[dict[str, Any]]) -> bool:
         return _signature(param_groups) == self.signature

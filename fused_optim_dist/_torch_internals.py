@@ -21,6 +21,19 @@ Everything else in the package uses public APIs. What this module relies on, for
   therefore queues a callback that queues ours: it runs after every callback queued during the
   backward. ``torch._C._current_graph_task_id()`` is ``-1`` outside a backward and stays the
   backward's id while its callbacks run.
+* ``DTensor._local_tensor`` is the local shard itself: ``to_local()`` returns it through an
+  autograd Function (microseconds per call, which adds up over hundreds of small parameters).
+  FSDP2 keeps the same local tensor object across steps and replaces it only when it re-creates
+  the shard (``FSDPParam.reset_sharded_param`` at lazy init, e.g. after ``to_empty``), so an
+  identity check of ``_local_tensor`` tells a cached alias of the shard is still the shard.
+* ``foreach_reduce`` gives each sharded gradient of a unit a view into one reduce-scatter output,
+  at consecutive offsets in the unit's parameter order, each ``padded_sharded_param_size``
+  elements long, and only to the parameters that got a gradient. So the gradient whose view
+  ends at the end of that output is the last one FSDP2 hands out for the unit in this backward:
+  its hooks run back to back, and after that one no other parameter of the unit gets a gradient.
+  (Not with CPU offload, where each gradient is copied to a tensor of its own.)
+* ``torch.optim.optimizer._get_fused_kernels_supported_devices`` lists the device types the
+  ``fused=True`` kernels of ``torch.optim`` run on.
 """
 
 from __future__ import annotations
@@ -31,8 +44,18 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["current_backward_id", "ddp_modules_holding", "fsdp_units", "queue_end_of_backward"]
+__all__ = [
+    "current_backward_id",
+    "ddp_modules_holding",
+    "ends_reduce_output",
+    "fsdp_gradient_slots",
+    "fsdp_units",
+    "fused_kernel_devices",
+    "local_tensor",
+    "queue_end_of_backward",
+]
 
 
 def fsdp_units(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -63,6 +86,48 @@ def fsdp_units(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
             if members:
                 units.append(members)
     return units
+
+
+def fsdp_gradient_slots(params: Iterable[torch.Tensor]) -> dict[int, int]:
+    """``id(param)`` -> elements of the slot FSDP2 reserves for ``param``'s sharded gradient in
+    its unit's reduce-scatter output, for the ``params`` whose gradient FSDP2 leaves there (in a
+    ``fully_shard`` unit, not offloaded to the CPU)."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    wanted = {id(p) for p in params}
+    slots: dict[int, int] = {}
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        if not isinstance(state, FSDPState):
+            continue
+        for param_group in state._fsdp_param_groups:
+            for fsdp_param in param_group.fsdp_params:
+                key = id(fsdp_param.sharded_param)
+                if key in wanted and not fsdp_param.offload_to_cpu:
+                    slots[key] = fsdp_param.padded_sharded_param_size.numel()
+    return slots
+
+
+def ends_reduce_output(grad: torch.Tensor, slot: int) -> bool:
+    """Whether ``grad`` (a sharded gradient FSDP2 just handed out, whose slot in the unit's
+    reduce-scatter output is ``slot`` elements) is the last of its unit in this backward."""
+    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+    end = local.storage_offset() + slot
+    return end * local.element_size() == local.untyped_storage().nbytes()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor object itself, not an alias); ``tensor``
+    otherwise."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def fused_kernel_devices() -> frozenset[str]:
+    """Device types the ``fused=True`` kernels of ``torch.optim`` support."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return frozenset(_get_fused_kernels_supported_devices())
 
 
 def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:

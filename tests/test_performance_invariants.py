@@ -1,0 +1,255 @@
+"""What makes the in-backward step fast must never make it wrong (gloo, CPU).
+
+* Cached local views (see [Note: cached local views]): every event that changes a source of the
+  cache, mid-run, against plain torch.optim on an unsharded copy; and in steady state nothing
+  is re-derived.
+* The fused kernel replaces an unset foreach/fused with the state format unchanged.
+* A unit with a parameter that got no gradient is closed when FSDP2 has reduced it: the same
+  peak memory as a model whose parameters are all used.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from _toy import assert_match, batch, loss_fn, make_models, rank_slice, shard
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.profiler import ProfilerActivity, profile
+
+from fused_optim_dist import OptimizerInBackward
+
+STEPS = 5
+EVENT_AT = 2
+"""The mid-run event happens before this step (0-based)."""
+LR = 1e-2
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, step: int, sharded: bool) -> None:
+    x, y = batch(step)
+    if sharded:
+        x, y = rank_slice(x), rank_slice(y)
+    loss_fn(model, x, y).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _swap_local_tensors(model: nn.Module) -> None:
+    """What FSDP2 does when it re-creates the shards (``reset_sharded_param``): each sharded
+    parameter keeps its identity and gets a new local tensor, same values."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                param = fsdp_param.sharded_param
+                param._local_tensor = param._local_tensor.clone()
+                fsdp_param.reset_sharded_param()
+
+
+def _reload_state(model, optim, reference, ref_optim, saved) -> None:
+    optim.load_state_dict(copy.deepcopy(saved[0]))
+    ref_optim.load_state_dict(copy.deepcopy(saved[1]))
+
+
+def _add_head_group(model, optim, reference, ref_optim, saved) -> None:
+    for m, o in ((model, optim), (reference, ref_optim)):
+        o.add_param_group({"params": list(m.head.parameters()), "lr": LR / 2})
+
+
+def _unfreeze(model, optim, reference, ref_optim, saved) -> None:
+    for m in (model, reference):
+        m.layers[1].requires_grad_(True)
+
+
+def _swap(model, optim, reference, ref_optim, saved) -> None:
+    _swap_local_tensors(model)
+
+
+EVENTS: dict[str, Callable] = {
+    "load_state_dict": _reload_state,
+    "add_param_group": _add_head_group,
+    "unfreeze": _unfreeze,
+    "fsdp_swaps_local_tensor": _swap,
+}
+
+
+def _invalidation_body(event: str) -> None:
+    model, reference = make_models(freeze=("layers.1",) if event == "unfreeze" else ())
+    shard(model)
+
+    def params(m: nn.Module) -> list[torch.Tensor]:
+        return [p for n, p in m.named_parameters() if event != "add_param_group" or "head" not in n]
+
+    optim = OptimizerInBackward(params(model), torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    ref_optim = torch.optim.AdamW(params(reference), lr=LR, weight_decay=0.1)
+    saved = None
+    for step in range(STEPS):
+        if step == EVENT_AT - 1:
+            saved = (copy.deepcopy(optim.state_dict()), copy.deepcopy(ref_optim.state_dict()))
+        if step == EVENT_AT:
+            EVENTS[event](model, optim, reference, ref_optim, saved)
+        _train(model, optim, step, sharded=True)
+        _train(reference, ref_optim, step, sharded=False)
+    assert_match(model, reference)
+
+
+@pytest.mark.parametrize("event", list(EVENTS))
+def test_cached_views_follow_every_change(worlds, event):
+    worlds.run(2, _invalidation_body, event=event)
+
+
+def _resumed_body() -> None:
+    """A run resumed into a new model and optimizer (DCP's in-memory state dict API) after
+    their lazy init, then trained on: equal to the uninterrupted plain run."""
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step in range(EVENT_AT):
+        _train(model, optim, step, sharded=True)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    resumed, _ = make_models(seed=1)
+    shard(resumed)
+    new_optim = OptimizerInBackward(resumed.parameters(), torch.optim.AdamW, lr=LR)
+    _train(resumed, new_optim, 0, sharded=True)  # views and state derived for other values
+    set_state_dict(resumed, new_optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for step in range(EVENT_AT, STEPS):
+        _train(resumed, new_optim, step, sharded=True)
+    for step in range(STEPS):
+        _train(reference, ref_optim, step, sharded=False)
+    assert_match(resumed, reference)
+
+
+def test_resumed_run(worlds):
+    worlds.run(2, _resumed_body)
+
+
+def _range_counts(fn: Callable[[], None]) -> dict[str, int]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("fused_optim_dist::") or event.name.startswith("aten::_fused"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+def _steady_state_body() -> dict[str, dict[str, int]]:
+    """Profiler ranges per step: views derived on the first step and after a state load only;
+    the fused kernel runs where the user left foreach/fused unset, not where they chose."""
+    model, _ = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+    chose, _ = make_models()
+    shard(chose)
+    chose_optim = OptimizerInBackward(chose.parameters(), torch.optim.AdamW, lr=LR, foreach=True)
+    counts = {"first": _range_counts(lambda: _train(model, optim, 0, sharded=True))}
+    _train(model, optim, 1, sharded=True)
+    counts["steady"] = _range_counts(lambda: _train(model, optim, 2, sharded=True))
+    optim.load_state_dict(optim.state_dict())
+    counts["loaded"] = _range_counts(lambda: _train(model, optim, 3, sharded=True))
+    counts["chose_foreach"] = _range_counts(lambda: _train(chose, chose_optim, 0, sharded=True))
+    return counts
+
+
+def test_views_derived_only_when_a_source_changes(worlds):
+    units = 4  # three blocks and the root
+    counts = worlds.run(2, _steady_state_body)[0]
+    derive, fused = "fused_optim_dist::derive_local_views", "aten::_fused_adamw_"
+    assert counts["first"][derive] == units
+    assert counts["steady"].get(derive, 0) == 0
+    assert counts["loaded"][derive] == units
+    for name in ("first", "steady", "loaded"):
+        assert counts[name]["fused_optim_dist::step_bucket"] == units
+        assert counts[name]["fused_optim_dist::update"] == units
+        assert counts[name][fused] == units
+        assert counts[name]["fused_optim_dist::end_of_backward"] == 1
+    assert fused not in counts["chose_foreach"]
+
+
+def _state_format_body() -> None:
+    """With the fused kernel in use, state_dict() is the plain default optimizer's: same keys,
+    dtypes, devices and placements, values equal to 1e-6; and it loads into the plain one."""
+    model, _ = make_models()
+    plain_model = copy.deepcopy(model)
+    shard(model)
+    shard(plain_model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=LR)
+    for step in range(3):
+        _train(model, optim, step, sharded=True)
+        _train(plain_model, plain, step, sharded=True)
+    ours_sd, plain_sd = optim.state_dict(), plain.state_dict()
+    assert ours_sd["param_groups"] == plain_sd["param_groups"]
+    for index, entry in plain_sd["state"].items():
+        assert ours_sd["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            mine = ours_sd["state"][index][key]
+            assert (type(mine), mine.dtype, mine.device, mine.shape) == (
+                type(value),
+                value.dtype,
+                value.device,
+                value.shape,
+            ), key
+            if hasattr(value, "placements"):
+                assert mine.placements == value.placements
+            torch.testing.assert_close(mine, value, atol=1e-6, rtol=1e-5)
+    plain.load_state_dict(ours_sd)
+
+
+def test_fused_kernel_keeps_the_state_format(worlds):
+    worlds.run(2, _state_format_body)
+
+
+# ------------------------------------------------------------------ units closed on time
+
+DIM = 64
+N_BLOCKS = 4
+
+
+class _Block(nn.Module):
+    """Two linears; ``spare`` is used in forward only if ``use_spare``."""
+
+    def __init__(self, use_spare: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, DIM)
+        self.down = nn.Linear(DIM, DIM)
+        self.spare = nn.Parameter(torch.ones(1))
+        self.use_spare = use_spare
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + self.down(torch.tanh(self.up(x)))
+        return out * self.spare if self.use_spare else out
+
+
+def _peak_body(use_spare: bool) -> int:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Block(use_spare) for _ in range(N_BLOCKS)))
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+    x = torch.randn(8, DIM)
+    model(x).square().mean().backward()  # creates the state
+    tracker = FSDPMemTracker(model, optim)
+    with tracker:
+        model(x).square().mean().backward()
+    unused = [p for b in model for p in (b.spare,) if not use_spare]
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p not in optim.state for p in unused)
+    peaks = tracker.get_tracker_snapshot("peak")
+    return next(snap["Total"] for device, snap in peaks.items() if device.type == "cpu")
+
+
+def test_unit_with_an_unused_parameter_closes_when_reduced(worlds):
+    used = max(worlds.run(2, _peak_body, use_spare=True))
+    unused = max(worlds.run(2, _peak_body, use_spare=False))
+    # Held until the end of backward, the sharded gradients of every unit but the last would
+    # add N_BLOCKS - 1 units of (DIM * DIM + DIM) / 2 fp32 elements per rank (> 24 KiB).
+    unit_grads = (DIM * DIM + DIM) * 4 // 2
+    assert unused <= used, (unused, used, unit_grads)
