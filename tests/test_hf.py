@@ -29,17 +29,18 @@ LOAD_RANKS = 2
 SHARDED_PEAK_BOUND = 1.5
 """A rank's peak growth while loading, over its share of the parameter bytes: the shards, plus
 FSDP2's bookkeeping and the allocator's slack."""
-# Embeddings and head dominate: 2 x 16384 x 256 of the 9.6M parameters (38 MiB in fp32).
-MEMORY_MODEL = dict(
-    vocab_size=16384,
-    hidden_size=256,
-    intermediate_size=512,
+LLAMA = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
+"""What every test model shares: a 2-layer Llama with grouped-query attention."""
+MEMORY_MODEL = {**LLAMA, "vocab_size": 16384, "hidden_size": 256, "intermediate_size": 512}
+"""Embeddings and head dominate: 2 x 16384 x 256 of the 9.6M parameters (36.5 MiB in fp32)."""
+SMALL_MODEL = {**LLAMA, "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64}
+"""Room for the 300 ids of the test tokenizer."""
 
 
 def _tiny_hf_model(directory: Path, texts: list[str]) -> None:
@@ -56,17 +57,10 @@ def _tiny_hf_model(directory: Path, texts: list[str]) -> None:
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>"
     ).save_pretrained(directory)
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_MODEL)).save_pretrained(
+        directory
+    )
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -149,8 +143,7 @@ def test_sharded_load_matches_full_load_in_a_fraction_of_host_memory(tmp_path, m
 
 def test_loader_names_missing_and_misshapen_tensors(tmp_path):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**MEMORY_MODEL, "vocab_size": 64, "hidden_size": 32})
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_MODEL)).save_pretrained(tmp_path)
     model = hf.empty_causal_lm(tmp_path)
     assert all(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers()), "RoPE's inv_freq must stay real"
@@ -161,10 +154,9 @@ def test_loader_names_missing_and_misshapen_tensors(tmp_path):
     ):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
 
-    wider = {**MEMORY_MODEL, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 96}
-    transformers.LlamaConfig(**wider).save_pretrained(tmp_path)
+    transformers.LlamaConfig(**{**SMALL_MODEL, "intermediate_size": 96}).save_pretrained(tmp_path)
     with pytest.raises(
-        ValueError, match=r"mlp\.gate_proj\.weight: \(512, 32\) in .* \(96, 32\) in the model"
+        ValueError, match=r"mlp\.gate_proj\.weight: \(64, 32\) in .* \(96, 32\) in the model"
     ):
         hf.load_local_shards(hf.empty_causal_lm(tmp_path), tmp_path, torch.device("cpu"))
     (tmp_path / "model.safetensors").unlink()
