@@ -3,6 +3,11 @@
 * ``ELEMENTWISE``: the update of every element depends on that element alone (its parameter,
   gradient and state), so each rank steps its local shards as plain tensors. Exact for such
   optimizers, and the fastest path: no DTensor dispatch, one ``foreach``/``fused`` call per bucket.
+* ``WHOLE_TENSOR``: the update of a parameter needs that whole parameter (and only it): Muon's
+  orthogonalization, Adafactor's factored moments, LAMB's trust ratio. Each parameter's update
+  runs on one owner rank, on the full tensors, with the class's own step; every rank gets its
+  shards of the result. Exact: the owner computes what the class computes in one process (see
+  [Note: whole-tensor stepping]).
 * ``DTENSOR``: the step runs on the DTensor parameters, and DTensor makes every reduction
   global. Exact wherever DTensor supports the optimizer's ops, and slow; the default for any
   class not declared otherwise.
@@ -29,26 +34,31 @@ __all__ = ["Stepping", "declare_stepping", "stepping_of"]
 
 class Stepping(str, enum.Enum):
     ELEMENTWISE = "elementwise"
+    WHOLE_TENSOR = "whole_tensor"
     DTENSOR = "dtensor"
 
 
 _KNOWN: dict[type[Optimizer], Stepping] = {
-    cls: Stepping.ELEMENTWISE
-    for cls in (
-        torch.optim.SGD,
-        torch.optim.Adam,
-        torch.optim.AdamW,
-        torch.optim.Adamax,
-        torch.optim.NAdam,
-        torch.optim.RAdam,
-        torch.optim.Adagrad,
-        torch.optim.RMSprop,
-        torch.optim.Adadelta,
-        torch.optim.ASGD,
-        torch.optim.Rprop,
-    )
+    **{
+        cls: Stepping.ELEMENTWISE
+        for cls in (
+            torch.optim.SGD,
+            torch.optim.Adam,
+            torch.optim.AdamW,
+            torch.optim.Adamax,
+            torch.optim.NAdam,
+            torch.optim.RAdam,
+            torch.optim.Adagrad,
+            torch.optim.RMSprop,
+            torch.optim.Adadelta,
+            torch.optim.ASGD,
+            torch.optim.Rprop,
+        )
+    },
+    torch.optim.Muon: Stepping.WHOLE_TENSOR,
+    torch.optim.Adafactor: Stepping.WHOLE_TENSOR,
 }
-"""torch.optim classes whose update is elementwise."""
+"""torch.optim classes whose update is elementwise, or needs each whole parameter."""
 
 _DECLARED: WeakKeyDictionary[type, Stepping] = WeakKeyDictionary()
 

@@ -1,0 +1,372 @@
+"""Whole-tensor stepping (Muon, Adafactor, a LAMB) on FSDP2 against single-process runs (gloo).
+
+Muon orthogonalizes in bfloat16, so a last-bit difference in a gradient (a reduce-scatter sums
+in another order than one process does) can flip a rounding and move an entry by 1e-3. The Muon
+references are therefore fed the very gradients the sharded run consumed, captured by a hook
+that runs before the optimizer's: same kernels on the same values. Adafactor and LAMB run in
+float32 and are compared with single-process runs on the global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _toy import assert_same_state_dict, full, loss_fn, make_models, rank_slice, shard
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from fused_optim_dist import InBackwardOptions, OptimizerInBackward, Stepping, declare_stepping
+from fused_optim_dist._kinds import stepping_of
+
+STEPS = 3
+BATCH = 12
+"""Global batch: divisible by 1, 2, 3 and 4 ranks, so the ranks' mean loss is the global one."""
+ATOL_MUON = 1e-6
+ATOL_FP32 = 1e-5
+
+
+@declare_stepping("whole_tensor")
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2019): Adam's update scaled by the trust ratio ||p|| / ||update||."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                step = state["step"].item()
+                state["exp_avg"].lerp_(p.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m = state["exp_avg"] / (1 - beta1**step)
+                v = state["exp_avg_sq"] / (1 - beta2**step)
+                update = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                p_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, 1.0)
+                p.sub_(update * trust, alpha=group["lr"])
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from _toy import batch
+
+    return batch(step, size=BATCH)
+
+
+def _capture(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Record every full gradient a hook sees; registered before the optimizers' hooks."""
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+
+        def hook(p: torch.Tensor, name: str = name) -> None:
+            grads[name].append(full(p.grad).detach().clone())
+
+        param.register_post_accumulate_grad_hook(hook)
+    return grads
+
+
+def _muon_adamw(model: nn.Module, muon_kwargs: dict, **options):
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    return (
+        OptimizerInBackward(matrices, torch.optim.Muon, **muon_kwargs, **options),
+        OptimizerInBackward(rest, torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    )
+
+
+def _reference_optims(reference: nn.Module, muon_kwargs: dict):
+    """Plain Muon on the full matrices, plain AdamW on the rest."""
+    matrices = [p for p in reference.parameters() if p.ndim == 2]
+    rest = [p for p in reference.parameters() if p.ndim != 2]
+    return (
+        torch.optim.Muon(matrices, **muon_kwargs),
+        torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.1),
+    )
+
+
+def _replay(reference: nn.Module, grads, steps: range, optims) -> None:
+    """Step ``optims`` on the full reference, fed the captured gradients of ``steps``."""
+    for step in steps:
+        for name, param in reference.named_parameters():
+            param.grad = grads[name][step]
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+
+
+def _assert_params(model: nn.Module, reference: nn.Module, atol: float) -> None:
+    for (name, param), (_, ref) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(
+            full(param).detach(), ref.detach(), atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+MUON_CONFIGS = [
+    dict(lr=2e-2, weight_decay=0.1, nesterov=True, adjust_lr_fn="original"),
+    dict(lr=2e-2, weight_decay=0.05, momentum=0.9, nesterov=False, adjust_lr_fn="match_rms_adamw"),
+]
+
+
+def _muon_parity_body() -> None:
+    for muon_kwargs in MUON_CONFIGS:
+        model, reference = make_models()
+        shard(model)
+        grads = _capture(model)
+        muon, adamw = _muon_adamw(model, muon_kwargs)
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (muon, adamw)]
+        for step in range(STEPS):
+            x, y = _batch(step)
+            loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+            for optim in (muon, adamw):
+                optim.step()
+                optim.zero_grad()
+            for sched in scheds:
+                sched.step()
+        assert all(p.grad is None for p in model.parameters())
+        optims = _reference_optims(reference, muon_kwargs)
+        ref_scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in optims]
+        for step in range(STEPS):
+            _replay(reference, grads, range(step, step + 1), optims)
+            for sched in ref_scheds:
+                sched.step()
+        _assert_params(model, reference, ATOL_MUON)
+        ref_muon = optims[0]
+        for param, ref in zip(
+            muon.param_groups[0]["params"], ref_muon.param_groups[0]["params"], strict=True
+        ):
+            buf = muon.state[param]["momentum_buffer"]
+            assert isinstance(buf, DTensor) and buf.placements == param.placements
+            torch.testing.assert_close(
+                buf.full_tensor(), ref_muon.state[ref]["momentum_buffer"], atol=ATOL_MUON, rtol=0
+            )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_muon_adamw_equal_muon_on_full_matrices(worlds, world_size):
+    worlds.run(world_size, _muon_parity_body)
+
+
+def _train(model, optims, steps: range, micro_batches: int = 1) -> None:
+    for step in steps:
+        x, y = _batch(step)
+        xs, ys = rank_slice(x).chunk(micro_batches), rank_slice(y).chunk(micro_batches)
+        for i, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
+            loss = loss_fn(model, xm, ym) / micro_batches
+            if i < micro_batches - 1:
+                with optims[0].accumulate(), optims[-1].accumulate():
+                    loss.backward()
+            else:
+                loss.backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+
+
+def _reference_run(reference, optim, steps: range, clip: float | None = None) -> list[float]:
+    norms = []
+    for step in steps:
+        x, y = _batch(step)
+        loss_fn(reference, x, y).backward()
+        if clip is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(reference.parameters(), clip)))
+        optim.step()
+        optim.zero_grad()
+    return norms
+
+
+def _fp32_body() -> None:
+    # Adafactor on every parameter, against one process on the global batch.
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    _train(model, [optim], range(STEPS))
+    _reference_run(reference, torch.optim.Adafactor(reference.parameters(), lr=1e-2), range(STEPS))
+    _assert_params(model, reference, ATOL_FP32)
+    state = optim.state[model.layers[0].up.weight]
+    assert state["row_var"].placements == (Shard(0),)
+    assert state["col_var"].placements == (Replicate(),)
+    assert not isinstance(state["step"], DTensor) and state["step"].item() == STEPS
+
+    # LAMB (declared whole_tensor): exact, with the norm clipped and measured in backward
+    # (one FSDP unit, so the in-backward coefficient is the global one).
+    world = dist.get_world_size()
+    for stepping, exact in (("whole_tensor", True), ("elementwise", False)):
+        torch.manual_seed(0)
+        model, reference = make_models()
+        fully_shard(model)
+        options = InBackwardOptions(stepping=stepping, max_grad_norm=0.5)
+        optim = OptimizerInBackward(model.parameters(), Lamb, options=options)
+        norms = []
+        for step in range(STEPS):
+            _train(model, [optim], range(step, step + 1))
+            norms.append(float(optim.grad_norm()))
+        ref_norms = _reference_run(reference, Lamb(reference.parameters()), range(STEPS), 0.5)
+        if exact:
+            _assert_params(model, reference, ATOL_FP32)
+            assert norms == pytest.approx(ref_norms, rel=1e-5)
+            assert min(ref_norms) > 0.5, "clipping must be active for this check"
+        elif world > 1:
+            # The trust ratio of a shard is not the parameter's: the local-shard path is wrong.
+            worst = max(
+                (full(p) - r).abs().max().item()
+                for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+            )
+            assert worst > 1e-3, worst
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_adafactor_and_lamb_equal_one_process(worlds, world_size):
+    worlds.run(world_size, _fp32_body)
+
+
+def _accumulate_body() -> None:
+    muon_kwargs = MUON_CONFIGS[0]
+    model, reference = make_models()
+    shard(model)
+    grads = _capture(model)
+    optims = _muon_adamw(model, muon_kwargs)
+    _train(model, optims, range(STEPS), micro_batches=2)
+    # The hook saw each micro-batch's running sum; the step consumed the last.
+    last = {name: g[1::2] for name, g in grads.items()}
+    _replay(reference, last, range(STEPS), _reference_optims(reference, muon_kwargs))
+    _assert_params(model, reference, ATOL_MUON)
+
+
+def test_muon_gradient_accumulation(worlds):
+    worlds.run(3, _accumulate_body)
+
+
+def _save_body(path: str, muon_kwargs: dict) -> dict:
+    model, _ = make_models()
+    shard(model)
+    grads = _capture(model)
+    muon, adamw = _muon_adamw(model, muon_kwargs)
+    _train(model, [muon, adamw], range(2))
+    model_state, optim_state = get_state_dict(model, (muon, adamw))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return grads
+
+
+def _resume_body(path: str, muon_kwargs: dict) -> tuple[dict, dict]:
+    model, _ = make_models(seed=1)
+    shard(model)
+    grads = _capture(model)
+    muon, adamw = _muon_adamw(model, muon_kwargs)
+    model_state, optim_state = get_state_dict(model, (muon, adamw))
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, (muon, adamw), model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    _train(model, [muon, adamw], range(2, 4))
+    return grads, {name: full(p).detach() for name, p in model.named_parameters()}
+
+
+def _adafactor_save_body(path: str) -> None:
+    model, _ = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    _train(model, [optim], range(2))
+    model_state, optim_state = get_state_dict(model, optim)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def _adafactor_resume_body(path: str) -> None:
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    model_state, optim_state = get_state_dict(model, optim)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _train(model, [optim], range(2, 4))
+    _reference_run(reference, torch.optim.Adafactor(reference.parameters(), lr=1e-2), range(4))
+    _assert_params(model, reference, ATOL_FP32)
+
+
+def test_checkpoint_4_ranks_resumes_on_2(worlds, tmp_path):
+    muon_kwargs = MUON_CONFIGS[1]
+    first = worlds.run(4, _save_body, path=str(tmp_path / "muon"), muon_kwargs=muon_kwargs)[0]
+    second, params = worlds.run(
+        2, _resume_body, path=str(tmp_path / "muon"), muon_kwargs=muon_kwargs
+    )[0]
+    # Uninterrupted: one Muon + AdamW on the full model through all four steps.
+    _, reference = make_models()
+    grads = {name: first[name] + second[name] for name in first}
+    _replay(reference, grads, range(4), _reference_optims(reference, muon_kwargs))
+    for name, ref in reference.named_parameters():
+        torch.testing.assert_close(params[name], ref.detach(), atol=ATOL_MUON, rtol=0, msg=name)
+
+    worlds.run(4, _adafactor_save_body, path=str(tmp_path / "adafactor"))
+    worlds.run(2, _adafactor_resume_body, path=str(tmp_path / "adafactor"))
+
+
+def _interchange_body(path: str) -> None:
+    """Checkpoints of in-backward Muon load into plain Muon on FSDP2, and back."""
+    kwargs = dict(lr=2e-2)
+
+    def build(in_backward: bool):
+        model, _ = make_models()
+        shard(model)
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        if in_backward:
+            return model, OptimizerInBackward(matrices, torch.optim.Muon, **kwargs)
+        return model, torch.optim.Muon(matrices, **kwargs)
+
+    for source_in_backward in (True, False):
+        model, source = build(source_in_backward)
+        _train(model, [source], range(2))
+        model_state, optim_state = get_state_dict(model, source)
+        checkpoint = f"{path}/{source_in_backward}"
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
+        target_model, target = build(not source_in_backward)
+        model_state, optim_state = get_state_dict(target_model, target)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=checkpoint)
+        set_state_dict(
+            target_model, target, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        assert_same_state_dict(target.state_dict(), source.state_dict())
+
+
+def test_checkpoints_interchange_with_plain_muon(worlds, tmp_path):
+    worlds.run(2, _interchange_body, path=str(tmp_path))
+
+
+def _refusal_body() -> None:
+    mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    weight = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match="sharded on dim 0"):
+        OptimizerInBackward([weight], torch.optim.Adafactor)
+    assert not weight._post_accumulate_grad_hooks
+
+
+def test_refusals(worlds):
+    linear = nn.Linear(3, 4)
+    with pytest.raises(ValueError, match="2D parameters"):
+        OptimizerInBackward(linear.parameters(), torch.optim.Muon)
+    assert linear.weight._post_accumulate_grad_hooks is None
+    worlds.run(2, _refusal_body)
+
+
+def test_which_path_each_class_takes():
+    assert stepping_of(torch.optim.Muon, None) is Stepping.WHOLE_TENSOR
+    assert stepping_of(torch.optim.Adafactor, None) is Stepping.WHOLE_TENSOR
+    assert stepping_of(Lamb, None) is Stepping.WHOLE_TENSOR
+    assert stepping_of(torch.optim.AdamW, None) is Stepping.ELEMENTWISE
+    assert stepping_of(torch.optim.AdamW, "whole_tensor") is Stepping.WHOLE_TENSOR
