@@ -26,8 +26,9 @@ class InBackwardOptions:
     """
 
     stepping: str | None = None
-    """``"elementwise"``, ``"dtensor"`` (see ``fused_optim_dist.Stepping``) or ``None``: the
-    way declared for the class (:func:`fused_optim_dist.declare_stepping`), else the default."""
+    """``"elementwise"``, ``"whole_tensor"``, ``"dtensor"`` (see ``fused_optim_dist.Stepping``)
+    or ``None``: the way declared for the class (:func:`fused_optim_dist.declare_stepping`),
+    else the default."""
 
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     """Elements per bucket for parameters that no ``fully_shard`` manages."""

@@ -27,6 +27,7 @@ from fused_optim_dist._torch_internals import (
     queue_end_of_backward,
 )
 from fused_optim_dist._validation import check_param_groups, resolve_optimizer_class
+from fused_optim_dist._whole_tensor import WholeTensorStepper
 
 __all__ = ["OptimizerInBackward", "in_backward"]
 
@@ -158,7 +159,11 @@ class OptimizerInBackward(Optimizer):
         self.optimizer_cls = optimizer_cls
         self.options = options
         # The wrapped class's step code, run on one bucket at a time.
-        self._stepper = BucketStepper(inner, local_shards=stepping is Stepping.ELEMENTWISE)
+        self._stepper: BucketStepper | WholeTensorStepper = (
+            WholeTensorStepper(inner)
+            if stepping is Stepping.WHOLE_TENSOR
+            else BucketStepper(inner, local_shards=stepping is Stepping.ELEMENTWISE)
+        )
         # Norm, non-finite check and clipping, and their history across steps.
         self._gradients = GradientProcessor(options)
         # Whether this object's params received a gradient (since the last step(); ever).
