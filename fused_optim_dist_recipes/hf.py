@@ -65,8 +65,8 @@ def _transformers() -> ModuleType:
         return importlib.import_module("transformers")
     except ImportError:
         raise ImportError(
-            "--hf-model needs the optional Hugging Face dependencies; install them with "
-            "pip install 'fused_optim_dist[hf]' (transformers and safetensors)"
+            "--hf-model needs the application's optional dependencies; install them with "
+            "pip install -e '.[recipes]' (transformers and safetensors)"
         ) from None
 
 
