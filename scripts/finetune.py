@@ -13,7 +13,8 @@ minutes and writes its outputs to ``outputs/finetune``::
     torchrun --nproc_per_node 2 scripts/finetune.py --hf-model DIR --data corpus.jsonl
 
 The job needs the application extra, ``pip install -e '.[recipes]'`` (the README's set-up
-command installs it). Two nodes (here both on one machine; on a cluster put node 0's address in ``--rdzv-endpoint`` and run one command per node)::
+command installs it). Two nodes (here both on one machine; on a cluster put node 0's address
+in ``--rdzv-endpoint`` and run one command per node)::
 
     torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d \\
         --rdzv-endpoint 127.0.0.1:29500 --rdzv-id job1 scripts/finetune.py
