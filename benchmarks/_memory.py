@@ -133,19 +133,25 @@ def lower_bound(
     compute_dtype: torch.dtype | None,
 ) -> dict[str, int]:
     """This rank's floor: sharded params + optimizer state + the largest unit unsharded
-    (params and grads, in ``compute_dtype`` or the params' dtype) + ``activations`` bytes.
+    (params and grads, in ``compute_dtype`` or the params' dtype) + the next-largest unit's
+    unsharded params (FSDP2's prefetch) + ``activations`` bytes.
 
     Returns the terms and their sum (``"total"``), in bytes.
     """
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
-    def unsharded(unit: nn.Module) -> int:
-        return sum(2 * p.numel() * (compute_dtype or p.dtype).itemsize for p in _unit_params(unit))
+    def unsharded_params(unit: nn.Module) -> int:
+        return sum(p.numel() * (compute_dtype or p.dtype).itemsize for p in _unit_params(unit))
+
+    # Params and grads of the unit in backward, plus the params of the next one, which FSDP2
+    # all-gathers ahead (backward prefetch) while the current one computes.
+    sizes = sorted(map(unsharded_params, units), reverse=True) + [0, 0]
 
     terms = {
         "sharded_params": sum(_local_nbytes(p) for p in model.parameters()),
         "optimizer_state": sum(_local_nbytes(t) for t in state),
-        "largest_unit_unsharded": max(map(unsharded, units), default=0),
+        "largest_unit_unsharded": 2 * sizes[0],
+        "prefetched_next_unit": sizes[1],
         "activations": activations,
     }
     return {**terms, "total": sum(terms.values())}

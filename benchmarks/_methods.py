@@ -4,7 +4,10 @@
 * ``per-param``: the PyTorch tutorial / torchtune / torchtitan pattern, reimplemented: one
   non-foreach AdamW per parameter, stepped from a post-accumulate-grad hook registered on each
   sharded DTensor parameter after ``fully_shard``, its gradient set to ``None`` after.
-* ``ours``: ``fused_optim_dist.OptimizerInBackward(AdamW, foreach=True)``, library defaults.
+* ``ours``: ``fused_optim_dist.OptimizerInBackward(AdamW)``, library defaults (foreach/fused
+  unset: the fused kernel on the local shards).
+* ``none``: forward and backward with no optimizer (gradients dropped): the baseline that the
+  optimizer's own cost is measured against (``optimizer_cost.py``).
 * ``plain+accum+clip`` / ``ours+accum+clip``: the global batch in ``micro_batches`` backward
   passes, gradients clipped to ``max_grad_norm`` (``clip_grad_norm_`` after backward for plain,
   ``max_grad_norm=`` in backward for ours).
@@ -114,7 +117,6 @@ class _Ours(Runner):
             _trainable(model),
             AdamW,
             lr=config.lr,
-            foreach=True,
             max_grad_norm=config.max_grad_norm if clip else None,
         )
 
@@ -124,6 +126,20 @@ class _Ours(Runner):
 
     def optimizers(self) -> list[Optimizer]:
         return [self.optimizer]
+
+
+class _NoOptimizer(Runner):
+    def __init__(self, model: nn.Module, loss: LossFn, config: SweepConfig) -> None:
+        super().__init__(model, loss, 1)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *_: object) -> None:
+        self.loss(self.model, inputs, targets).backward()
+
+    def optimizer_step(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def optimizers(self) -> list[Optimizer]:
+        return []
 
 
 TORCHTUNE_MODULE = "torchtune.modules.optim"
@@ -180,5 +196,6 @@ METHODS: dict[str, Method] = {
             build=lambda m, loss, c: _Ours(m, loss, c, clip=True),
         ),
         Method(name="torchtune", build=_Torchtune, missing=_torchtune_missing),
+        Method(name="none", build=_NoOptimizer),
     )
 }

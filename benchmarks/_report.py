@@ -157,7 +157,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "of the busiest rank, which other load on the machine does not inflate); peak memory "
         "is the rank with the highest "
         "peak; the bound is sharded params + optimizer state + largest unit unsharded "
-        "(params + grads) + measured activation peak. "
+        "(params + grads) + the next unit's unsharded params (FSDP2's backward prefetch) + "
+        "measured activation peak. "
         + ("Quick (reduced) shapes. " if config["quick"] else "")
         + ("bf16 mixed precision." if config["bf16"] else "fp32."),
         "",

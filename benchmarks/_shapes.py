@@ -2,6 +2,8 @@
 
 * ``many-small``: many small parameters in few FSDP units. The step time is bound by the
   per-tensor cost of the optimizer (and of DTensor dispatch), not by arithmetic.
+* ``many-tiny``: 8 units of 48 tensors of at most 64 elements: the optimizer's per-tensor cost is
+  nearly the whole step (``optimizer_cost.py``).
 * ``few-large``: few large matrices; the step time is bound by the matmuls.
 * ``llama-*``: the Llama-style decoder of ``fused_optim_dist_recipes.models`` (one unit per block),
   with activation checkpointing as memory-bound fine-tuning recipes use it.
@@ -153,6 +155,18 @@ SHAPES: dict[str, Shape] = {
             batch_size=8,
             seq=16,
         ),
+        # 8 units x 8 sublayers x 6 tensors = 384 tensors of 8-64 elements, almost no compute:
+        # the optimizer's own per-tensor cost is nearly all of the step.
+        _stack_shape(
+            "many-tiny",
+            "optimizer overhead",
+            n_blocks=8,
+            depth=8,
+            dim=8,
+            hidden=8,
+            batch_size=2,
+            seq=2,
+        ),
         # 4 units x 6 tensors of up to 262K elements; 512 rows per step at one rank.
         _stack_shape(
             "few-large", "compute", n_blocks=4, depth=1, dim=256, hidden=1024, batch_size=8, seq=64
@@ -177,6 +191,16 @@ QUICK_SHAPES: dict[str, Shape] = {
             hidden=16,
             batch_size=4,
             seq=4,
+        ),
+        _stack_shape(
+            "many-tiny",
+            "optimizer overhead",
+            n_blocks=2,
+            depth=2,
+            dim=8,
+            hidden=8,
+            batch_size=2,
+            seq=2,
         ),
         _stack_shape(
             "few-large", "compute", n_blocks=2, depth=1, dim=64, hidden=256, batch_size=4, seq=8
