@@ -1,0 +1,216 @@
+"""Random training loops, driven on a plain and an in-backward optimizer side by side.
+
+A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
+freezing and unfreezing, groups added later, a backward that raises, ``step()`` without a
+backward, LR changes, ``state_dict``/``load_state_dict`` round trips. After every rule both
+models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
+It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
+derandomised so that both ranks draw the same sequence).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _toy import batch, loss_fn, make_models, rank_slice, shard
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fused_optim_dist import OptimizerInBackward
+
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+LAYERS = 3
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _steps(optim: torch.optim.Optimizer) -> dict[int, float]:
+    return {id(p): float(s["step"]) for p, s in optim.state.items() if "step" in s}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """Both sides are sharded alike, so local shards compare without a collective."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(
+        _local(actual).detach(), _local(expected).detach(), atol=1e-6, rtol=1e-5, msg=what
+    )
+
+
+def _assert_same_parameters(model: nn.Module, reference: nn.Module) -> None:
+    for (name, param), (_, ref) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        _assert_close(param, ref, name)
+
+
+def _assert_same_state(ours: torch.optim.Optimizer, plain: torch.optim.Optimizer) -> None:
+    a, b = ours.state_dict(), plain.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for index, entry in b["state"].items():
+        assert entry.keys() == a["state"][index].keys(), index
+        for key, value in entry.items():
+            _assert_close(a["state"][index][key], value, f"state {index} {key}")
+
+
+class LoopMachine(RuleBasedStateMachine):
+    sharded = False
+
+    @initialize()
+    def build(self) -> None:
+        self.models: tuple[nn.Module, nn.Module] = make_models()
+        if self.sharded:
+            for model in self.models:
+                shard(model)
+        ours_model, plain_model = self.models
+        body = [p for n, p in ours_model.named_parameters() if not n.startswith("head")]
+        ref_body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
+        self.ours = OptimizerInBackward(body, torch.optim.AdamW, bucket_numel=24, **ADAMW)
+        self.plain = torch.optim.AdamW(ref_body, **ADAMW)
+        self.head_added = False
+        self.pending = False  # gradients accumulated, not yet stepped
+        self.step = 0
+
+    def _backward(self, model: nn.Module, step: int) -> None:
+        x, y = batch(step)
+        if self.sharded:
+            x, y = rank_slice(x), rank_slice(y)
+        loss_fn(model, x, y).backward()
+
+    @rule()
+    def train(self) -> None:
+        ours_model, plain_model = self.models
+        self._backward(ours_model, self.step)
+        self.ours.step()
+        self.ours.zero_grad()
+        self._backward(plain_model, self.step)
+        self.plain.step()
+        self.plain.zero_grad()
+        self.pending = False
+        self.step += 1
+
+    @rule()
+    def accumulate(self) -> None:
+        ours_model, plain_model = self.models
+        with self.ours.accumulate():
+            self._backward(ours_model, self.step)
+        self._backward(plain_model, self.step)
+        self.pending = True
+        self.step += 1
+
+    @rule()
+    def step_without_backward(self) -> None:
+        # With accumulated gradients this steps them, as the plain optimizer does.
+        for optim in (self.ours, self.plain):
+            optim.step()
+            optim.zero_grad()
+        self.pending = False
+
+    @precondition(lambda self: not self.pending)
+    @rule(layer=st.integers(0, LAYERS - 1), trainable=st.booleans())
+    def set_requires_grad(self, layer: int, trainable: bool) -> None:
+        for model in self.models:
+            model.layers[layer].requires_grad_(trainable)
+
+    @precondition(lambda self: not self.head_added)
+    @rule(lr=st.sampled_from([1e-3, 5e-2]))
+    def add_head_group(self, lr: float) -> None:
+        ours_model, plain_model = self.models
+        self.ours.add_param_group({"params": ours_model.head.parameters(), "lr": lr})
+        self.plain.add_param_group({"params": plain_model.head.parameters(), "lr": lr})
+        self.head_added = True
+
+    @rule(lr=st.sampled_from([0.0, 1e-3, 2e-2]))
+    def set_lr(self, lr: float) -> None:
+        for optim in (self.ours, self.plain):
+            optim.param_groups[0]["lr"] = lr
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def load_state_dicts(self) -> None:
+        # Ours loads the plain optimizer's state dict (interchangeable), and the reverse.
+        plain_state = copy.deepcopy(self.plain.state_dict())
+        self.plain.load_state_dict(copy.deepcopy(self.ours.state_dict()))
+        self.ours.load_state_dict(plain_state)
+
+    @precondition(lambda self: not self.pending and not self.sharded)
+    @rule(layer=st.integers(0, LAYERS - 1))
+    def failing_backward(self, layer: int) -> None:
+        """A backward that raises part-way; the loop catches it and zeroes the gradients.
+        The buckets ours stepped before the exception cannot be undone: the reference steps
+        exactly those (FSDP2 itself does not recover from an exception inside its backward)."""
+        ours_model, plain_model = self.models
+
+        def boom(*_):
+            raise _Boom("bad batch")
+
+        handle = ours_model.layers[layer].register_full_backward_hook(boom)
+        before = _steps(self.ours)
+        try:
+            with pytest.raises(_Boom):
+                self._backward(ours_model, self.step)
+        finally:
+            handle.remove()
+        ours_model.zero_grad()  # what the loop does after catching it
+        names = {id(p): n for n, p in ours_model.named_parameters()}
+        stepped = {names[k] for k, v in _steps(self.ours).items() if before.get(k) != v}
+        self._backward(plain_model, self.step)
+        for name, param in plain_model.named_parameters():
+            if name not in stepped:
+                param.grad = None
+        self.plain.step()
+        plain_model.zero_grad()
+        self.step += 1
+
+    @invariant()
+    def same_parameters(self) -> None:
+        if hasattr(self, "models"):
+            _assert_same_parameters(*self.models)
+
+    @invariant()
+    def same_state(self) -> None:
+        if hasattr(self, "models") and not self.pending:
+            _assert_same_state(self.ours, self.plain)
+
+
+class ShardedLoopMachine(LoopMachine):
+    sharded = True
+
+
+def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
+def test_random_loops_plain_module():
+    _run(LoopMachine, examples=25, steps=15)
+
+
+def test_random_loops_fsdp2(worlds):
+    worlds.run(2, _run, machine=ShardedLoopMachine, examples=4, steps=8)
