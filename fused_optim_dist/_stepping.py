@@ -33,15 +33,6 @@ flipped, a parameter that got no gradient) gives another set, hence other views;
 replace those of every set sharing a parameter with it, so at most one set per parameter is kept.
 When a step creates or replaces state (lazy initialisation on the first step), the new values
 are placed back into the facade's state and the views are re-derived at the next step.
-
-[Note: the fastest kernel of the same update]
-Where the user left both ``foreach`` and ``fused`` unset, torch.optim would pick a kernel by
-device; the local shards are plain tensors on one device, so the ``fused=True`` kernel of the
-same class runs instead (one kernel over the whole bucket; on the CPU too). It is used only
-where it keeps the state exactly as the plain optimizer stores it: ``fused`` keeps Adam's
-``step`` on the parameter's device, the plain optimizer on the CPU, so on accelerators it is
-used for Adam/AdamW only with ``capturable=True``. The results agree with the other kernels to
-rounding (the equivalence tests compare at 1e-6).
 """
 
 from __future__ import annotations
@@ -56,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from fused_optim_dist._torch_internals import fused_kernel_devices, local_tensor
+from fused_optim_dist._torch_internals import local_tensor
 
 __all__ = ["Batch", "BucketStepper", "place_grad_like_param"]
 
@@ -64,17 +55,6 @@ __all__ = ["Batch", "BucketStepper", "place_grad_like_param"]
 # when ``found_inf`` is nonzero, as ``torch.amp.GradScaler`` uses them. Fused SGD with momentum
 # is left out: a skipped first step leaves its momentum buffer uninitialised (``empty_like``).
 _FOUND_INF_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
-
-# Device types of each class's fused kernel that keep its state as the default kernel does.
-# Adam/AdamW keep ``step`` on the CPU unless fused or capturable: same format on the CPU only
-# (accelerators are added per group when ``capturable``). SGD keeps no step; fused Adagrad
-# runs on the CPU only.
-_FUSED_DEVICES: dict[type[Optimizer], frozenset[str]] = {
-    torch.optim.Adam: frozenset({"cpu"}),
-    torch.optim.AdamW: frozenset({"cpu"}),
-    torch.optim.SGD: fused_kernel_devices(),
-    torch.optim.Adagrad: frozenset({"cpu"}),
-}
 
 Batch = tuple[dict[str, Any], Sequence[torch.Tensor]]
 """A param group of the facade and the parameters of that group to step now."""
@@ -168,11 +148,9 @@ class _LocalViews:
     """The local views of one set of parameters stepped together. See [Note: cached local
     views]."""
 
-    __slots__ = ("fusable", "params", "shards", "state_dict")
+    __slots__ = ("params", "shards", "state_dict")
 
-    def __init__(
-        self, batches: Sequence[Batch], state: dict[torch.Tensor, dict], fused_devices: frozenset
-    ) -> None:
+    def __init__(self, batches: Sequence[Batch], state: dict[torch.Tensor, dict]) -> None:
         self.params = [_ParamView(p, state.get(p)) for _, params in batches for p in params]
         views = iter(self.params)
         # Each batch's shards: the ``params`` list of the group handed to the wrapped step.
@@ -182,13 +160,6 @@ class _LocalViews:
         for view in self.params:
             if view.state is not None:
                 self.state_dict[view.shard] = view.state
-        # Per batch: whether every shard is a floating-point tensor on a device type whose
-        # fused kernel keeps the state format (see [Note: the fastest kernel of the same
-        # update]).
-        self.fusable = [
-            all(s.is_floating_point() and s.device.type in fused_devices for s in shards)
-            for shards in self.shards
-        ]
 
     def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
         return all(view.is_current(state) for view in self.params)
@@ -210,12 +181,6 @@ class BucketStepper:
         step = type(optimizer).step
         # Optimizer._patch_step_function wraps ``step`` with profiling and the global hooks.
         self._step = step.__wrapped__ if getattr(step, "hooked", False) else step
-        # Device types where the fused kernel may replace an unset foreach/fused (none for
-        # classes without one, or a subclass that may change the update).
-        self._fused_devices = _FUSED_DEVICES.get(type(optimizer), frozenset())
-        self._capturable_fused_devices = (
-            fused_kernel_devices() if type(optimizer) in _FOUND_INF_CLASSES else frozenset()
-        )
         # Cached local views by parameter set, and the set each parameter was last seen in.
         self._views: dict[_Key, _LocalViews] = {}
         self._key_of: dict[int, _Key] = {}
@@ -263,7 +228,7 @@ class BucketStepper:
         if views is not None and views.is_current(state):
             return key, views
         with record_function("fused_optim_dist::derive_local_views"):
-            views = self._views[key] = _LocalViews(batches, state, self._fused_devices)
+            views = self._views[key] = _LocalViews(batches, state)
             # At most one cached set per parameter. See [Note: cached local views].
             for ids in key:
                 for pid in ids:
@@ -273,34 +238,11 @@ class BucketStepper:
                     self._key_of[pid] = key
         return key, views
 
-    def _group(self, group: dict[str, Any], shards: list, fusable: bool) -> dict[str, Any]:
-        """The group the wrapped step sees: the facade's values now, the local shards, and
-        ``fused=True`` where it replaces an unset choice. See [Note: the fastest kernel of the
-        same update]."""
-        local = {**group, "params": shards}
-        if (
-            group.get("fused", False) is None
-            and group.get("foreach", False) is None
-            and not group.get("differentiable", False)
-            and torch.get_default_dtype() == torch.float32
-            and (
-                fusable
-                or (
-                    group.get("capturable", False)
-                    and all(s.device.type in self._capturable_fused_devices for s in shards)
-                )
-            )
-        ):
-            local["fused"] = True
-        return local
-
     def _step_local(self, batches: Sequence[Batch], state: defaultdict[torch.Tensor, dict]):
         key, views = self._local_views(batches, state)
         groups = [
-            self._group(group, shards, fusable)
-            for (group, _), shards, fusable in zip(
-                batches, views.shards, views.fusable, strict=True
-            )
+            {**group, "params": shards}
+            for (group, _), shards in zip(batches, views.shards, strict=True)
         ]
         dtensor_views = [v for v in views.params if v.shard is not v.param]
         for view in dtensor_views:
