@@ -179,7 +179,9 @@ class GradientProcessor:
         verdict = BucketVerdict()
         if self._needs_norm:
             norms.any = True
-            squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
+            # In fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is.
+            dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+            squares = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).square()
             shares = self._shares_of(bucket, params, squares.device).split(squares)
             if not self._reduce_per_bucket:
                 for key, share in shares:

@@ -534,3 +534,22 @@ def test_clipping_history_never_reaches_another_bucket():
 )
 def test_drop_in(worlds, world_size, body, kwargs):
     worlds.run(world_size, body, **kwargs)
+
+
+def test_float64_parameters_norm_and_clip():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1, bucket_numel=1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        optim.step()
+        reference(x).square().mean().backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf)
+        assert optim.grad_norm().dtype == torch.float64
+        torch.testing.assert_close(optim.grad_norm(), expected, rtol=1e-12, atol=0)
+        plain.step()
+        plain.zero_grad()
+    assert_match(model, reference)
