@@ -4,7 +4,8 @@
 * ``per-param``: the PyTorch tutorial / torchtune / torchtitan pattern, reimplemented: one
   non-foreach AdamW per parameter, stepped from a post-accumulate-grad hook registered on each
   sharded DTensor parameter after ``fully_shard``, its gradient set to ``None`` after.
-* ``ours``: ``fused_optim_dist.OptimizerInBackward(AdamW, foreach=True)``, library defaults.
+* ``ours``: ``fused_optim_dist.OptimizerInBackward(AdamW)``, library defaults (foreach/fused
+  unset: the fused kernel on the local shards).
 * ``none``: forward and backward with no optimizer (gradients dropped): the baseline that the
   optimizer's own cost is measured against (``optimizer_cost.py``).
 * ``plain+accum+clip`` / ``ours+accum+clip``: the global batch in ``micro_batches`` backward
@@ -116,7 +117,6 @@ class _Ours(Runner):
             _trainable(model),
             AdamW,
             lr=config.lr,
-            foreach=True,
             max_grad_norm=config.max_grad_norm if clip else None,
         )
 

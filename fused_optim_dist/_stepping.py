@@ -33,6 +33,35 @@ flipped, a parameter that got no gradient) gives another set, hence other views;
 replace those of every set sharing a parameter with it, so at most one set per parameter is kept.
 When a step creates or replaces state (lazy initialisation on the first step), the new values
 are placed back into the facade's state and the views are re-derived at the next step.
+
+[Note: the fastest kernel of the same update]
+Where the user left both ``foreach`` and ``fused`` unset, torch.optim picks a kernel by device
+(the per-tensor loop on the CPU, ``foreach`` on CUDA). The local shards are plain tensors on one
+device, so the ``fused=True`` kernel of the same class runs instead: one kernel over the whole
+bucket, on the CPU too. It computes the same update, equal to rounding (the equivalence tests
+compare with the plain optimizer at 1e-6), and is used only where it keeps the state exactly as
+the plain optimizer stores it, so that state dicts stay interchangeable both ways:
+
+* Adam/AdamW: fused keeps ``step`` as a float32 scalar on the parameter's device; the plain
+  optimizer keeps it as a scalar of the default dtype on the CPU (unless ``capturable``). So:
+  on the CPU when the default dtype is float32; on an accelerator only with ``capturable=True``
+  (where the plain optimizer keeps ``step`` on the device too). On CUDA without ``capturable``
+  the class's own default (``foreach``) runs, and ``step`` stays a CPU scalar.
+* SGD keeps no ``step`` (every device with a fused kernel); Adagrad creates its state at
+  construction, as the plain optimizer does, and has a fused kernel on the CPU only.
+
+A user's explicit ``foreach``/``fused`` is always kept, and the group the user sees keeps
+``None``: the substitution happens only in what the wrapped step receives.
+
+[Note: the update without the class's per-parameter loop]
+``Adam.step`` (AdamW's too) walks the parameters in Python before its kernel runs: it gathers
+each gradient and state value into lists and creates missing state (``_init_group``). For a
+bucket of small tensors that loop costs several times the fused kernel. Once every parameter of
+a set has its state, the lists are part of the cached views (the same state tensors, in the same
+order) and each step calls the functional ``torch.optim.adam.adam`` with them and the group's
+current hyperparameters, exactly the call ``Adam.step`` makes. The class's own step still runs
+whenever something is out of the ordinary: state missing (it creates it), ``differentiable``,
+a tensor ``lr``, complex parameters, or a subclass (which may change the update).
 """
 
 from __future__ import annotations
@@ -45,9 +74,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.optim.adam import adam
 from torch.profiler import record_function
 
-from fused_optim_dist._torch_internals import local_tensor
+from fused_optim_dist._torch_internals import fused_kernel_devices, local_tensor
 
 __all__ = ["Batch", "BucketStepper", "place_grad_like_param"]
 
@@ -55,6 +85,24 @@ __all__ = ["Batch", "BucketStepper", "place_grad_like_param"]
 # when ``found_inf`` is nonzero, as ``torch.amp.GradScaler`` uses them. Fused SGD with momentum
 # is left out: a skipped first step leaves its momentum buffer uninitialised (``empty_like``).
 _FOUND_INF_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+
+# Device types where each class's fused kernel keeps the state as the plain optimizer's default
+# kernel does, and (Adam/AdamW) those where it does with ``capturable=True``. See [Note: the
+# fastest kernel of the same update].
+_FUSED_DEVICES: dict[type[Optimizer], frozenset[str]] = {
+    torch.optim.Adam: frozenset({"cpu"}),
+    torch.optim.AdamW: frozenset({"cpu"}),
+    torch.optim.SGD: fused_kernel_devices(),
+    torch.optim.Adagrad: frozenset({"cpu"}),
+}
+_CAPTURABLE_FUSED_DEVICES: dict[type[Optimizer], frozenset[str]] = {
+    torch.optim.Adam: fused_kernel_devices(),
+    torch.optim.AdamW: fused_kernel_devices(),
+}
+# Classes whose step is ``Adam.step``, run through the cached lists. See [Note: the update
+# without the class's per-parameter loop].
+_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
 Batch = tuple[dict[str, Any], Sequence[torch.Tensor]]
 """A param group of the facade and the parameters of that group to step now."""
@@ -144,25 +192,76 @@ class _ParamView:
         return True
 
 
+class _AdamLists:
+    """One batch's shards and Adam state as the lists ``torch.optim.adam.adam`` takes, in the
+    batch's order. See [Note: the update without the class's per-parameter loop]."""
+
+    __slots__ = ("exp_avg_sqs", "exp_avgs", "max_exp_avg_sqs", "params", "state_steps")
+
+    def __init__(self, params: list[torch.Tensor], states: list[dict[str, torch.Tensor]]) -> None:
+        self.params = params
+        self.exp_avgs = [state["exp_avg"] for state in states]
+        self.exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+        self.state_steps = [state["step"] for state in states]
+        # Only when every entry has one, as amsgrad creates them all at once.
+        self.max_exp_avg_sqs = (
+            [state["max_exp_avg_sq"] for state in states]
+            if all("max_exp_avg_sq" in state for state in states)
+            else None
+        )
+
+    @classmethod
+    def of(cls, views: Sequence[_ParamView]) -> _AdamLists | None:
+        """The lists of ``views``, or ``None`` while a state entry is missing or incomplete,
+        or a parameter is complex (``Adam.step`` then handles it)."""
+        states = []
+        for view in views:
+            if view.state is None or not view.state.keys() >= _ADAM_STATE:
+                return None
+            if torch.is_complex(view.shard):
+                return None
+            states.append(view.state)
+        return cls([view.shard for view in views], states)
+
+
 class _LocalViews:
     """The local views of one set of parameters stepped together. See [Note: cached local
     views]."""
 
-    __slots__ = ("params", "shards", "state_dict")
+    __slots__ = ("adam", "fusable", "params", "shards", "state_dict")
 
-    def __init__(self, batches: Sequence[Batch], state: dict[torch.Tensor, dict]) -> None:
+    def __init__(
+        self,
+        batches: Sequence[Batch],
+        state: dict[torch.Tensor, dict],
+        *,
+        fused_devices: frozenset[str],
+        adam: bool,
+    ) -> None:
         self.params = [_ParamView(p, state.get(p)) for _, params in batches for p in params]
         views = iter(self.params)
+        per_batch = [[next(views) for _ in params] for _, params in batches]
         # Each batch's shards: the ``params`` list of the group handed to the wrapped step.
-        self.shards = [[next(views).shard for _ in params] for _, params in batches]
+        self.shards = [[view.shard for view in batch] for batch in per_batch]
         # The state the wrapped step sees, keyed by shard; entries it creates land here.
         self.state_dict: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         for view in self.params:
             if view.state is not None:
                 self.state_dict[view.shard] = view.state
+        # Per batch: whether every shard may take the fused kernel by default.
+        self.fusable = [_fusable(shards, fused_devices) for shards in self.shards]
+        # Per batch, Adam's lists; None while any batch's state is incomplete.
+        lists = [_AdamLists.of(batch) for batch in per_batch] if adam else [None]
+        self.adam: list[_AdamLists] | None = None if None in lists else lists
 
     def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
         return all(view.is_current(state) for view in self.params)
+
+
+def _fusable(tensors: Sequence[torch.Tensor], devices: frozenset[str]) -> bool:
+    return bool(devices) and all(
+        t.is_floating_point() and t.device.type in devices for t in tensors
+    )
 
 
 class BucketStepper:
@@ -181,6 +280,17 @@ class BucketStepper:
         step = type(optimizer).step
         # Optimizer._patch_step_function wraps ``step`` with profiling and the global hooks.
         self._step = step.__wrapped__ if getattr(step, "hooked", False) else step
+        # Device types where the fused kernel may replace an unset foreach/fused, without and
+        # with ``capturable`` (none for a class without one, or a subclass, which may change
+        # the update). See [Note: the fastest kernel of the same update].
+        cls = type(optimizer) if local_shards else None
+        self._fused_devices = _FUSED_DEVICES.get(cls, frozenset())
+        self._capturable_fused_devices = self._fused_devices | _CAPTURABLE_FUSED_DEVICES.get(
+            cls, frozenset()
+        )
+        # Whether the step may run through cached lists. See [Note: the update without the
+        # class's per-parameter loop].
+        self._adam = cls in _ADAM_CLASSES
         # Cached local views by parameter set, and the set each parameter was last seen in.
         self._views: dict[_Key, _LocalViews] = {}
         self._key_of: dict[int, _Key] = {}
@@ -190,13 +300,41 @@ class BucketStepper:
         copied parameters would no longer alias them."""
         return type(self)(copy.deepcopy(self.optimizer, memo), local_shards=self.local_shards)
 
+    def _fused(
+        self,
+        group: dict[str, Any],
+        tensors: Sequence[torch.Tensor],
+        fusable: bool | None = None,
+    ) -> bool:
+        """Whether the fused kernel replaces ``group``'s unset ``foreach``/``fused`` for
+        ``tensors``; ``fusable``: ``_fusable(tensors, self._fused_devices)`` if known. See
+        [Note: the fastest kernel of the same update]."""
+        if not (
+            group.get("fused", False) is None
+            and group.get("foreach", False) is None
+            and not group.get("differentiable", False)
+            and torch.get_default_dtype() == torch.float32
+        ):
+            return False
+        if fusable is None:
+            fusable = _fusable(tensors, self._fused_devices)
+        return fusable or (
+            bool(group.get("capturable", False))
+            and _fusable(tensors, self._capturable_fused_devices)
+        )
+
     def takes_found_inf(self, batches: Sequence[Batch]) -> bool:
         """Whether a ``found_inf`` flag makes this step skip the update on the device."""
         optimizer = self.optimizer
         if isinstance(optimizer, _FOUND_INF_CLASSES):
-            return all(group.get("fused") for group, _ in batches)
+            return all(
+                group.get("fused") or self._fused(group, params) for group, params in batches
+            )
         if type(optimizer) is torch.optim.SGD:
-            return all(group.get("fused") and group["momentum"] == 0 for group, _ in batches)
+            return all(
+                (group.get("fused") or self._fused(group, params)) and group["momentum"] == 0
+                for group, params in batches
+            )
         return False
 
     @torch.no_grad()
@@ -212,14 +350,11 @@ class BucketStepper:
         Gradients are left in place; the caller frees them. ``found_inf`` (only where
         :meth:`takes_found_inf`): a 0-dim float tensor, nonzero to skip the update on the device.
         """
-        self.optimizer.found_inf = found_inf
-        try:
-            if self.local_shards:
-                self._step_local(batches, state)
-            else:
-                self._run([{**group, "params": list(params)} for group, params in batches], state)
-        finally:
-            self.optimizer.found_inf = None
+        if self.local_shards:
+            self._step_local(batches, state, found_inf)
+        else:
+            groups = [{**group, "params": list(params)} for group, params in batches]
+            self._run(groups, state, found_inf)
 
     def _local_views(self, batches: Sequence[Batch], state: dict) -> tuple[_Key, _LocalViews]:
         """The cached views of ``batches``' parameters, re-derived if a source changed."""
@@ -228,7 +363,9 @@ class BucketStepper:
         if views is not None and views.is_current(state):
             return key, views
         with record_function("fused_optim_dist::derive_local_views"):
-            views = self._views[key] = _LocalViews(batches, state)
+            views = self._views[key] = _LocalViews(
+                batches, state, fused_devices=self._fused_devices, adam=self._adam
+            )
             # At most one cached set per parameter. See [Note: cached local views].
             for ids in key:
                 for pid in ids:
@@ -238,23 +375,74 @@ class BucketStepper:
                     self._key_of[pid] = key
         return key, views
 
-    def _step_local(self, batches: Sequence[Batch], state: defaultdict[torch.Tensor, dict]):
+    def _step_local(
+        self,
+        batches: Sequence[Batch],
+        state: defaultdict[torch.Tensor, dict],
+        found_inf: torch.Tensor | None,
+    ) -> None:
         key, views = self._local_views(batches, state)
-        groups = [
-            {**group, "params": shards}
-            for (group, _), shards in zip(batches, views.shards, strict=True)
+        groups = [group for group, _ in batches]
+        fused = [
+            self._fused(group, shards, fusable)
+            for group, shards, fusable in zip(groups, views.shards, views.fusable, strict=True)
+        ]
+        adam = views.adam
+        if adam is not None and all(map(_adam_lists_apply, groups, adam)):
+            with record_function("fused_optim_dist::update"):
+                for (group, params), lists, use_fused in zip(batches, adam, fused, strict=True):
+                    self._adam_update(group, lists, params, use_fused, found_inf)
+            return
+        local_groups = [
+            {**group, "params": shards, "fused": True} if use_fused else {**group, "params": shards}
+            for group, shards, use_fused in zip(groups, views.shards, fused, strict=True)
         ]
         dtensor_views = [v for v in views.params if v.shard is not v.param]
         for view in dtensor_views:
             view.shard.grad = local_tensor(view.param.grad)
         try:
-            self._run(groups, views.state_dict)
+            self._run(local_groups, views.state_dict, found_inf)
         finally:
             for view in dtensor_views:
                 view.shard.grad = None
         if self._write_back(views, state):
             # New or replaced state: the views are re-derived from it at the next step.
             del self._views[key]
+
+    def _adam_update(
+        self,
+        group: dict[str, Any],
+        lists: _AdamLists,
+        params: Sequence[torch.Tensor],
+        fused: bool,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """``Adam.step`` of one group, on the cached lists. See [Note: the update without the
+        class's per-parameter loop]."""
+        beta1, beta2 = group["betas"]
+        adam(
+            lists.params,
+            [local_tensor(p.grad) for p in params],
+            lists.exp_avgs,
+            lists.exp_avg_sqs,
+            lists.max_exp_avg_sqs if group["amsgrad"] else [],
+            lists.state_steps,
+            amsgrad=group["amsgrad"],
+            has_complex=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=False,
+            fused=True if fused else group["fused"],
+            grad_scale=getattr(self.optimizer, "grad_scale", None),
+            found_inf=found_inf,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
 
     @staticmethod
     def _write_back(views: _LocalViews, state: defaultdict[torch.Tensor, dict]) -> bool:
@@ -280,12 +468,28 @@ class BucketStepper:
             changed = True
         return changed
 
-    def _run(self, groups: list[dict[str, Any]], state: defaultdict[torch.Tensor, dict]) -> None:
+    def _run(
+        self,
+        groups: list[dict[str, Any]],
+        state: defaultdict[torch.Tensor, dict],
+        found_inf: torch.Tensor | None,
+    ) -> None:
         optimizer = self.optimizer
         optimizer.param_groups, optimizer.state = groups, state
+        optimizer.found_inf = found_inf
         try:
             with record_function("fused_optim_dist::update"):
                 self._step(optimizer)
         finally:
             # Drop the references so the stepper never keeps a bucket's tensors alive.
             optimizer.param_groups, optimizer.state = [], defaultdict(dict)
+            optimizer.found_inf = None
+
+
+def _adam_lists_apply(group: dict[str, Any], lists: _AdamLists) -> bool:
+    """Whether ``Adam.step`` on ``group`` is exactly the functional call on ``lists``."""
+    return (
+        not group["differentiable"]
+        and not isinstance(group["lr"], torch.Tensor)
+        and (lists.max_exp_avg_sqs is not None or not group["amsgrad"])
+    )

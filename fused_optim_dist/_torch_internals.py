@@ -32,6 +32,8 @@ Everything else in the package uses public APIs. What this module relies on, for
   ends at the end of that output is the last one FSDP2 hands out for the unit in this backward:
   its hooks run back to back, and after that one no other parameter of the unit gets a gradient.
   (Not with CPU offload, where each gradient is copied to a tensor of its own.)
+* ``torch.optim.optimizer._get_fused_kernels_supported_devices`` lists the device types the
+  ``fused=True`` kernels of ``torch.optim`` run on.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "ends_reduce_output",
     "fsdp_gradient_slots",
     "fsdp_units",
+    "fused_kernel_devices",
     "local_tensor",
     "queue_end_of_backward",
 ]
@@ -118,6 +121,13 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor object itself, not an alias); ``tensor``
     otherwise."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def fused_kernel_devices() -> frozenset[str]:
+    """Device types the ``fused=True`` kernels of ``torch.optim`` support."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return frozenset(_get_fused_kernels_supported_devices())
 
 
 def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from _toy import (
     OUT_DIM,
+    PLAIN_ATOL,
     assert_match,
     assert_same_state_dict,
     batch,
@@ -95,7 +96,7 @@ def _add_group_generator_body() -> None:
         _ours_step(model, optim, step)
         _plain_step(reference, plain, step)
     assert_match(model, reference)
-    assert_same_state_dict(optim.state_dict(), plain.state_dict())
+    assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
 
 # ------------------------------------------------------- 2. freezing and unfreezing
@@ -130,7 +131,7 @@ def _unfreezing_body(add_group_while_frozen: bool) -> None:
         moved = any(not torch.equal(b, full(p)) for b, p in zip(before, later, strict=True))
         assert moved == (step in (2, 3)), (step, moved)
         assert_match(model, reference)
-    assert_same_state_dict(optim.state_dict(), plain.state_dict())
+    assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -233,7 +234,7 @@ def _skip_with_clipping_body(fused: bool) -> None:
         assert math.isfinite(norm) == (step != 2), (step, norm)
     assert optim.nonfinite_steps == 1
     assert_match(model, reference)
-    assert_same_state_dict(optim.state_dict(), plain.state_dict())
+    assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
 
 # ------------------------------------------------------- 6. DCP's state-creation step
@@ -468,7 +469,7 @@ def test_deepcopy_gives_a_working_optimizer():
         _plain_step(reference, plain, step, sharded=False)
     assert_match(model, reference)
     assert_match(model_copy, reference)
-    assert_same_state_dict(optim_copy.state_dict(), plain.state_dict())
+    assert_same_state_dict(optim_copy.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
 
 def test_parameter_removed_from_groups_by_hand_is_named():

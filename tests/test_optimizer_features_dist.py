@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _toy import (
+    PLAIN_ATOL,
     assert_match,
     assert_same_state_dict,
     batch,
@@ -533,7 +534,7 @@ def _plain_module_body() -> None:
             opt.step()
             opt.zero_grad()
         assert_match(model, reference)
-    assert_same_state_dict(optim.state_dict(), ref_optim.state_dict())
+    assert_same_state_dict(optim.state_dict(), ref_optim.state_dict(), atol=PLAIN_ATOL)
     return full(model.head.weight).sum().item()
 
 
@@ -573,9 +574,9 @@ def _state_dict_body() -> None:
             opt.zero_grad()
         _reference_step(reference, ref_optim, step)
 
-    # The same math on the same shards: equal to the plain optimizer's, bit for bit.
+    # The same math on the same shards: the plain optimizer's format, values to rounding.
     saved = optim.state_dict()
-    assert_same_state_dict(saved, plain.state_dict())
+    assert_same_state_dict(saved, plain.state_dict(), atol=PLAIN_ATOL)
     for param, entry in optim.state.items():
         for key, value in entry.items():
             if key == "step":
@@ -588,7 +589,9 @@ def _state_dict_body() -> None:
                 param.shape,
             )
     assert_same_state_dict(
-        get_optimizer_state_dict(model, optim), get_optimizer_state_dict(plain_model, plain)
+        get_optimizer_state_dict(model, optim),
+        get_optimizer_state_dict(plain_model, plain),
+        atol=PLAIN_ATOL,
     )
 
     # Three ways back in, each into a fresh model holding the trained weights.
@@ -604,7 +607,9 @@ def _state_dict_body() -> None:
             opt.load_state_dict(copy.deepcopy(plain.state_dict()))
         else:
             set_optimizer_state_dict(net, opt, get_optimizer_state_dict(plain_model, plain))
-        assert_same_state_dict(opt.state_dict(), saved)
+        # Our own state dict comes back bit for bit; the plain optimizer's to rounding.
+        atol = 0.0 if how == "load_state_dict" else PLAIN_ATOL
+        assert_same_state_dict(opt.state_dict(), saved, atol=atol)
         restored[how] = (net, opt)
 
     for step in range(STEPS, STEPS + 2):

@@ -3,6 +3,8 @@
 * Cached local views (see [Note: cached local views]): every event that changes a source of the
   cache, mid-run, against plain torch.optim on an unsharded copy; and in steady state nothing
   is re-derived.
+* The fused kernel replaces an unset foreach/fused with the state format unchanged, and the
+  steady-state step runs without the class's per-parameter loop.
 * A unit with a parameter that got no gradient is closed when FSDP2 has reduced it: the same
   peak memory as a model whose parameters are all used.
 """
@@ -131,35 +133,111 @@ def _range_counts(fn: Callable[[], None]) -> dict[str, int]:
         fn()
     counts: dict[str, int] = {}
     for event in prof.events():
-        if event.name.startswith("fused_optim_dist::"):
+        if event.name.startswith(("fused_optim_dist::", "aten::_fused")):
             counts[event.name] = counts.get(event.name, 0) + 1
     return counts
 
 
 def _steady_state_body() -> dict[str, dict[str, int]]:
-    """Profiler ranges per step: views derived on the first step and after a state load only."""
+    """Profiler ranges per step: views derived on the first step and after a state load only;
+    the fused kernel runs where the user left foreach/fused unset, not where they chose; and
+    ``Adam.step`` (its per-parameter loop) runs only on the step that creates the state."""
     model, _ = make_models()
     shard(model)
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+    chose, _ = make_models()
+    shard(chose)
+    chose_optim = OptimizerInBackward(chose.parameters(), torch.optim.AdamW, lr=LR, foreach=True)
+    class_steps = [0]
+    class_step = optim._stepper._step
+
+    def counted(inner: torch.optim.Optimizer) -> None:
+        class_steps[0] += 1
+        class_step(inner)
+
+    optim._stepper._step = counted
     counts = {"first": _range_counts(lambda: _train(model, optim, 0, sharded=True))}
+    counts["first"]["class_step"] = class_steps[0]
     _train(model, optim, 1, sharded=True)
     counts["steady"] = _range_counts(lambda: _train(model, optim, 2, sharded=True))
     optim.load_state_dict(optim.state_dict())
     counts["loaded"] = _range_counts(lambda: _train(model, optim, 3, sharded=True))
+    counts["steady"]["class_step"] = counts["loaded"]["class_step"] = class_steps[0]
+    counts["chose_foreach"] = _range_counts(lambda: _train(chose, chose_optim, 0, sharded=True))
     return counts
 
 
 def test_views_derived_only_when_a_source_changes(worlds):
     units = 4  # three blocks and the root
     counts = worlds.run(2, _steady_state_body)[0]
-    derive = "fused_optim_dist::derive_local_views"
+    derive, fused = "fused_optim_dist::derive_local_views", "aten::_fused_adamw_"
     assert counts["first"][derive] == units
     assert counts["steady"].get(derive, 0) == 0
     assert counts["loaded"][derive] == units
     for name in ("first", "steady", "loaded"):
         assert counts[name]["fused_optim_dist::step_bucket"] == units
         assert counts[name]["fused_optim_dist::update"] == units
+        assert counts[name][fused] == units
         assert counts[name]["fused_optim_dist::end_of_backward"] == 1
+        # Adam.step only where state is created: every later step uses the cached lists.
+        assert counts[name]["class_step"] == units
+    assert fused not in counts["chose_foreach"]
+
+
+def _state_format_body(optimizer: str, kwargs: dict) -> None:
+    """With the fused kernel and the cached lists in use, state_dict() is the plain default
+    optimizer's: same keys, dtypes, devices and placements (``step`` a float32 CPU scalar),
+    values equal to 1e-6; and each loads into the other."""
+    cls = getattr(torch.optim, optimizer)
+    model, _ = make_models()
+    plain_model = copy.deepcopy(model)
+    shard(model)
+    shard(plain_model)
+    optim = OptimizerInBackward(model.parameters(), cls, lr=LR, **kwargs)
+    plain = cls(plain_model.parameters(), lr=LR, **kwargs)
+    for step in range(3):
+        _train(model, optim, step, sharded=True)
+        _train(plain_model, plain, step, sharded=True)
+    ours_sd, plain_sd = optim.state_dict(), plain.state_dict()
+    assert ours_sd["param_groups"] == plain_sd["param_groups"]
+    assert ours_sd["param_groups"][0]["fused"] is None  # the group the user sees is untouched
+    assert ours_sd["state"].keys() == plain_sd["state"].keys()
+    for index, entry in plain_sd["state"].items():
+        assert ours_sd["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            mine = ours_sd["state"][index][key]
+            assert (type(mine), mine.dtype, mine.device, mine.shape) == (
+                type(value),
+                value.dtype,
+                value.device,
+                value.shape,
+            ), key
+            if hasattr(value, "placements"):
+                assert mine.placements == value.placements
+            torch.testing.assert_close(mine, value, atol=1e-6, rtol=1e-5)
+    step = ours_sd["state"][0].get("step")
+    assert step is None or (step.dtype, step.device.type) == (torch.float32, "cpu")
+    # Interchangeable both ways, then trained on alike.
+    plain.load_state_dict(copy.deepcopy(ours_sd))
+    optim.load_state_dict(copy.deepcopy(plain_sd))
+    _train(model, optim, 3, sharded=True)
+    _train(plain_model, plain, 3, sharded=True)
+    assert_match(model, plain_model)
+
+
+STATE_FORMAT_CASES = [
+    ("AdamW", dict(weight_decay=0.1)),
+    ("Adam", dict(amsgrad=True, maximize=True)),
+    ("SGD", dict(momentum=0.9)),
+    ("Adagrad", dict()),
+]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kwargs"), STATE_FORMAT_CASES, ids=[c[0] for c in STATE_FORMAT_CASES]
+)
+def test_fused_kernel_keeps_the_state_format(worlds, optimizer, kwargs):
+    worlds.run(2, _state_format_body, optimizer=optimizer, kwargs=kwargs)
 
 
 # ------------------------------------------------------------------ units closed on time
