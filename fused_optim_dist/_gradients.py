@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fused_optim_dist._options import InBackwardOptions
 from fused_optim_dist._plan import Bucket
+from fused_optim_dist._torch_internals import local_tensor
 
 __all__ = ["BackwardNorms", "BucketVerdict", "GradientProcessor"]
 
@@ -81,29 +82,52 @@ def _all_reduce(value: torch.Tensor, key: _ReduceKey) -> torch.Tensor:
 
 
 def _local_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    return [local_tensor(p.grad) for p in params]
 
 
 def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     return value if total is None else total + value.to(total.device)
 
 
+_SMALL_NUMEL = 1 << 15
+"""Local gradients of at most this many elements are concatenated for the norm. See [Note: the
+squared norm of many small gradients]."""
+
+
 class _Shares:
-    """Splits a bucket's per-parameter squared norms by how each must be reduced."""
+    """A bucket's squared gradient norm, split by how each share must be reduced.
 
-    def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
-        by_key: dict[_ReduceKey, list[int]] = {}
+    [Note: the squared norm of many small gradients]
+    ``torch._foreach_norm`` runs one kernel per tensor on the CPU: a few microseconds each, far
+    more than the arithmetic for small tensors. Small gradients are therefore concatenated into
+    one copy (at most ``_SMALL_NUMEL`` elements each, freed at once) and their squared norm
+    taken as one dot product; large ones keep ``_foreach_norm``, which copies nothing.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        # Per reduce key: indices of the small gradients, and of the large ones.
+        by_key: dict[_ReduceKey, tuple[list[int], list[int]]] = {}
         for index, param in enumerate(params):
-            by_key.setdefault(_reduce_key(param), []).append(index)
-        self.keys = list(by_key)
-        self._index = (
-            None if len(by_key) == 1 else [torch.tensor(i, device=device) for i in by_key.values()]
-        )
+            small, large = by_key.setdefault(_reduce_key(param), ([], []))
+            (small if local_tensor(param).numel() <= _SMALL_NUMEL else large).append(index)
+        self._by_key = [(key, small, large) for key, (small, large) in by_key.items()]
 
-    def split(self, squares: torch.Tensor) -> list[tuple[_ReduceKey, torch.Tensor]]:
-        if self._index is None:
-            return [(self.keys[0], squares.sum())]
-        return [(k, squares[i].sum()) for k, i in zip(self.keys, self._index, strict=True)]
+    def squares(
+        self, grads: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> list[tuple[_ReduceKey, torch.Tensor]]:
+        """Each reduce key's share of the squared norm of ``grads``, summed in ``dtype``."""
+        out = []
+        for key, small, large in self._by_key:
+            share: torch.Tensor | None = None
+            if small:
+                flat = torch.cat([grads[i].reshape(-1) for i in small]).to(dtype)
+                share = torch.dot(flat, flat)
+            if large:
+                norms = torch._foreach_norm([grads[i] for i in large], 2, dtype=dtype)
+                share = _add(share, torch.stack(norms).square().sum())
+            assert share is not None
+            out.append((key, share))
+        return out
 
 
 @dataclasses.dataclass
@@ -181,8 +205,7 @@ class GradientProcessor:
             norms.any = True
             # In fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is.
             dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-            squares = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).square()
-            shares = self._shares_of(bucket, params, squares.device).split(squares)
+            shares = self._shares_of(bucket, params).squares(grads, dtype)
             if not self._reduce_per_bucket:
                 for key, share in shares:
                     norms.pending[key] = _add(norms.pending.get(key), share)
@@ -212,14 +235,12 @@ class GradientProcessor:
             torch._foreach_clamp_max_(grads, self.clip_grad_value)
         return verdict
 
-    def _shares_of(
-        self, bucket: Bucket, params: Sequence[torch.Tensor], device: torch.device
-    ) -> _Shares:
+    def _shares_of(self, bucket: Bucket, params: Sequence[torch.Tensor]) -> _Shares:
         if len(params) != len(bucket.params):  # a bucket stepped partially
-            return _Shares(params, device)
+            return _Shares(params)
         shares = self._shares.get(bucket.key)
         if shares is None:
-            shares = self._shares[bucket.key] = _Shares(params, device)
+            shares = self._shares[bucket.key] = _Shares(params)
         return shares
 
     def _clip_coefficient(self, norms: BackwardNorms, key: str) -> torch.Tensor:

@@ -158,25 +158,34 @@ def place_grad_like_param(param: torch.Tensor) -> None:
 class _ParamView:
     """One parameter's local shard and the local views of its state, with their sources."""
 
-    __slots__ = ("entry", "local", "param", "shard", "sources", "state")
+    __slots__ = ("dtensor", "entry", "local", "param", "shard", "sources", "state")
 
     def __init__(self, param: torch.Tensor, entry: dict[str, Any] | None) -> None:
         self.param = param
+        self.dtensor = isinstance(param, DTensor)
         # FSDP2's local tensor (checked by identity) and our alias of it: setting the alias's
         # .grad leaves FSDP2's own tensor untouched. A plain parameter is its own shard.
         self.local = local_tensor(param)
-        self.shard = self.local.detach() if isinstance(param, DTensor) else param
-        # The facade's state entry, and (key, value, local tensor of value) for each value.
+        self.shard = self.local.detach() if self.dtensor else param
+        # The facade's state entry, and (key, value, local tensor of a DTensor value, or None)
+        # for each value.
         self.entry = entry
-        self.sources = tuple((k, v, local_tensor(v)) for k, v in (entry or {}).items())
-        if not isinstance(param, DTensor):
+        self.sources = tuple(
+            (k, v, v._local_tensor if isinstance(v, DTensor) else None)
+            for k, v in (entry or {}).items()
+        )
+        if not self.dtensor:
             self.state = entry  # the same dict: the step updates the facade's entry directly
         else:
-            self.state = {k: local for k, _, local in self.sources} if entry else None
+            self.state = (
+                {k: v if local is None else local for k, v, local in self.sources}
+                if entry
+                else None
+            )
 
     def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
         param = self.param
-        if isinstance(param, DTensor) and param._local_tensor is not self.local:
+        if self.dtensor and param._local_tensor is not self.local:
             return False
         entry = state.get(param)
         if entry is not self.entry:
@@ -187,41 +196,73 @@ class _ParamView:
             return False
         for key, value, local in self.sources:
             current = entry.get(key)
-            if current is not value or local_tensor(current) is not local:
+            if current is not value or (local is not None and current._local_tensor is not local):
                 return False
         return True
+
+    def replace(self, key: str, value: torch.Tensor) -> None:
+        """Hold the plain tensor ``value`` as state ``key``, in the facade's entry too."""
+        assert self.entry is not None and self.state is not None
+        self.entry[key] = self.state[key] = value
+        self.sources = tuple(
+            (k, value, None) if k == key else (k, v, local) for k, v, local in self.sources
+        )
 
 
 class _AdamLists:
     """One batch's shards and Adam state as the lists ``torch.optim.adam.adam`` takes, in the
-    batch's order. See [Note: the update without the class's per-parameter loop]."""
+    batch's order. See [Note: the update without the class's per-parameter loop].
 
-    __slots__ = ("exp_avg_sqs", "exp_avgs", "max_exp_avg_sqs", "params", "state_steps")
+    ``steps``: when the batch's ``step`` values are views of this one tensor, so that one
+    ``add_`` counts every parameter's step (the per-tensor increment of 0-dim CPU tensors costs
+    several times the fused update of small tensors). ``None`` where they cannot be: the
+    ``step`` values differ in dtype or device, or the parameters do (the fused kernel then runs
+    through ``torch.optim.adam.adam``, which groups them).
+    """
 
-    def __init__(self, params: list[torch.Tensor], states: list[dict[str, torch.Tensor]]) -> None:
-        self.params = params
+    __slots__ = ("exp_avg_sqs", "exp_avgs", "max_exp_avg_sqs", "params", "state_steps", "steps")
+
+    def __init__(self, views: Sequence[_ParamView]) -> None:
+        states = [view.state for view in views]
+        self.params = [view.shard for view in views]
         self.exp_avgs = [state["exp_avg"] for state in states]
         self.exp_avg_sqs = [state["exp_avg_sq"] for state in states]
-        self.state_steps = [state["step"] for state in states]
         # Only when every entry has one, as amsgrad creates them all at once.
         self.max_exp_avg_sqs = (
             [state["max_exp_avg_sq"] for state in states]
             if all("max_exp_avg_sq" in state for state in states)
             else None
         )
+        steps = [state["step"] for state in states]
+        self.steps: torch.Tensor | None = None
+        if _one_kind(steps) and _one_kind(self.params) and steps[0].dim() == 0:
+            # The same values, now views of one tensor, in the facade's state too: they stay
+            # 0-dim tensors of the same dtype and device, as the plain optimizer holds them.
+            self.steps = torch.stack(steps)
+            steps = list(self.steps.unbind())
+            for view, step in zip(views, steps, strict=True):
+                view.replace("step", step)
+        self.state_steps = steps
 
     @classmethod
     def of(cls, views: Sequence[_ParamView]) -> _AdamLists | None:
         """The lists of ``views``, or ``None`` while a state entry is missing or incomplete,
         or a parameter is complex (``Adam.step`` then handles it)."""
-        states = []
         for view in views:
             if view.state is None or not view.state.keys() >= _ADAM_STATE:
                 return None
             if torch.is_complex(view.shard):
                 return None
-            states.append(view.state)
-        return cls([view.shard for view in views], states)
+        return cls(views)
+
+
+def _one_kind(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are plain tensors of one dtype on one device."""
+    first = tensors[0]
+    return all(
+        type(t) is torch.Tensor and t.dtype == first.dtype and t.device == first.device
+        for t in tensors
+    )
 
 
 class _LocalViews:
@@ -419,13 +460,46 @@ class BucketStepper:
     ) -> None:
         """``Adam.step`` of one group, on the cached lists. See [Note: the update without the
         class's per-parameter loop]."""
+        grads = [local_tensor(p.grad) for p in params]
+        grad_scale = getattr(self.optimizer, "grad_scale", None)
         beta1, beta2 = group["betas"]
+        max_exp_avg_sqs = lists.max_exp_avg_sqs if group["amsgrad"] else []
+        if fused and lists.steps is not None and _numbers(group["lr"], beta1, beta2):
+            # What torch.optim.adam._fused_adam does for tensors of one device and dtype,
+            # with the step count incremented (and restored when skipped) in one op.
+            device = lists.steps.device
+            if found_inf is not None:
+                found_inf = found_inf.to(device, non_blocking=True)
+            if grad_scale is not None:
+                grad_scale = grad_scale.to(device, non_blocking=True)
+            lists.steps.add_(1)
+            kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+            kernel(
+                lists.params,
+                grads,
+                lists.exp_avgs,
+                lists.exp_avg_sqs,
+                max_exp_avg_sqs,
+                lists.state_steps,
+                amsgrad=group["amsgrad"],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+            )
+            if found_inf is not None:
+                lists.steps.sub_(found_inf)
+            return
         adam(
             lists.params,
-            [local_tensor(p.grad) for p in params],
+            grads,
             lists.exp_avgs,
             lists.exp_avg_sqs,
-            lists.max_exp_avg_sqs if group["amsgrad"] else [],
+            max_exp_avg_sqs,
             lists.state_steps,
             amsgrad=group["amsgrad"],
             has_complex=False,
@@ -439,7 +513,7 @@ class BucketStepper:
             capturable=group["capturable"],
             differentiable=False,
             fused=True if fused else group["fused"],
-            grad_scale=getattr(self.optimizer, "grad_scale", None),
+            grad_scale=grad_scale,
             found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
@@ -484,6 +558,10 @@ class BucketStepper:
             # Drop the references so the stepper never keeps a bucket's tensors alive.
             optimizer.param_groups, optimizer.state = [], defaultdict(dict)
             optimizer.found_inf = None
+
+
+def _numbers(*values: Any) -> bool:
+    return not any(isinstance(v, torch.Tensor) for v in values)
 
 
 def _adam_lists_apply(group: dict[str, Any], lists: _AdamLists) -> bool:
