@@ -196,4 +196,4 @@ class BackwardPass:
                     self._events.record(grads[0].device)
                 for param in params:
                     param.grad = None
-                    self._stepped.add(id(param))
+                self._stepped.update(map(id, params))

@@ -48,7 +48,7 @@ class Bucket:
     applied to another bucket after a resume with a different wrapping.
     """
 
-    __slots__ = ("_group_of", "index", "key", "params")
+    __slots__ = ("_all_by_group", "_group_of", "index", "key", "params")
 
     def __init__(
         self, index: int, params: Sequence[torch.Tensor], group_of: dict[int, int]
@@ -57,9 +57,17 @@ class Bucket:
         self.params = tuple(params)
         self.key = f"{index}:{len(self.params)}:{sum(p.numel() for p in self.params)}"
         self._group_of = group_of
+        # The split of the whole bucket, the usual case, computed once.
+        self._all_by_group = self._split(self.params)
 
     def by_group(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
-        """``params`` (members of this bucket) split by param group, in group order."""
+        """``params`` (members of this bucket, in its order) split by param group, in group
+        order."""
+        if len(params) == len(self.params):
+            return self._all_by_group
+        return self._split(params)
+
+    def _split(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
         split: dict[int, list[torch.Tensor]] = {}
         for param in params:
             split.setdefault(self._group_of[id(param)], []).append(param)

@@ -1,4 +1,4 @@
-"""Smoke test of the scaling benchmark: ``--quick`` into a temporary directory.
+"""Smoke tests of the scaling and optimizer-cost benchmarks, into a temporary directory.
 
 Checks the structure of what it writes, never its speed.
 """
@@ -63,3 +63,46 @@ def test_quick_run_writes_json_markdown_and_plots(tmp_path: Path) -> None:
         assert f"## {shape} (" in table
     for scaling in config["scalings"]:
         assert (tmp_path / f"scaling_{scaling}.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_optimizer_cost_writes_rounds_profile_and_floor(tmp_path: Path) -> None:
+    steps, repeats = 4, 2
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/optimizer_cost.py",
+            "--shapes",
+            "many-tiny",
+            "--repeats",
+            str(repeats),
+            "--steps",
+            str(steps),
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    payload = json.loads((tmp_path / "optimizer_cost.json").read_text())
+    assert payload["world_size"] == 2
+    assert {"load_before", "load_after"} <= payload.keys()
+    (record,) = payload["records"]
+    assert record["shape"] == "many-tiny" and record["steps_per_round"] == steps
+    assert len(record["rounds"]) == repeats
+    for round_ in record["rounds"]:
+        for method in ("plain", "ours", "per-param"):
+            q1, median, q3 = (round_[method][f"cost_ms_{k}"] for k in ("q1", "median", "q3"))
+            assert q1 <= median <= q3
+        assert round_["ours_over_plain"] > 0 and round_["per_param_over_ours"] > 0
+    profile = record["profile_ms_per_step_rank0"]
+    # Every bucket of ours steps in backward, through the fused kernel.
+    assert profile["fused_optim_dist::step_bucket"] > 0
+    assert profile["aten::_fused_adamw_"] > 0
+    assert record["floor_fused_adamw_ms_rank0"] > 0
+    table = (tmp_path / "optimizer_cost.md").read_text()
+    assert table.count("| many-tiny | 384 |") == repeats
