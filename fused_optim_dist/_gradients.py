@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fused_optim_dist._options import InBackwardOptions
 from fused_optim_dist._plan import Bucket
-from fused_optim_dist._torch_internals import local_tensor
+from fused_optim_dist._torch_internals import flatten, local_tensor
 
 __all__ = ["BackwardNorms", "BucketVerdict", "GradientProcessor"]
 
@@ -120,7 +120,7 @@ class _Shares:
         for key, small, large in self._by_key:
             share: torch.Tensor | None = None
             if small:
-                flat = torch.cat([grads[i].reshape(-1) for i in small]).to(dtype)
+                flat = flatten([grads[i] for i in small]).to(dtype)
                 share = torch.dot(flat, flat)
             if large:
                 norms = torch._foreach_norm([grads[i] for i in large], 2, dtype=dtype)

@@ -32,6 +32,8 @@ Everything else in the package uses public APIs. What this module relies on, for
   ends at the end of that output is the last one FSDP2 hands out for the unit in this backward:
   its hooks run back to back, and after that one no other parameter of the unit gets a gradient.
   (Not with CPU offload, where each gradient is copied to a tensor of its own.)
+* ``torch._utils._flatten_dense_tensors`` concatenates tensors of any shapes into one flat
+  tensor in one C++ call (DDP and FSDP1 bucket with it), with type promotion as ``torch.cat``.
 * ``torch.optim.optimizer._get_fused_kernels_supported_devices`` lists the device types the
   ``fused=True`` kernels of ``torch.optim`` run on.
 """
@@ -50,6 +52,7 @@ __all__ = [
     "current_backward_id",
     "ddp_modules_holding",
     "ends_reduce_output",
+    "flatten",
     "fsdp_gradient_slots",
     "fsdp_units",
     "fused_kernel_devices",
@@ -121,6 +124,13 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor object itself, not an alias); ``tensor``
     otherwise."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-D copy of ``tensors``' elements, in order (one call, not one per tensor)."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)
 
 
 def fused_kernel_devices() -> frozenset[str]:
