@@ -77,7 +77,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 from torch.profiler import record_function
 
-from fused_optim_dist._torch_internals import fused_kernel_devices, local_tensor
+from fused_optim_dist._torch_internals import fused_kernel_devices, local_tensor, placed_alike
 
 __all__ = ["Batch", "BucketStepper", "place_grad_like_param"]
 
@@ -151,7 +151,7 @@ def place_grad_like_param(param: torch.Tensor) -> None:
             f"parameter of shape {tuple(param.shape)} is a DTensor but its gradient is a "
             f"{type(grad).__name__}; set DTensor gradients on DTensor parameters"
         )
-    if grad.placements != param.placements:
+    if not placed_alike(grad, param):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 

@@ -32,6 +32,9 @@ Everything else in the package uses public APIs. What this module relies on, for
   ends at the end of that output is the last one FSDP2 hands out for the unit in this backward:
   its hooks run back to back, and after that one no other parameter of the unit gets a gradient.
   (Not with CPU offload, where each gradient is copied to a tensor of its own.)
+* FSDP2 builds each sharded gradient (``FSDPParam.to_sharded_dtensor``) on its parameter's
+  own ``DTensorSpec`` object, so an identity check of ``_spec`` tells they are placed alike
+  without comparing placements.
 * ``torch._utils._flatten_dense_tensors`` concatenates tensors of any shapes into one flat
   tensor in one C++ call (DDP and FSDP1 bucket with it), with type promotion as ``torch.cat``.
 * ``torch.optim.optimizer._get_fused_kernels_supported_devices`` lists the device types the
@@ -57,6 +60,7 @@ __all__ = [
     "fsdp_units",
     "fused_kernel_devices",
     "local_tensor",
+    "placed_alike",
     "queue_end_of_backward",
 ]
 
@@ -124,6 +128,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor object itself, not an alias); ``tensor``
     otherwise."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def placed_alike(tensor: DTensor, other: DTensor) -> bool:
+    """Whether two DTensors have the same placements (identical specs checked first)."""
+    return tensor._spec is other._spec or tensor.placements == other.placements
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
