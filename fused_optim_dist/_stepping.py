@@ -59,9 +59,15 @@ each gradient and state value into lists and creates missing state (``_init_grou
 bucket of small tensors that loop costs several times the fused kernel. Once every parameter of
 a set has its state, the lists are part of the cached views (the same state tensors, in the same
 order) and each step calls the functional ``torch.optim.adam.adam`` with them and the group's
-current hyperparameters, exactly the call ``Adam.step`` makes. The class's own step still runs
-whenever something is out of the ordinary: state missing (it creates it), ``differentiable``,
-a tensor ``lr``, complex parameters, or a subclass (which may change the update).
+current hyperparameters, exactly the call ``Adam.step`` makes. With the fused kernel on one
+device and dtype, it calls the kernel itself, doing what ``adam``'s fused path does around it
+(count the step, undo the count of a step ``found_inf`` skipped), except that the count is one
+``add_``: the set's ``step`` values are made views of one tensor when the lists are built (still
+0-dim tensors of the plain optimizer's dtype and device, in the facade's state too), where one
+increment per 0-dim tensor would cost more than the update of small tensors. The class's own
+step still runs whenever something is out of the ordinary: state missing (it creates it),
+``differentiable``, a tensor ``lr``, complex parameters, or a subclass (which may change the
+update).
 """
 
 from __future__ import annotations
