@@ -236,8 +236,10 @@ def test_non_elementwise_optimizer_steps_dtensors(worlds):
 def _adafactor_body() -> None:
     # torch.optim.Adafactor's factored moments take norms along each dimension; on a DTensor
     # sharded along dim 0 the column norm is a partial result, and torch 2.13's Adafactor then
-    # squares it in place, which DTensor refuses. The plain optimizer on the same FSDP2 model
-    # fails the same way; the in-backward step must fail too, not fall back to something wrong.
+    # squares it in place, which DTensor refuses: the plain optimizer on the same FSDP2 model
+    # fails. In backward it takes the whole-tensor path and trains as on one process
+    # (tests/test_whole_tensor_dist.py); on local shards, or on the DTensors, it must not run
+    # silently wrong.
     plain_model, _ = make_models()
     model, reference = make_models()
     forced, _ = make_models()
@@ -248,7 +250,9 @@ def _adafactor_body() -> None:
     with pytest.raises(RuntimeError, match=r"aten.pow_.Scalar: in-place operations that require"):
         plain.step()
 
-    optim = OptimizerInBackward(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    on_dtensors = OptimizerInBackward(
+        model.parameters(), torch.optim.Adafactor, stepping="dtensor", lr=1e-2
+    )
     with pytest.raises(RuntimeError, match=r"aten.pow_.Scalar: in-place operations that require"):
         _backward(model, 0)
 
@@ -262,10 +266,10 @@ def _adafactor_body() -> None:
         wrong.step()
     train_reference(reference, torch.optim.Adafactor(reference.parameters(), lr=1e-2), STEPS)
     assert _max_diff(forced, reference) > DIFFERENT
-    del optim
+    del on_dtensors
 
 
-def test_adafactor_fails_on_dtensors_like_plain_torch(worlds):
+def test_adafactor_on_dtensors_or_local_shards_fails_visibly(worlds):
     worlds.run(2, _adafactor_body)
 
 
