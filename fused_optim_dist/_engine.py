@@ -156,6 +156,9 @@ class BackwardPass:
                 if members or stragglers:
                     ids = {id(p) for p in members + stragglers}
                     self._step_bucket(bucket, [p for p in bucket.params if id(p) in ids])
+            # Updates still in flight (whole-tensor stepping) are applied before anything
+            # after this backward reads the parameters.
+            self._stepper.flush()
             self._events.wait()
             if self._record:
                 self._gradients.end_of_backward(self._norms)

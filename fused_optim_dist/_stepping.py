@@ -384,6 +384,9 @@ class BucketStepper:
             )
         return False
 
+    def flush(self) -> None:
+        """Apply updates still in flight: none, every update is applied in :meth:`step`."""
+
     @torch.no_grad()
     def step(
         self,
@@ -466,11 +469,11 @@ class BucketStepper:
     ) -> None:
         """``Adam.step`` of one group, on the cached lists. See [Note: the update without the
         class's per-parameter loop]."""
-        grads = [local_tensor(p.grad) for p in params]
         grad_scale = getattr(self.optimizer, "grad_scale", None)
         beta1, beta2 = group["betas"]
         max_exp_avg_sqs = lists.max_exp_avg_sqs if group["amsgrad"] else []
-        if fused and lists.steps is not None and _numbers(group["lr"], beta1, beta2):
+        direct = fused and lists.steps is not None and _numbers(group["lr"], beta1, beta2)
+        if direct:
             # What torch.optim.adam._fused_adam does for tensors of one device and dtype,
             # with the step count incremented (and restored when skipped) in one op.
             device = lists.steps.device
@@ -478,49 +481,41 @@ class BucketStepper:
                 found_inf = found_inf.to(device, non_blocking=True)
             if grad_scale is not None:
                 grad_scale = grad_scale.to(device, non_blocking=True)
-            lists.steps.add_(1)
-            kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-            kernel(
-                lists.params,
-                grads,
-                lists.exp_avgs,
-                lists.exp_avg_sqs,
-                max_exp_avg_sqs,
-                lists.state_steps,
-                amsgrad=group["amsgrad"],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-            )
-            if found_inf is not None:
-                lists.steps.sub_(found_inf)
-            return
-        adam(
+        tensors = (
             lists.params,
-            grads,
+            [local_tensor(p.grad) for p in params],
             lists.exp_avgs,
             lists.exp_avg_sqs,
             max_exp_avg_sqs,
             lists.state_steps,
+        )
+        # The arguments the fused kernels and the functional adam() share.
+        hyperparameters = dict(
             amsgrad=group["amsgrad"],
-            has_complex=False,
+            lr=group["lr"],
             beta1=beta1,
             beta2=beta2,
-            lr=group["lr"],
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if direct:
+            lists.steps.add_(1)
+            kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+            kernel(*tensors, **hyperparameters)
+            if found_inf is not None:
+                lists.steps.sub_(found_inf)
+            return
+        adam(
+            *tensors,
+            **hyperparameters,
+            has_complex=False,
             foreach=group["foreach"],
             capturable=group["capturable"],
             differentiable=False,
             fused=True if fused else group["fused"],
-            grad_scale=grad_scale,
-            found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
 

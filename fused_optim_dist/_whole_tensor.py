@@ -36,9 +36,11 @@ reshards. Every rank holds the same values, so a checkpoint does not depend on w
 A unit's exchange to the owners is asynchronous: the hook that steps unit U packs U's shards,
 launches the all-to-all and returns, so backward computes the next layers while U's shards
 travel. U is completed (orthogonalized, results sent back and applied) when the next unit
-arrives, or at the end of backward, before that unit's own exchange is launched. So at most
-one unit's gathered tensors are alive on an owner at any time, and an update is applied before
-the next forward reads its parameter. Outside backward (``step()``) a unit completes at once.
+arrives, before that unit's own exchange is launched, or by ``flush()``, which the
+``BackwardPass`` calls when it finishes (the end of backward, or of ``step()``), like every other
+end-of-backward work and in the same order on every rank. So at most one unit's gathered tensors
+are alive on an owner at any time, and an update is applied before the next forward reads its
+parameter.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ from torch.optim.optimizer import _to_scalar
 
 from fused_optim_dist._owners import Exchange, TensorSpec, assign_owners, chunk_rows
 from fused_optim_dist._stepping import Batch, BucketStepper
-from fused_optim_dist._torch_internals import current_backward_id, queue_end_of_backward
 
 __all__ = ["WholeTensorStepper", "check_whole_tensor_params"]
 
@@ -192,9 +193,8 @@ class WholeTensorStepper:
         # Steps full tensors (owners' gathered ones, and parameters whole on every rank).
         self._whole = BucketStepper(optimizer, local_shards=False)
         self._muon = type(optimizer) is torch.optim.Muon
-        # The unit whose exchange is in flight, and the backward whose end completes it.
+        # The unit whose exchange is in flight, completed by the next step() or flush().
         self._pending: _InFlight | None = None
-        self._flush_queued_for: int | None = None
 
     def takes_found_inf(self, batches: Sequence[Batch]) -> bool:
         """Never: a non-finite bucket is skipped before its step is called."""
@@ -209,8 +209,9 @@ class WholeTensorStepper:
     ) -> None:
         """Step every parameter of ``batches`` (a unit) using its ``.grad``; a collective.
 
-        Gradients are read before this returns, so the caller may free them. In backward the
-        update is applied by the next call or at the end of backward; outside, before return.
+        Gradients are read before this returns, so the caller may free them. The update is
+        applied by the next call or by :meth:`flush`, which the ``BackwardPass`` calls when it
+        finishes (at the end of backward, or of ``step()``).
         """
         assert found_inf is None, "takes_found_inf() is False"
         self.flush()
@@ -235,12 +236,6 @@ class WholeTensorStepper:
             self.flush()
             owned = _Owned(params, groups, dim, state)
             self._pending = (self._launch_muon if self._muon else self._launch_class)(owned)
-        backward_id = current_backward_id()
-        if backward_id == -1:
-            self.flush()
-        elif self._flush_queued_for != backward_id:
-            self._flush_queued_for = backward_id
-            queue_end_of_backward(self.flush)
 
     def flush(self) -> None:
         """Complete the unit in flight, if any."""

@@ -166,8 +166,7 @@ class OptimizerInBackward(Optimizer):
         )
         # Norm, non-finite check and clipping, and their history across steps.
         self._gradients = GradientProcessor(options)
-        # Whether this object's params received a gradient (since the last step(); ever).
-        self._grads_arrived = False
+        # Whether a gradient ever reached this object's params (or they were found live).
         self._ever_arrived = False
         self._accumulate_depth = 0
         self._attach_hooks()
@@ -301,9 +300,8 @@ class OptimizerInBackward(Optimizer):
             step = self._new_pass(None, record=not creates_state_only)
             step.step_all(ready)
             step.finish()
-        elif not self._ever_arrived and not self._grads_arrived:
+        elif not self._ever_arrived:
             self._check_alive(plan)
-        self._grads_arrived = False
 
     def _check_alive(self, plan: BucketPlan) -> None:
         if plan.trainable and not _held_by_a_module(plan.trainable):
@@ -395,7 +393,7 @@ class OptimizerInBackward(Optimizer):
     # ------------------------------------------------------------------ the backward path
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._grads_arrived = self._ever_arrived = True
+        self._ever_arrived = True
         if self._accumulate_depth:
             return
         backward_id = current_backward_id()
