@@ -38,16 +38,21 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-from torch.profiler import record_function
 
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
-from fused_optim_dist._stepping import BucketStepper, place_grad_like_param
+from fused_optim_dist._stepping import BucketStepper, local_gradients
 from fused_optim_dist._streams import StepEvents, keep_alive_until_done
-from fused_optim_dist._torch_internals import ends_reduce_output, local_tensor
+from fused_optim_dist._torch_internals import (
+    drop_grads,
+    ends_reduce_output,
+    local_tensor,
+    read_grads,
+    traced,
+)
 
 __all__ = ["BackwardPass", "Phase"]
 
@@ -92,39 +97,53 @@ class BackwardPass:
         self._param_groups = param_groups
         self._state = state
         self._record = record
-        # Gradients arrived per bucket index (by parameter id), and parameters already stepped.
-        self._arrived: dict[int, dict[int, torch.Tensor]] = {}
+        self._bucket_of = plan.bucket_of
+        self._slot_of = plan.gradient_slots.get
+        # Ids of the parameters whose gradient arrived, per bucket index not yet stepped, and
+        # of the parameters already stepped.
+        self._arrived: dict[int, set[int]] = {}
         self._stepped: set[int] = set()
         self._norms = BackwardNorms()
         self._events = StepEvents()
 
     def arrive(self, param: torch.Tensor) -> None:
-        """``param`` holds its gradient: step its bucket if that completes it."""
+        """``param`` holds its gradient: step its bucket if that completes it.
+
+        Runs once per parameter per backward, so it does as little as it can: two dict
+        lookups and a set insertion, and the check of [Note: a unit closes when FSDP2 has
+        reduced it].
+        """
         assert self.phase is Phase.COLLECTING, self.phase
-        bucket = self._plan.bucket_of(param)
+        key = id(param)
+        bucket = self._bucket_of(key)
+        if bucket is None or key in self._stepped:
+            self._refuse(param, bucket)
+        arrived = self._arrived.get(bucket.index)
+        if arrived is None:
+            arrived = self._arrived[bucket.index] = set()
+        arrived.add(key)
+        if len(arrived) == bucket.size:
+            del self._arrived[bucket.index]
+            self._step_bucket(bucket, bucket.params)
+            return
+        slot = self._slot_of(key)
+        if slot is not None and ends_reduce_output(param.grad, slot):
+            del self._arrived[bucket.index]
+            self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
+
+    @staticmethod
+    def _refuse(param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
         if bucket is None:
             raise RuntimeError(
                 f"{_describe(param)} received a gradient and is hooked by this "
                 "OptimizerInBackward, but is no longer in its param_groups; add it with "
                 "add_param_group() or call detach() before editing param_groups by hand"
             )
-        if id(param) in self._stepped:
-            raise RuntimeError(
-                f"{_describe(param)} received a second gradient after it was stepped in this "
-                "backward (reentrant activation checkpointing does this); use "
-                "torch.utils.checkpoint with use_reentrant=False"
-            )
-        arrived = self._arrived.setdefault(bucket.index, {})
-        arrived[id(param)] = param
-        if len(arrived) == len(bucket.params):
-            del self._arrived[bucket.index]
-            self._step_bucket(bucket, bucket.params)
-            return
-        # See [Note: a unit closes when FSDP2 has reduced it].
-        slot = self._plan.gradient_slots.get(id(param))
-        if slot is not None and ends_reduce_output(param.grad, slot):
-            del self._arrived[bucket.index]
-            self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
+        raise RuntimeError(
+            f"{_describe(param)} received a second gradient after it was stepped in this "
+            "backward (reentrant activation checkpointing does this); use "
+            "torch.utils.checkpoint with use_reentrant=False"
+        )
 
     def step_all(self, params: Sequence[torch.Tensor]) -> None:
         """Step ``params`` (members of the plan holding gradients) bucket by bucket, in order."""
@@ -139,23 +158,21 @@ class BackwardPass:
         if self.phase is Phase.FINISHED:
             return
         self.phase = Phase.FINISHED
-        with record_function("fused_optim_dist::end_of_backward"):
+        with traced("fused_optim_dist::end_of_backward"):
             # Buckets with a parameter that got no gradient (unused in this forward), then
-            # gradients that reached a trainable parameter without a hook (e.g. one unfrozen
-            # after this backward's first hook): a plain optimizer would step them all.
+            # gradients that reached a trainable parameter without a hook (accumulated under
+            # accumulate() and unused now, set by hand, or on a parameter unfrozen after this
+            # backward's first hook): a plain optimizer would step them all.
+            self._arrived.clear()
+            stepped = self._stepped
             for bucket in self._plan.buckets:
-                arrived = self._arrived.pop(bucket.index, None)
-                stragglers = [
+                members = [
                     p
-                    for p in bucket.params
-                    if p.grad is not None
-                    and id(p) not in self._stepped
-                    and (arrived is None or id(p) not in arrived)
+                    for p, grad in zip(bucket.params, read_grads(bucket.params), strict=True)
+                    if grad is not None and id(p) not in stepped
                 ]
-                members = [p for p in bucket.params if arrived and id(p) in arrived]
-                if members or stragglers:
-                    ids = {id(p) for p in members + stragglers}
-                    self._step_bucket(bucket, [p for p in bucket.params if id(p) in ids])
+                if members:
+                    self._step_bucket(bucket, members)
             # Updates still in flight (whole-tensor stepping) are applied before anything
             # after this backward reads the parameters.
             self._stepper.flush()
@@ -166,16 +183,10 @@ class BackwardPass:
     @torch.no_grad()
     def _step_bucket(self, bucket: Bucket, params: Sequence[torch.Tensor]) -> None:
         """Clip and step one bucket's parameters, then free their gradients."""
-        with record_function("fused_optim_dist::step_bucket"):
+        with traced("fused_optim_dist::step_bucket"):
+            grads = None
             try:
-                for param in params:
-                    if param.grad.is_sparse:
-                        raise RuntimeError(
-                            f"{_describe(param)} has a sparse gradient, which the in-backward "
-                            "step does not support; use dense gradients (e.g. "
-                            "nn.Embedding(sparse=False))"
-                        )
-                    place_grad_like_param(param)
+                grads = local_gradients(params)
                 batches = [
                     (self._param_groups[index], members)
                     for index, members in bucket.by_group(params)
@@ -185,18 +196,25 @@ class BackwardPass:
                     device_skip = self._gradients.skip_nonfinite and self._stepper.takes_found_inf(
                         batches
                     )
-                    with record_function("fused_optim_dist::gradients"):
+                    with traced("fused_optim_dist::gradients"):
                         verdict = self._gradients.before_step(
-                            self._norms, bucket, params, device_skip=device_skip
+                            self._norms, bucket, params, grads, device_skip=device_skip
                         )
                 if verdict.step:
                     self._stepper.step(batches, self._state, verdict.found_inf)
             finally:
-                # See [Note: streams of the in-backward step].
-                grads = [p.grad for p in params if p.grad is not None]
-                keep_alive_until_done(map(local_tensor, grads))
-                if grads:
-                    self._events.record(grads[0].device)
-                for param in params:
-                    param.grad = None
-                self._stepped.update(map(id, params))
+                self._release(params, grads)
+
+    def _release(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None
+    ) -> None:
+        """Free the gradients of stepped ``params`` (``grads``: their local tensors, if read).
+        See [Note: streams of the in-backward step]."""
+        if grads is None:
+            grads = [local_tensor(g) for g in read_grads(params) if g is not None]
+        on_device = [local for local in grads if not (local.is_cpu or local.is_meta)]
+        if on_device:
+            keep_alive_until_done(on_device)
+            self._events.record(on_device[0].device)
+        drop_grads(params)
+        self._stepped.update(map(id, params))

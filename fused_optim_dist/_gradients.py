@@ -81,10 +81,6 @@ def _all_reduce(value: torch.Tensor, key: _ReduceKey) -> torch.Tensor:
     return value
 
 
-def _local_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [local_tensor(p.grad) for p in params]
-
-
 def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     return value if total is None else total + value.to(total.device)
 
@@ -111,11 +107,15 @@ class _Shares:
             small, large = by_key.setdefault(_reduce_key(param), ([], []))
             (small if local_tensor(param).numel() <= _SMALL_NUMEL else large).append(index)
         self._by_key = [(key, small, large) for key, (small, large) in by_key.items()]
+        # Summed in fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is
+        # (a gradient has its parameter's dtype).
+        self._dtype = (
+            torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        )
 
-    def squares(
-        self, grads: Sequence[torch.Tensor], dtype: torch.dtype
-    ) -> list[tuple[_ReduceKey, torch.Tensor]]:
-        """Each reduce key's share of the squared norm of ``grads``, summed in ``dtype``."""
+    def squares(self, grads: Sequence[torch.Tensor]) -> list[tuple[_ReduceKey, torch.Tensor]]:
+        """Each reduce key's share of the squared norm of ``grads``."""
+        dtype = self._dtype
         out = []
         for key, small, large in self._by_key:
             share: torch.Tensor | None = None
@@ -188,10 +188,12 @@ class GradientProcessor:
         norms: BackwardNorms,
         bucket: Bucket,
         params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor],
         *,
         device_skip: bool,
     ) -> BucketVerdict:
-        """Account for and clip the bucket's gradients in place; say whether to step it.
+        """Account for and clip the bucket's gradients (``grads``: the local tensors of the
+        gradients of ``params``) in place; say whether to step it.
 
         Collective (all-reduces of one scalar) when clipping by norm or skipping non-finite
         gradients. ``device_skip``: the step takes a ``found_inf`` flag, so a non-finite bucket
@@ -199,13 +201,10 @@ class GradientProcessor:
         """
         if not self.active:
             return BucketVerdict()
-        grads = _local_grads(params)
         verdict = BucketVerdict()
         if self._needs_norm:
             norms.any = True
-            # In fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is.
-            dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-            shares = self._shares_of(bucket, params).squares(grads, dtype)
+            shares = self._shares_of(bucket, params).squares(grads)
             if not self._reduce_per_bucket:
                 for key, share in shares:
                     norms.pending[key] = _add(norms.pending.get(key), share)

@@ -24,20 +24,15 @@ the user never has to tell it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from fused_optim_dist._torch_internals import fsdp_gradient_slots, fsdp_units
+from fused_optim_dist._torch_internals import fsdp_gradient_slots, fsdp_units, read_requires_grad
 
 __all__ = ["Bucket", "BucketPlan"]
-
-_Signature = tuple[tuple[tuple[int, bool], ...], ...]
-
-
-def _signature(param_groups: Sequence[dict[str, Any]]) -> _Signature:
-    return tuple(tuple((id(p), p.requires_grad) for p in g["params"]) for g in param_groups)
 
 
 class Bucket:
@@ -48,13 +43,14 @@ class Bucket:
     applied to another bucket after a resume with a different wrapping.
     """
 
-    __slots__ = ("_all_by_group", "_group_of", "index", "key", "params")
+    __slots__ = ("_all_by_group", "_group_of", "index", "key", "params", "size")
 
     def __init__(
         self, index: int, params: Sequence[torch.Tensor], group_of: dict[int, int]
     ) -> None:
         self.index = index
         self.params = tuple(params)
+        self.size = len(self.params)
         self.key = f"{index}:{len(self.params)}:{sum(p.numel() for p in self.params)}"
         self._group_of = group_of
         # The split of the whole bucket, the usual case, computed once.
@@ -78,31 +74,39 @@ class BucketPlan:
     """The buckets of the trainable parameters of ``param_groups``, in stepping order."""
 
     def __init__(self, param_groups: Sequence[dict[str, Any]], bucket_numel: int) -> None:
-        self.signature = _signature(param_groups)
-        trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
-        group_of = {
-            id(p): index
-            for index, group in enumerate(param_groups)
-            for p in group["params"]
-            if p.requires_grad
-        }
+        # The signature the plan is derived from: each group's parameters (by identity) and
+        # every parameter's requires_grad.
+        self._group_params = tuple(tuple(g["params"]) for g in param_groups)
+        self._all_params = [p for params in self._group_params for p in params]
+        self._requires_grad = read_requires_grad(self._all_params)
+        trainable = [
+            p for p, flag in zip(self._all_params, self._requires_grad, strict=True) if flag
+        ]
+        group_of = {id(p): index for index, params in enumerate(self._group_params) for p in params}
         self.trainable = tuple(trainable)
         self.buckets = tuple(
             Bucket(index, params, group_of)
             for index, params in enumerate(_split(trainable, bucket_numel))
         )
-        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        buckets = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self.bucket_of: Callable[[int], Bucket | None] = buckets.get
+        """The bucket of the parameter an id names; ``None`` if not a trainable parameter."""
         # id -> elements of the parameter's slot in its FSDP unit's reduce-scatter output, for
         # the parameters whose unit can be closed as soon as FSDP2 has reduced it. See
         # [Note: a unit closes when FSDP2 has reduced it].
         self.gradient_slots = fsdp_gradient_slots(trainable)
 
     def is_current(self, param_groups: Sequence[dict[str, Any]]) -> bool:
-        return _signature(param_groups) == self.signature
+        """Whether ``param_groups`` hold the same parameters, with the same ``requires_grad``.
 
-    def bucket_of(self, param: torch.Tensor) -> Bucket | None:
-        """The bucket of ``param``, or ``None`` if it is not a trainable parameter of the plan."""
-        return self._bucket_of.get(id(param))
+        Runs at every backward and ``step()``: identity and flag comparisons only."""
+        if len(param_groups) != len(self._group_params):
+            return False
+        for group, params in zip(param_groups, self._group_params, strict=True):
+            current = group["params"]
+            if len(current) != len(params) or not all(map(operator.is_, current, params)):
+                return False
+        return read_requires_grad(self._all_params) == self._requires_grad
 
 
 def _split(params: Sequence[torch.Tensor], bucket_numel: int) -> list[list[torch.Tensor]]:

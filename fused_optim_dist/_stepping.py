@@ -73,6 +73,7 @@ update).
 from __future__ import annotations
 
 import copy
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -81,11 +82,16 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam
-from torch.profiler import record_function
 
-from fused_optim_dist._torch_internals import fused_kernel_devices, local_tensor, placed_alike
+from fused_optim_dist._torch_internals import (
+    fused_kernel_devices,
+    local_tensor,
+    placed_alike,
+    read_grads,
+    traced,
+)
 
-__all__ = ["Batch", "BucketStepper", "place_grad_like_param"]
+__all__ = ["Batch", "BucketStepper", "local_gradients"]
 
 # Classes whose fused kernels skip the update (parameters, state and step count) on the device
 # when ``found_inf`` is nonzero, as ``torch.amp.GradScaler`` uses them. Fused SGD with momentum
@@ -142,29 +148,47 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
     )
 
 
-def place_grad_like_param(param: torch.Tensor) -> None:
-    """Make ``param.grad`` a DTensor placed like ``param`` (a no-op for FSDP2 gradients).
+def local_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The local tensors of ``params``' gradients, each DTensor gradient placed like its
+    parameter first (nothing to do for FSDP2's gradients).
 
-    Raises ``TypeError`` for a plain gradient on a DTensor parameter. A gradient placed
-    differently, e.g. the ``Partial`` gradient of a replicated tensor-parallel parameter, is
-    redistributed (a collective, run by every rank in the same bucket order).
+    A gradient placed differently, e.g. the ``Partial`` gradient of a replicated
+    tensor-parallel parameter, is redistributed (a collective, run by every rank in the same
+    bucket order).
+
+    Raises:
+        TypeError: for a plain gradient on a DTensor parameter.
+        RuntimeError: for a sparse gradient.
     """
-    grad = param.grad
-    if not isinstance(param, DTensor) or grad is None:
-        return
-    if not isinstance(grad, DTensor):
-        raise TypeError(
-            f"parameter of shape {tuple(param.shape)} is a DTensor but its gradient is a "
-            f"{type(grad).__name__}; set DTensor gradients on DTensor parameters"
-        )
-    if not placed_alike(grad, param):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+    local_grads = []
+    for param, grad in zip(params, read_grads(params), strict=True):
+        if type(grad) is DTensor and grad._spec is param._spec:  # FSDP2's, the usual case
+            local = grad._local_tensor
+        elif isinstance(param, DTensor):
+            if not isinstance(grad, DTensor):
+                raise TypeError(
+                    f"parameter of shape {tuple(param.shape)} is a DTensor but its gradient is "
+                    f"a {type(grad).__name__}; set DTensor gradients on DTensor parameters"
+                )
+            if not placed_alike(grad, param):
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+            local = grad._local_tensor
+        else:
+            local = grad
+        if local.is_sparse:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} has a sparse gradient, which the "
+                "in-backward step does not support; use dense gradients (e.g. "
+                "nn.Embedding(sparse=False))"
+            )
+        local_grads.append(local)
+    return local_grads
 
 
 class _ParamView:
-    """One parameter's local shard and the local views of its state, with their sources."""
+    """One parameter's local shard and the local views of its state."""
 
-    __slots__ = ("dtensor", "entry", "local", "param", "shard", "sources", "state")
+    __slots__ = ("dtensor", "entry", "local", "param", "shard", "state")
 
     def __init__(self, param: torch.Tensor, entry: dict[str, Any] | None) -> None:
         self.param = param
@@ -173,46 +197,67 @@ class _ParamView:
         # .grad leaves FSDP2's own tensor untouched. A plain parameter is its own shard.
         self.local = local_tensor(param)
         self.shard = self.local.detach() if self.dtensor else param
-        # The facade's state entry, and (key, value, local tensor of a DTensor value, or None)
-        # for each value.
+        # The facade's state entry, and the state the step sees: the same dict for a plain
+        # parameter (the step updates the facade's entry directly), local tensors otherwise.
         self.entry = entry
-        self.sources = tuple(
-            (k, v, v._local_tensor if isinstance(v, DTensor) else None)
-            for k, v in (entry or {}).items()
-        )
-        if not self.dtensor:
-            self.state = entry  # the same dict: the step updates the facade's entry directly
+        if not self.dtensor or not entry:
+            self.state = entry
         else:
-            self.state = (
-                {k: v if local is None else local for k, v, local in self.sources}
-                if entry
-                else None
-            )
-
-    def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
-        param = self.param
-        if self.dtensor and param._local_tensor is not self.local:
-            return False
-        entry = state.get(param)
-        if entry is not self.entry:
-            return False
-        if entry is None:
-            return True
-        if len(entry) != len(self.sources):
-            return False
-        for key, value, local in self.sources:
-            current = entry.get(key)
-            if current is not value or (local is not None and current._local_tensor is not local):
-                return False
-        return True
+            self.state = {k: local_tensor(v) for k, v in entry.items()}
 
     def replace(self, key: str, value: torch.Tensor) -> None:
         """Hold the plain tensor ``value`` as state ``key``, in the facade's entry too."""
         assert self.entry is not None and self.state is not None
         self.entry[key] = self.state[key] = value
-        self.sources = tuple(
-            (k, value, None) if k == key else (k, v, local) for k, v, local in self.sources
+
+
+class _Sources:
+    """The objects a set of views was derived from, compared by identity before every step.
+
+    Each DTensor parameter's local tensor, each state entry, its keys and values, and each
+    DTensor value's local tensor. Kept as flat lists so that the check of a whole bucket is a
+    few list comprehensions, not a Python loop per parameter. See [Note: cached local views].
+    """
+
+    __slots__ = (
+        "_dtensor_params",
+        "_dtensor_values",
+        "_entries",
+        "_keys",
+        "_locals",
+        "_params",
+        "_value_locals",
+        "_values",
+    )
+
+    def __init__(self, views: Sequence[_ParamView]) -> None:
+        self._params = [view.param for view in views]
+        self._dtensor_params = [view.param for view in views if view.dtensor]
+        self._locals = [view.local for view in views if view.dtensor]
+        self._entries = [view.entry for view in views]
+        self._keys, self._values = _contents(self._entries)
+        self._dtensor_values = [v for v in self._values if isinstance(v, DTensor)]
+        self._value_locals = [v._local_tensor for v in self._dtensor_values]
+
+    def match(self, state: dict[torch.Tensor, dict]) -> bool:
+        is_ = operator.is_
+        if not all(map(is_, [p._local_tensor for p in self._dtensor_params], self._locals)):
+            return False
+        entries = list(map(state.get, self._params))
+        if not all(map(is_, entries, self._entries)):
+            return False
+        keys, values = _contents(entries)
+        return (
+            keys == self._keys
+            and all(map(is_, values, self._values))
+            and all(map(is_, [v._local_tensor for v in self._dtensor_values], self._value_locals))
         )
+
+
+def _contents(entries: Sequence[dict[str, Any] | None]) -> tuple[list[str], list[Any]]:
+    """The keys and the values of ``entries``, each in one flat list."""
+    present = [entry for entry in entries if entry]
+    return [k for entry in present for k in entry], [v for e in present for v in e.values()]
 
 
 class _AdamLists:
@@ -275,7 +320,7 @@ class _LocalViews:
     """The local views of one set of parameters stepped together. See [Note: cached local
     views]."""
 
-    __slots__ = ("adam", "fusable", "params", "shards", "state_dict")
+    __slots__ = ("_sources", "adam", "fusable", "params", "shards", "state_dict")
 
     def __init__(
         self,
@@ -300,9 +345,11 @@ class _LocalViews:
         # Per batch, Adam's lists; None while any batch's state is incomplete.
         lists = [_AdamLists.of(batch) for batch in per_batch] if adam else [None]
         self.adam: list[_AdamLists] | None = None if None in lists else lists
+        # Taken last: building Adam's lists replaces the ``step`` values.
+        self._sources = _Sources(self.params)
 
     def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
-        return all(view.is_current(state) for view in self.params)
+        return self._sources.match(state)
 
 
 def _fusable(tensors: Sequence[torch.Tensor], devices: frozenset[str]) -> bool:
@@ -396,7 +443,7 @@ class BucketStepper:
     ) -> None:
         """Step every parameter of ``batches`` using its ``.grad``, updating ``state`` in place.
 
-        DTensor gradients must be placed like their parameter (``place_grad_like_param``).
+        DTensor gradients must be placed like their parameter (``local_gradients``).
         Gradients are left in place; the caller frees them. ``found_inf`` (only where
         :meth:`takes_found_inf`): a 0-dim float tensor, nonzero to skip the update on the device.
         """
@@ -412,7 +459,7 @@ class BucketStepper:
         views = self._views.get(key)
         if views is not None and views.is_current(state):
             return key, views
-        with record_function("fused_optim_dist::derive_local_views"):
+        with traced("fused_optim_dist::derive_local_views"):
             views = self._views[key] = _LocalViews(
                 batches, state, fused_devices=self._fused_devices, adam=self._adam
             )
@@ -439,7 +486,7 @@ class BucketStepper:
         ]
         adam = views.adam
         if adam is not None and all(map(_adam_lists_apply, groups, adam)):
-            with record_function("fused_optim_dist::update"):
+            with traced("fused_optim_dist::update"):
                 for (group, params), lists, use_fused in zip(batches, adam, fused, strict=True):
                     self._adam_update(group, lists, params, use_fused, found_inf)
             return
@@ -448,8 +495,9 @@ class BucketStepper:
             for group, shards, use_fused in zip(groups, views.shards, fused, strict=True)
         ]
         dtensor_views = [v for v in views.params if v.shard is not v.param]
-        for view in dtensor_views:
-            view.shard.grad = local_tensor(view.param.grad)
+        grads = read_grads([view.param for view in dtensor_views])
+        for view, grad in zip(dtensor_views, grads, strict=True):
+            view.shard.grad = local_tensor(grad)
         try:
             self._run(local_groups, views.state_dict, found_inf)
         finally:
@@ -483,7 +531,7 @@ class BucketStepper:
                 grad_scale = grad_scale.to(device, non_blocking=True)
         tensors = (
             lists.params,
-            [local_tensor(p.grad) for p in params],
+            [local_tensor(grad) for grad in read_grads(params)],
             lists.exp_avgs,
             lists.exp_avg_sqs,
             max_exp_avg_sqs,
@@ -553,7 +601,7 @@ class BucketStepper:
         optimizer.param_groups, optimizer.state = groups, state
         optimizer.found_inf = found_inf
         try:
-            with record_function("fused_optim_dist::update"):
+            with traced("fused_optim_dist::update"):
                 self._step(optimizer)
         finally:
             # Drop the references so the stepper never keeps a bucket's tensors alive.

@@ -24,7 +24,9 @@ from fused_optim_dist._stepping import BucketStepper
 from fused_optim_dist._torch_internals import (
     current_backward_id,
     ddp_modules_holding,
+    drop_grads,
     queue_end_of_backward,
+    read_grads,
 )
 from fused_optim_dist._validation import check_param_groups, resolve_optimizer_class
 from fused_optim_dist._whole_tensor import WholeTensorStepper
@@ -269,6 +271,17 @@ class OptimizerInBackward(Optimizer):
         new._attach_hooks()
         return new
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; with ``set_to_none`` (the default), without
+        its per-parameter ``__torch_function__`` lookups (usually no gradient is left)."""
+        if not set_to_none:
+            super().zero_grad(set_to_none=False)
+            return
+        params = [p for group in self.param_groups for p in group["params"]]
+        drop_grads(
+            [p for p, grad in zip(params, read_grads(params), strict=True) if grad is not None]
+        )
+
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Step the parameters that still hold a gradient; usually there are none.
 
@@ -292,7 +305,11 @@ class OptimizerInBackward(Optimizer):
                 "backward, so call loss.backward() yourself before step()"
             )
         plan = self._current_plan()
-        ready = [p for p in plan.trainable if p.grad is not None]
+        ready = [
+            p
+            for p, grad in zip(plan.trainable, read_grads(plan.trainable), strict=True)
+            if grad is not None
+        ]
         if ready:
             self._ever_arrived = True
             lrs = [group["lr"] for group in self.param_groups if "lr" in group]
