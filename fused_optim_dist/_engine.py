@@ -21,10 +21,13 @@ a parameter the forward did not use (an expert no token was routed to, a branch 
 no gradient, and waiting for it until the end of backward would keep the unit's whole
 reduce-scatter output alive through the rest of backward. FSDP2 runs the unit's hooks back to
 back, in parameter order, each on a view into that one output, so the gradient whose view ends
-at the output's end is the last (``ends_reduce_output`` in ``_torch_internals``). Every rank
-reduces the same parameters of a unit, so every rank closes it at the same hook. A parameter of
-a closed unit that still gets a gradient in this backward (not from FSDP2's reduction) is
-stepped like any other, at the end of backward.
+at the output's end is the last (``storage_numel``, ``slot_end`` in ``_torch_internals``).
+Every rank reduces the same parameters of a unit, so every rank closes it at the same hook. The
+output's size is read once per unit and backward, from the unit's first gradient, and each later
+hook compares where its gradient's slot ends with it: two integer reads. A gradient that is not
+FSDP2's (set by hand, or accumulated in an earlier backward's output) can at worst close its
+unit early or not at all; either way every gradient is stepped, the rest at the end of
+backward, like a gradient reaching a closed unit.
 
 Profiler ranges, stable names for traces: ``fused_optim_dist::step_bucket`` (one bucket, all
 of it), inside it ``fused_optim_dist::gradients`` (norm, clipping, non-finite check),
@@ -44,13 +47,14 @@ import torch
 
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
-from fused_optim_dist._stepping import BucketStepper, local_gradients
+from fused_optim_dist._stepping import Batch, BucketStepper, local_gradients
 from fused_optim_dist._streams import StepEvents, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
     drop_grads,
-    ends_reduce_output,
     local_tensor,
     read_grads,
+    slot_end,
+    storage_numel,
     traced,
 )
 
@@ -103,6 +107,8 @@ class BackwardPass:
         # of the parameters already stepped.
         self._arrived: dict[int, set[int]] = {}
         self._stepped: set[int] = set()
+        # Elements of each unit's reduce-scatter output, read from its first gradient.
+        self._output_numel: dict[int, int] = {}
         self._norms = BackwardNorms()
         self._events = StepEvents()
 
@@ -127,9 +133,15 @@ class BackwardPass:
             self._step_bucket(bucket, bucket.params)
             return
         slot = self._slot_of(key)
-        if slot is not None and ends_reduce_output(param.grad, slot):
-            del self._arrived[bucket.index]
-            self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
+        if slot is not None:
+            # See [Note: a unit closes when FSDP2 has reduced it].
+            grad = param.grad
+            output = self._output_numel.get(bucket.index)
+            if output is None:
+                output = self._output_numel[bucket.index] = storage_numel(grad)
+            if slot_end(grad, slot) == output:
+                del self._arrived[bucket.index]
+                self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
 
     @staticmethod
     def _refuse(param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
@@ -188,8 +200,14 @@ class BackwardPass:
             try:
                 grads = local_gradients(params)
                 batches = [
-                    (self._param_groups[index], members)
-                    for index, members in bucket.by_group(params)
+                    Batch(self._param_groups[index], params, grads)
+                    if len(positions) == len(params)
+                    else Batch(
+                        self._param_groups[index],
+                        [params[i] for i in positions],
+                        [grads[i] for i in positions],
+                    )
+                    for index, positions in bucket.by_group(params)
                 ]
                 verdict = BucketVerdict()
                 if self._record and self._gradients.active:

@@ -56,17 +56,17 @@ class Bucket:
         # The split of the whole bucket, the usual case, computed once.
         self._all_by_group = self._split(self.params)
 
-    def by_group(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
-        """``params`` (members of this bucket, in its order) split by param group, in group
-        order."""
+    def by_group(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
+        """The positions in ``params`` (members of this bucket, in its order) of each param
+        group's parameters, in group order."""
         if len(params) == len(self.params):
             return self._all_by_group
         return self._split(params)
 
-    def _split(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
-        split: dict[int, list[torch.Tensor]] = {}
-        for param in params:
-            split.setdefault(self._group_of[id(param)], []).append(param)
+    def _split(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
+        split: dict[int, list[int]] = {}
+        for position, param in enumerate(params):
+            split.setdefault(self._group_of[id(param)], []).append(position)
         return sorted(split.items())
 
 

@@ -76,7 +76,7 @@ import copy
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -116,8 +116,16 @@ _CAPTURABLE_FUSED_DEVICES: dict[type[Optimizer], frozenset[str]] = {
 _ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 _ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
-Batch = tuple[dict[str, Any], Sequence[torch.Tensor]]
-"""A param group of the facade and the parameters of that group to step now."""
+
+class Batch(NamedTuple):
+    """Parameters of one param group to step now."""
+
+    group: dict[str, Any]
+    """The facade's param group (its hyperparameters as they are now)."""
+    params: Sequence[torch.Tensor]
+    grads: Sequence[torch.Tensor]
+    """The local tensors of the parameters' gradients (``local_gradients``), in order."""
+
 
 _Key = tuple[tuple[int, ...], ...]
 """The parameters of a step by id, per batch."""
@@ -214,8 +222,8 @@ class _ParamView:
 class _Sources:
     """The objects a set of views was derived from, compared by identity before every step.
 
-    Each DTensor parameter's local tensor, each state entry, its keys and values, and each
-    DTensor value's local tensor. Kept as flat lists so that the check of a whole bucket is a
+    Each DTensor parameter's local tensor, each state entry and its values, and each DTensor
+    value's local tensor. Kept as flat lists so that the check of a whole bucket is a
     few list comprehensions, not a Python loop per parameter. See [Note: cached local views].
     """
 
@@ -223,7 +231,6 @@ class _Sources:
         "_dtensor_params",
         "_dtensor_values",
         "_entries",
-        "_keys",
         "_locals",
         "_params",
         "_value_locals",
@@ -235,7 +242,7 @@ class _Sources:
         self._dtensor_params = [view.param for view in views if view.dtensor]
         self._locals = [view.local for view in views if view.dtensor]
         self._entries = [view.entry for view in views]
-        self._keys, self._values = _contents(self._entries)
+        self._values = [value for entry in self._entries if entry for value in entry.values()]
         self._dtensor_values = [v for v in self._values if isinstance(v, DTensor)]
         self._value_locals = [v._local_tensor for v in self._dtensor_values]
 
@@ -246,18 +253,12 @@ class _Sources:
         entries = list(map(state.get, self._params))
         if not all(map(is_, entries, self._entries)):
             return False
-        keys, values = _contents(entries)
+        values = [value for entry in entries if entry for value in entry.values()]
         return (
-            keys == self._keys
+            len(values) == len(self._values)
             and all(map(is_, values, self._values))
             and all(map(is_, [v._local_tensor for v in self._dtensor_values], self._value_locals))
         )
-
-
-def _contents(entries: Sequence[dict[str, Any] | None]) -> tuple[list[str], list[Any]]:
-    """The keys and the values of ``entries``, each in one flat list."""
-    present = [entry for entry in entries if entry]
-    return [k for entry in present for k in entry], [v for e in present for v in e.values()]
 
 
 class _AdamLists:
@@ -330,9 +331,9 @@ class _LocalViews:
         fused_devices: frozenset[str],
         adam: bool,
     ) -> None:
-        self.params = [_ParamView(p, state.get(p)) for _, params in batches for p in params]
+        self.params = [_ParamView(p, state.get(p)) for batch in batches for p in batch.params]
         views = iter(self.params)
-        per_batch = [[next(views) for _ in params] for _, params in batches]
+        per_batch = [[next(views) for _ in batch.params] for batch in batches]
         # Each batch's shards: the ``params`` list of the group handed to the wrapped step.
         self.shards = [[view.shard for view in batch] for batch in per_batch]
         # The state the wrapped step sees, keyed by shard; entries it creates land here.
@@ -422,12 +423,12 @@ class BucketStepper:
         optimizer = self.optimizer
         if isinstance(optimizer, _FOUND_INF_CLASSES):
             return all(
-                group.get("fused") or self._fused(group, params) for group, params in batches
+                group.get("fused") or self._fused(group, params) for group, params, _ in batches
             )
         if type(optimizer) is torch.optim.SGD:
             return all(
                 (group.get("fused") or self._fused(group, params)) and group["momentum"] == 0
-                for group, params in batches
+                for group, params, _ in batches
             )
         return False
 
@@ -441,21 +442,22 @@ class BucketStepper:
         state: defaultdict[torch.Tensor, dict],
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """Step every parameter of ``batches`` using its ``.grad``, updating ``state`` in place.
+        """Step every parameter of ``batches`` with its gradient, updating ``state`` in place.
 
-        DTensor gradients must be placed like their parameter (``local_gradients``).
-        Gradients are left in place; the caller frees them. ``found_inf`` (only where
+        The local-shard step reads the batches' ``grads``, the DTensor step each parameter's
+        ``.grad`` (placed like its parameter). Gradients are left in place; the caller frees
+        them. ``found_inf`` (only where
         :meth:`takes_found_inf`): a 0-dim float tensor, nonzero to skip the update on the device.
         """
         if self.local_shards:
             self._step_local(batches, state, found_inf)
         else:
-            groups = [{**group, "params": list(params)} for group, params in batches]
+            groups = [{**group, "params": list(params)} for group, params, _ in batches]
             self._run(groups, state, found_inf)
 
     def _local_views(self, batches: Sequence[Batch], state: dict) -> tuple[_Key, _LocalViews]:
         """The cached views of ``batches``' parameters, re-derived if a source changed."""
-        key = tuple(tuple(map(id, params)) for _, params in batches)
+        key = tuple(tuple(map(id, batch.params)) for batch in batches)
         views = self._views.get(key)
         if views is not None and views.is_current(state):
             return key, views
@@ -479,7 +481,7 @@ class BucketStepper:
         found_inf: torch.Tensor | None,
     ) -> None:
         key, views = self._local_views(batches, state)
-        groups = [group for group, _ in batches]
+        groups = [batch.group for batch in batches]
         fused = [
             self._fused(group, shards, fusable)
             for group, shards, fusable in zip(groups, views.shards, views.fusable, strict=True)
@@ -487,17 +489,19 @@ class BucketStepper:
         adam = views.adam
         if adam is not None and all(map(_adam_lists_apply, groups, adam)):
             with traced("fused_optim_dist::update"):
-                for (group, params), lists, use_fused in zip(batches, adam, fused, strict=True):
-                    self._adam_update(group, lists, params, use_fused, found_inf)
+                for batch, lists, use_fused in zip(batches, adam, fused, strict=True):
+                    self._adam_update(batch.group, lists, batch.grads, use_fused, found_inf)
             return
         local_groups = [
             {**group, "params": shards, "fused": True} if use_fused else {**group, "params": shards}
             for group, shards, use_fused in zip(groups, views.shards, fused, strict=True)
         ]
-        dtensor_views = [v for v in views.params if v.shard is not v.param]
-        grads = read_grads([view.param for view in dtensor_views])
-        for view, grad in zip(dtensor_views, grads, strict=True):
-            view.shard.grad = local_tensor(grad)
+        grads = [grad for batch in batches for grad in batch.grads]
+        dtensor_views = []
+        for view, grad in zip(views.params, grads, strict=True):
+            if view.shard is not view.param:
+                view.shard.grad = grad
+                dtensor_views.append(view)
         try:
             self._run(local_groups, views.state_dict, found_inf)
         finally:
@@ -511,7 +515,7 @@ class BucketStepper:
         self,
         group: dict[str, Any],
         lists: _AdamLists,
-        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
         fused: bool,
         found_inf: torch.Tensor | None,
     ) -> None:
@@ -531,7 +535,7 @@ class BucketStepper:
                 grad_scale = grad_scale.to(device, non_blocking=True)
         tensors = (
             lists.params,
-            [local_tensor(grad) for grad in read_grads(params)],
+            grads,
             lists.exp_avgs,
             lists.exp_avg_sqs,
             max_exp_avg_sqs,

@@ -66,7 +66,6 @@ __all__ = [
     "current_backward_id",
     "ddp_modules_holding",
     "drop_grads",
-    "ends_reduce_output",
     "flatten",
     "fsdp_gradient_slots",
     "fsdp_units",
@@ -76,6 +75,8 @@ __all__ = [
     "queue_end_of_backward",
     "read_grads",
     "read_requires_grad",
+    "slot_end",
+    "storage_numel",
     "traced",
 ]
 
@@ -131,12 +132,17 @@ def fsdp_gradient_slots(params: Iterable[torch.Tensor]) -> dict[int, int]:
     return slots
 
 
-def ends_reduce_output(grad: torch.Tensor, slot: int) -> bool:
-    """Whether ``grad`` (a sharded gradient FSDP2 just handed out, whose slot in the unit's
-    reduce-scatter output is ``slot`` elements) is the last of its unit in this backward."""
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    end = local.storage_offset() + slot
-    return end * local.element_size() == local.untyped_storage().nbytes()
+def storage_numel(grad: torch.Tensor) -> int:
+    """Elements in the storage of ``grad``'s local tensor: for a sharded gradient FSDP2 just
+    handed out, its unit's reduce-scatter output."""
+    local = local_tensor(grad)
+    return local.untyped_storage().nbytes() // local.element_size()
+
+
+def slot_end(grad: torch.Tensor, slot: int) -> int:
+    """Where, in elements of its storage, the slot of ``slot`` elements that starts at
+    ``grad``'s local tensor ends."""
+    return local_tensor(grad).storage_offset() + slot
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

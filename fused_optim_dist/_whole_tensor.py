@@ -217,18 +217,19 @@ class WholeTensorStepper:
         self.flush()
         whole: list[Batch] = []
         by_dim: dict[int, tuple[list[DTensor], list[dict[str, Any]]]] = {}
-        for group, params in batches:
-            rest = []
-            for param in params:
+        for group, params, grads in batches:
+            rest, rest_grads = [], []
+            for param, grad in zip(params, grads, strict=True):
                 dim = _shard_dim(param)
                 if dim is None:
                     rest.append(param)
+                    rest_grads.append(grad)
                 else:
                     members, groups = by_dim.setdefault(dim, ([], []))
                     members.append(param)
                     groups.append(group)
             if rest:
-                whole.append((group, rest))
+                whole.append(Batch(group, rest, rest_grads))
         if whole:
             self._whole.step(whole, state)
         for dim, (params, groups) in by_dim.items():
@@ -467,7 +468,7 @@ class WholeTensorStepper:
                     entry[key] = _local(owned.state[param][key])
             if not entry:
                 del full_state[full]
-            batches.append((owned.groups[index], [full]))
+            batches.append(Batch(owned.groups[index], [full], [full.grad]))
             results[index] = (full, entry)
         if batches:
             self._whole.step(batches, full_state)
