@@ -5,7 +5,9 @@
   non-foreach AdamW per parameter, stepped from a post-accumulate-grad hook registered on each
   sharded DTensor parameter after ``fully_shard``, its gradient set to ``None`` after.
 * ``ours``: ``fused_optim_dist.OptimizerInBackward(AdamW)``, library defaults (foreach/fused
-  unset: the fused kernel on the local shards).
+  unset: the fused kernel on the local shards; the total gradient norm tracked for
+  ``grad_norm()``, which ``plain`` does not compute).
+* ``ours-update-only``: ``ours`` with ``track_grad_norm=False``: the same work as ``plain``.
 * ``none``: forward and backward with no optimizer (gradients dropped): the baseline that the
   optimizer's own cost is measured against (``optimizer_cost.py``).
 * ``plain+accum+clip`` / ``ours+accum+clip``: the global batch in ``micro_batches`` backward
@@ -111,13 +113,22 @@ class _PerParam(Runner):
 
 
 class _Ours(Runner):
-    def __init__(self, model: nn.Module, loss: LossFn, config: SweepConfig, *, clip: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: LossFn,
+        config: SweepConfig,
+        *,
+        clip: bool,
+        track_grad_norm: bool = True,
+    ) -> None:
         super().__init__(model, loss, config.micro_batches if clip else 1)
         self.optimizer = OptimizerInBackward(
             _trainable(model),
             AdamW,
             lr=config.lr,
             max_grad_norm=config.max_grad_norm if clip else None,
+            track_grad_norm=track_grad_norm,
         )
 
     def optimizer_step(self) -> None:
@@ -185,6 +196,10 @@ METHODS: dict[str, Method] = {
         Method(name="plain", build=lambda m, loss, c: _Plain(m, loss, c, clip=False)),
         Method(name="per-param", build=_PerParam),
         Method(name="ours", build=lambda m, loss, c: _Ours(m, loss, c, clip=False)),
+        Method(
+            name="ours-update-only",
+            build=lambda m, loss, c: _Ours(m, loss, c, clip=False, track_grad_norm=False),
+        ),
         Method(
             name="plain+accum+clip",
             accumulates=True,

@@ -7,27 +7,43 @@ Run from the repository root::
 
 Every rank builds each method on the same weights (``none``: forward and backward only), then
 runs steps with the methods interleaved (the order rotated every step) on the same batches. A
-method's cost at a step is the CPU time of its whole step (forward, backward, what the loop does
-after backward) minus that of ``none`` at the same step, averaged over the ranks: the time the
-optimizer adds, wherever it runs, unaffected by waiting for the other rank or by other processes
-taking the cores. Reported: the median over the steps, its interquartile range, and the ratios
-of the medians, for each of ``--repeats`` rounds of ``--steps`` steps.
+method's cost at a step is the CPU time of its backward and of what the loop does after it,
+minus that of ``none`` at the same step, averaged over the ranks: the time the optimizer adds,
+wherever it runs. Reported: the median over the steps, its interquartile range, and the ratios
+of the medians, for each of ``--repeats`` rounds of ``--steps`` steps, and how far the rounds'
+ratios spread around their median.
+
+[Note: measuring a few milliseconds in a step of tens]
+On this benchmark's machines a step's CPU time varies by several percent from one step to the
+next, with nothing changed, and the optimizer's cost is a few percent of the step. So:
+
+* The clock is the main thread's CPU time (``time.thread_time``). On the CPU the autograd engine
+  runs backward on the calling thread, and FSDP2's hooks, the in-backward step and the plain
+  step all run there; gloo's threads, whose polling varies with the other rank's timing, do not
+  count.
+* The forward is left out (no method runs anything in it), which halves the noise.
+* The garbage collector is frozen after set-up and runs between the timed parts only.
+* ``per-param``, ~30 times the others' cost and needed only to clear a 5x ratio, runs every
+  ``PER_PARAM_EVERY`` steps, so that the others get more steps in the same time.
 
 Then rank 0 profiles a few steps of ``ours`` (``torch.profiler``, the library's
-``fused_optim_dist::`` ranges) and times the floor: ``AdamW(fused=True)`` in one call over
-tensors shaped like this rank's local shards. Results: ``optimizer_cost.{json,md}`` in ``--out``.
+``fused_optim_dist::`` ranges), times its hooks and its ``step()``/``zero_grad()`` apart, and
+times two floors over tensors shaped like this rank's local shards: ``AdamW(fused=True).step()``
+and the fused kernel alone. Results: ``optimizer_cost.{json,md}`` in ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +60,18 @@ from benchmarks._config import SweepConfig
 from benchmarks._measure import build_runner, make_batches, per_rank_batch
 from benchmarks._report import describe_machine
 from benchmarks._shapes import SHAPES, get_shape
+from fused_optim_dist import OptimizerInBackward
 from fused_optim_dist_recipes.launch import spawn
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-METHODS = ("none", "plain", "ours", "per-param")
+EVERY_STEP = ("none", "plain", "ours", "ours-update-only")
+"""Methods timed at every step; ``none`` is the baseline."""
+PER_PARAM = "per-param"
+PER_PARAM_EVERY = 4
+METHODS = (*EVERY_STEP, PER_PARAM)
+COMPARED = METHODS[1:]
 MS_PER_S = 1e3
-STEPS = {"many-tiny": 60, "many-small": 40, "few-large": 20, "llama-12x256": 12}
+STEPS = {"many-tiny": 300, "many-small": 80, "few-large": 40, "llama-12x256": 24}
 """Timed steps per round, by shape (fewer where a step is long)."""
 PROFILED_STEPS = 5
 RANGES = (
@@ -60,6 +82,12 @@ RANGES = (
     "aten::_fused_adamw_",
     "fused_optim_dist::end_of_backward",
 )
+RATIOS = {
+    "ours_over_plain": ("ours", "plain"),
+    "update_only_over_plain": ("ours-update-only", "plain"),
+    "per_param_over_ours": ("per-param", "ours"),
+}
+"""Ratios of median costs reported per round: name -> (numerator, denominator)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,11 +100,29 @@ class CostConfig:
 
 
 def _step_cpu(runner: Any, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """This thread's CPU seconds in backward and the loop's optimizer calls. See [Note:
+    measuring a few milliseconds in a step of tens]."""
+    loss = runner.loss(runner.model, inputs, targets)
+    gc.collect()
     dist.barrier()
-    start = time.process_time()
-    runner.forward_backward(inputs, targets)
+    start = time.thread_time()
+    loss.backward()
     runner.optimizer_step()
-    return time.process_time() - start
+    return time.thread_time() - start
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Freeze what set-up allocated (so each collection is short) and collect only when
+    ``_step_cpu`` asks."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -84,7 +130,7 @@ def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
-def _profile_ours(runner: Any, batch: Any, first: int) -> dict[str, float]:
+def _profile_ours(runner: Any, batch: Callable, first: int) -> dict[str, float]:
     """CPU ms per step of each range under ``torch.profiler`` (rank 0's view)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for step in range(first, first + PROFILED_STEPS):
@@ -97,9 +143,49 @@ def _profile_ours(runner: Any, batch: Any, first: int) -> dict[str, float]:
     return totals
 
 
-def _floor_ms(runner: Any, repeats: int = 20) -> float:
-    """Median CPU ms of one ``AdamW(fused=True)`` step over tensors shaped like this rank's
-    local shards (state already created): the update with no per-tensor Python at all."""
+def _timed(accumulated: dict[str, float], name: str, fn: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            accumulated[name] += time.thread_time() - start
+
+    return wrapper
+
+
+def _breakdown_ours(runner: Any, batch: Callable, first: int) -> dict[str, float]:
+    """Thread CPU ms per step in ``ours``' hooks (every in-backward step included) and in its
+    ``step()`` and ``zero_grad()``, timed through wrappers on this object only."""
+    optim: OptimizerInBackward = runner.optimizer
+    spent = dict.fromkeys(("hooks", "step", "zero_grad"), 0.0)
+    optim._on_grad_ready = _timed(spent, "hooks", optim._on_grad_ready)
+    optim.step = _timed(spent, "step", optim.step)
+    optim.zero_grad = _timed(spent, "zero_grad", optim.zero_grad)
+    try:
+        for step in range(first, first + PROFILED_STEPS):
+            runner.forward_backward(*batch(step))
+            runner.optimizer_step()
+    finally:
+        for name in ("_on_grad_ready", "step", "zero_grad"):
+            del optim.__dict__[name]
+    return {name: value / PROFILED_STEPS * MS_PER_S for name, value in spent.items()}
+
+
+def _median_ms(fn: Callable[[], None], repeats: int = 50) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times) * MS_PER_S
+
+
+def _floors_ms(runner: Any) -> dict[str, float]:
+    """Median CPU ms of AdamW over tensors shaped like this rank's local shards (state already
+    created): ``AdamW(fused=True).step()`` in one call, and its fused kernel alone (no
+    per-tensor Python at all)."""
     shards = [
         torch.randn_like(p.to_local() if isinstance(p, DTensor) else p)
         for p in runner.model.parameters()
@@ -108,12 +194,47 @@ def _floor_ms(runner: Any, repeats: int = 20) -> float:
         shard.grad = torch.randn_like(shard)
     optim = torch.optim.AdamW(shards, lr=1e-4, fused=True)
     optim.step()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        optim.step()
-        times.append(time.process_time() - start)
-    return statistics.median(times) * MS_PER_S
+    state = [optim.state[shard] for shard in shards]
+    lists = (
+        shards,
+        [shard.grad for shard in shards],
+        [s["exp_avg"] for s in state],
+        [s["exp_avg_sq"] for s in state],
+        [],
+        [s["step"] for s in state],
+    )
+
+    def kernel() -> None:
+        torch._fused_adamw_(
+            *lists,
+            amsgrad=False,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            eps=1e-8,
+            maximize=False,
+        )
+
+    return {"adamw_fused_step": _median_ms(optim.step), "fused_kernel": _median_ms(kernel)}
+
+
+def _round(
+    runners: dict[str, Any], batch: Callable, first: int, steps: int
+) -> dict[str, list[float | None]]:
+    """CPU seconds per step of each method (``None`` where ``per-param`` did not run)."""
+    cpu: dict[str, list[float | None]] = {name: [] for name in METHODS}
+    for index in range(steps):
+        inputs, targets = batch(first + index)
+        shift = index % len(EVERY_STEP)
+        order = list(EVERY_STEP[shift:] + EVERY_STEP[:shift])
+        if index % PER_PARAM_EVERY == 0:
+            order.insert(index // PER_PARAM_EVERY % (len(order) + 1), PER_PARAM)
+        else:
+            cpu[PER_PARAM].append(None)
+        for name in order:
+            cpu[name].append(_step_cpu(runners[name], inputs, targets))
+    return cpu
 
 
 def cost_world(config: CostConfig) -> list[dict[str, Any]]:
@@ -133,20 +254,18 @@ def cost_world(config: CostConfig) -> list[dict[str, Any]]:
         steps = config.steps or STEPS.get(shape_name, 20)
         first = config.warmup_steps
         rounds = []
-        for _ in range(config.repeats):
-            cpu: dict[str, list[float]] = {name: [] for name in METHODS}
-            for index in range(steps):
-                inputs, targets = batch(first + index)
-                shift = index % len(METHODS)
-                for name in METHODS[shift:] + METHODS[:shift]:
-                    cpu[name].append(_step_cpu(runners[name], inputs, targets))
-            first += steps
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, cpu)
-            rounds.append(_summarise(gathered, steps))
-        profiled = _profile_ours(runners["ours"], batch, first)
-        floor = _floor_ms(runners["ours"])
-        n_tensors = sum(1 for p in runners["ours"].model.parameters())
+        with _collector_paused():
+            for _ in range(config.repeats):
+                cpu = _round(runners, batch, first, steps)
+                first += steps
+                gathered: list[Any] = [None] * world_size
+                dist.all_gather_object(gathered, cpu)
+                rounds.append(_summarise(gathered, steps))
+        ours = runners["ours"]
+        profiled = _profile_ours(ours, batch, first)
+        breakdown = _breakdown_ours(ours, batch, first + PROFILED_STEPS)
+        floors = _floors_ms(ours)
+        n_tensors = sum(1 for p in ours.model.parameters())
         runners.clear()
         records.append(
             {
@@ -154,73 +273,119 @@ def cost_world(config: CostConfig) -> list[dict[str, Any]]:
                 "world_size": world_size,
                 "n_tensors": n_tensors,
                 "steps_per_round": steps,
+                "per_param_every": PER_PARAM_EVERY,
                 "rounds": rounds,
+                "spread": _spread(rounds),
                 "profile_ms_per_step_rank0": profiled,
-                "floor_fused_adamw_ms_rank0": floor,
+                "breakdown_ms_per_step_rank0": breakdown,
+                "floors_ms_rank0": floors,
             }
         )
     return records
 
 
-def _summarise(gathered: list[dict[str, list[float]]], steps: int) -> dict[str, Any]:
-    """Per method: the optimizer's cost at each step (CPU ms over ``none``, mean over ranks),
-    its median and quartiles; the ratios of the medians."""
+def _summarise(gathered: list[dict[str, list[float | None]]], steps: int) -> dict[str, Any]:
+    """Per method: the optimizer's cost at each step it ran (CPU ms over ``none``, mean over
+    ranks), its median and quartiles; the ratios of the medians."""
 
-    def mean_over_ranks(name: str, step: int) -> float:
-        return statistics.fmean(rank[name][step] for rank in gathered) * MS_PER_S
+    def mean_over_ranks(name: str, step: int) -> float | None:
+        values = [rank[name][step] for rank in gathered]
+        if None in values:
+            return None
+        return statistics.fmean(values) * MS_PER_S
 
-    out: dict[str, Any] = {
-        "none_step_cpu_ms": statistics.median(mean_over_ranks("none", i) for i in range(steps))
-    }
-    for name in METHODS[1:]:
-        costs = [mean_over_ranks(name, i) - mean_over_ranks("none", i) for i in range(steps)]
+    baseline = [mean_over_ranks("none", i) for i in range(steps)]
+    out: dict[str, Any] = {"none_step_cpu_ms": statistics.median(baseline)}
+    for name in COMPARED:
+        costs = []
+        for step in range(steps):
+            value = mean_over_ranks(name, step)
+            if value is not None:
+                costs.append(value - baseline[step])
         q1, median, q3 = _quartiles(costs)
         out[name] = {"cost_ms_median": median, "cost_ms_q1": q1, "cost_ms_q3": q3}
-    plain, ours, per_param = (out[n]["cost_ms_median"] for n in ("plain", "ours", "per-param"))
-    out["ours_over_plain"] = ours / plain
-    out["per_param_over_ours"] = per_param / ours
+    for ratio, (numerator, denominator) in RATIOS.items():
+        out[ratio] = out[numerator]["cost_ms_median"] / out[denominator]["cost_ms_median"]
     return out
+
+
+def _spread(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each ratio's median over the rounds and its half-range relative to that median."""
+    spread = {}
+    for ratio in RATIOS:
+        values = [r[ratio] for r in rounds]
+        median = statistics.median(values)
+        spread[ratio] = {
+            "median": median,
+            "half_range_pct": (max(values) - min(values)) / 2 / abs(median) * 100,
+        }
+    return spread
 
 
 def markdown(payload: dict[str, Any]) -> str:
     machine = payload["machine"]
     lines = [
-        "# Optimizer cost per step (CPU time over a forward+backward with no optimizer)",
+        "# Optimizer cost per step (CPU time over a backward with no optimizer)",
         "",
         f"{payload['world_size']} ranks, {machine.get('cpu', '')}, torch {torch.__version__}, "
         f"load average (1 min) {payload['load_before']} before, {payload['load_after']} after. "
-        "Cost: median over interleaved steps of a method's step CPU time minus `none`'s at the "
-        "same step, mean over ranks; [q1, q3] its interquartile range.",
+        "Cost: median over interleaved steps of a method's main-thread CPU time in backward and "
+        "after it, minus `none`'s at the same step, mean over ranks; [q1, q3] its "
+        f"interquartile range. `per-param` runs every {PER_PARAM_EVERY} steps. "
+        "`ours-update-only`: `track_grad_norm=False`, the same work as `plain`; `ours`: the "
+        "defaults, which also compute the total gradient norm.",
         "",
-        "| shape | tensors | round | plain ms [q1, q3] | ours ms [q1, q3] | per-param ms [q1, q3] "
-        "| ours / plain | per-param / ours |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | tensors | round | steps | plain ms [q1, q3] | ours ms [q1, q3] "
+        "| ours-update-only ms [q1, q3] | per-param ms [q1, q3] | ours / plain "
+        "| update-only / plain | per-param / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for record in payload["records"]:
         for index, r in enumerate(record["rounds"], 1):
             cells = [
                 f"{r[n]['cost_ms_median']:.2f} [{r[n]['cost_ms_q1']:.2f}, {r[n]['cost_ms_q3']:.2f}]"
-                for n in ("plain", "ours", "per-param")
+                for n in COMPARED
             ]
             lines.append(
-                f"| {record['shape']} | {record['n_tensors']} | {index} | {' | '.join(cells)} "
-                f"| {r['ours_over_plain']:.3f} | {r['per_param_over_ours']:.1f} |"
+                f"| {record['shape']} | {record['n_tensors']} | {index} "
+                f"| {record['steps_per_round']} | {' | '.join(cells)} "
+                f"| {r['ours_over_plain']:.3f} | {r['update_only_over_plain']:.3f} "
+                f"| {r['per_param_over_ours']:.1f} |"
             )
     lines += [
         "",
-        "Rank 0, ours, `torch.profiler` CPU ms per step (ranges nest: `step_bucket` holds "
-        "`gradients`, `derive_local_views`, `update`; `update` holds the fused kernel), and the "
-        "floor: `AdamW(fused=True)`, one call over tensors shaped like rank 0's local shards.",
+        "Spread of the ratios over the rounds: median, and half the range relative to it.",
         "",
-        "| shape | " + " | ".join(RANGES) + " | floor |",
-        "|---|" + "---|" * (len(RANGES) + 1),
+        "| shape | " + " | ".join(RATIOS) + " |",
+        "|---|" + "---|" * len(RATIOS),
+    ]
+    for record in payload["records"]:
+        cells = [
+            f"{v['median']:.3f} ± {v['half_range_pct']:.0f}%" for v in record["spread"].values()
+        ]
+        lines.append(f"| {record['shape']} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "Rank 0, `ours`, CPU ms per step. `torch.profiler` ranges (nested: `step_bucket` holds "
+        "`gradients`, `derive_local_views`, `update`; `update` holds the fused kernel); the "
+        "main thread's time in the optimizer's hooks (every in-backward step included) and in "
+        "`step()` + `zero_grad()`; and two floors over tensors shaped like rank 0's local "
+        "shards: `AdamW(fused=True).step()` in one call, and its fused kernel alone.",
+        "",
+        "| shape | "
+        + " | ".join(RANGES)
+        + " | hooks | step + zero_grad | AdamW fused step | fused kernel |",
+        "|---|" + "---|" * (len(RANGES) + 4),
     ]
     for record in payload["records"]:
         prof = record["profile_ms_per_step_rank0"]
+        spent = record["breakdown_ms_per_step_rank0"]
+        floors = record["floors_ms_rank0"]
         lines.append(
             f"| {record['shape']} | "
             + " | ".join(f"{prof[name]:.2f}" for name in RANGES)
-            + f" | {record['floor_fused_adamw_ms_rank0']:.2f} |"
+            + f" | {spent['hooks']:.2f} | {spent['step'] + spent['zero_grad']:.2f}"
+            + f" | {floors['adamw_fused_step']:.2f} | {floors['fused_kernel']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -233,6 +398,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of timed steps")
     parser.add_argument("--steps", type=int, help="timed steps per round (default: by shape)")
     args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 2 * PER_PARAM_EVERY:
+        parser.error(
+            f"--steps must be at least {2 * PER_PARAM_EVERY} (per-param runs every "
+            f"{PER_PARAM_EVERY} steps and needs two)"
+        )
     config = CostConfig(shapes=tuple(args.shapes), repeats=args.repeats, steps=args.steps)
     load_before = round(os.getloadavg()[0], 2)
     records = spawn(args.world_size, cost_world, config)
