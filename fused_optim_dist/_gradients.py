@@ -120,7 +120,9 @@ class _Shares:
         for key, small, large in self._by_key:
             share: torch.Tensor | None = None
             if small:
-                flat = flatten([grads[i] for i in small]).to(dtype)
+                flat = flatten(grads if len(small) == len(grads) else [grads[i] for i in small])
+                if flat.dtype != dtype:
+                    flat = flat.to(dtype)
                 share = torch.dot(flat, flat)
             if large:
                 norms = torch._foreach_norm([grads[i] for i in large], 2, dtype=dtype)
@@ -143,7 +145,7 @@ class BackwardNorms:
 
     def __init__(self) -> None:
         # Shares not yet reduced across ranks (reduced once, at the end), by reduce key.
-        self.pending: dict[_ReduceKey, torch.Tensor] = {}
+        self.pending: dict[_ReduceKey, list[torch.Tensor]] = {}
         # Global squared norm of the buckets reduced so far: all of them, and the finite ones.
         self.reduced: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
@@ -207,7 +209,7 @@ class GradientProcessor:
             shares = self._shares_of(bucket, params).squares(grads)
             if not self._reduce_per_bucket:
                 for key, share in shares:
-                    norms.pending[key] = _add(norms.pending.get(key), share)
+                    norms.pending.setdefault(key, []).append(share)
                 return self._clamp(grads, verdict)
             bucket_sq: torch.Tensor | None = None
             for key, share in shares:
@@ -255,7 +257,9 @@ class GradientProcessor:
         if not norms.any:
             return
         total = norms.reduced
-        for key, share in norms.pending.items():
+        for key, shares in norms.pending.items():
+            device = shares[0].device
+            share = torch.stack([s.to(device) for s in shares]).sum()
             total = _add(total, _all_reduce(share, key))
         assert total is not None
         self._last_norm = total.sqrt()
