@@ -28,6 +28,10 @@ when a source changed. Before every step each cached parameter is checked, by id
   DTensor value still wraps the same local tensor (``load_state_dict``, DCP's
   ``set_state_dict`` and a state entry written by hand all replace objects).
 
+The sources of a whole set are kept as flat lists (``_Sources``) and compared with
+``map(operator.is_, ...)``: a few list comprehensions per bucket, not a Python loop with a
+dozen steps per parameter.
+
 Anything that changes which parameters are stepped together (a group added, ``requires_grad``
 flipped, a parameter that got no gradient) gives another set, hence other views; a set's views
 replace those of every set sharing a parameter with it, so at most one set per parameter is kept.

@@ -316,11 +316,20 @@ def test_zero_grad_and_add_param_group():
         assert_match(model, reference)
     assert_same_state_dict(optim.state_dict(), ref_optim.state_dict(), atol=PLAIN_ATOL)
 
-    # zero_grad drops gradients set by hand, as the plain optimizer's does.
+    # zero_grad drops gradients set by hand, as the plain optimizer's does, and with
+    # set_to_none=False zeroes them in place as it does.
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optim.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+    for net in (model, reference):
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+    kept = [p.grad for p in model.parameters()]
+    optim.zero_grad(set_to_none=False)
+    ref_optim.zero_grad(set_to_none=False)
+    for p, q, grad in zip(model.parameters(), reference.parameters(), kept, strict=True):
+        assert p.grad is grad and torch.equal(p.grad, q.grad) and not p.grad.any()
 
 
 def test_state_dict_matches_plain_optimizer_and_round_trips():

@@ -69,11 +69,20 @@ def _swap(model, optim, reference, ref_optim, saved) -> None:
     _swap_local_tensors(model)
 
 
+def _reshard(model, optim, reference, ref_optim, saved) -> None:
+    # An evaluation forward unshards and reshards every unit, as do explicit calls.
+    with torch.no_grad():
+        loss_fn(model, *map(rank_slice, batch(0)))
+    model.unshard()
+    model.reshard()
+
+
 EVENTS: dict[str, Callable] = {
     "load_state_dict": _reload_state,
     "add_param_group": _add_head_group,
     "unfreeze": _unfreeze,
     "fsdp_swaps_local_tensor": _swap,
+    "reshard": _reshard,
 }
 
 
