@@ -47,7 +47,7 @@ import torch
 
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
-from fused_optim_dist._stepping import Batch, BucketStepper, local_gradients
+from fused_optim_dist._stepping import Batch, Stepper, local_gradients
 from fused_optim_dist._streams import StepEvents, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
     drop_grads,
@@ -86,7 +86,7 @@ class BackwardPass:
         self,
         backward_id: int | None,
         plan: BucketPlan,
-        stepper: BucketStepper,
+        stepper: Stepper,
         gradients: GradientProcessor,
         param_groups: list[dict[str, Any]],
         state: defaultdict[torch.Tensor, dict],
@@ -101,8 +101,6 @@ class BackwardPass:
         self._param_groups = param_groups
         self._state = state
         self._record = record
-        self._bucket_of = plan.bucket_of
-        self._slot_of = plan.gradient_slots.get
         # Ids of the parameters whose gradient arrived, per bucket index not yet stepped, and
         # of the parameters already stepped.
         self._arrived: dict[int, set[int]] = {}
@@ -121,18 +119,18 @@ class BackwardPass:
         """
         assert self.phase is Phase.COLLECTING, self.phase
         key = id(param)
-        bucket = self._bucket_of(key)
+        bucket = self._plan.bucket_of(key)
         if bucket is None or key in self._stepped:
             self._refuse(param, bucket)
         arrived = self._arrived.get(bucket.index)
         if arrived is None:
             arrived = self._arrived[bucket.index] = set()
         arrived.add(key)
-        if len(arrived) == bucket.size:
+        if len(arrived) == len(bucket.params):
             del self._arrived[bucket.index]
             self._step_bucket(bucket, bucket.params)
             return
-        slot = self._slot_of(key)
+        slot = self._plan.gradient_slots.get(key)
         if slot is not None:
             # See [Note: a unit closes when FSDP2 has reduced it].
             grad = param.grad

@@ -43,14 +43,13 @@ class Bucket:
     applied to another bucket after a resume with a different wrapping.
     """
 
-    __slots__ = ("_all_by_group", "_group_of", "index", "key", "params", "size")
+    __slots__ = ("_all_by_group", "_group_of", "index", "key", "params")
 
     def __init__(
         self, index: int, params: Sequence[torch.Tensor], group_of: dict[int, int]
     ) -> None:
         self.index = index
         self.params = tuple(params)
-        self.size = len(self.params)
         self.key = f"{index}:{len(self.params)}:{sum(p.numel() for p in self.params)}"
         self._group_of = group_of
         # The split of the whole bucket, the usual case, computed once.

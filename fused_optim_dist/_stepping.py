@@ -80,7 +80,7 @@ import copy
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -95,7 +95,7 @@ from fused_optim_dist._torch_internals import (
     traced,
 )
 
-__all__ = ["Batch", "BucketStepper", "local_gradients"]
+__all__ = ["Batch", "BucketStepper", "Stepper", "local_gradients"]
 
 # Classes whose fused kernels skip the update (parameters, state and step count) on the device
 # when ``found_inf`` is nonzero, as ``torch.amp.GradScaler`` uses them. Fused SGD with momentum
@@ -158,6 +158,32 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
         shape=param.shape,
         stride=param.stride(),
     )
+
+
+class Stepper(Protocol):
+    """What a ``BackwardPass`` steps buckets with: ``BucketStepper``, or ``WholeTensorStepper``
+    for optimizers whose update needs each parameter whole."""
+
+    optimizer: Optimizer
+    """An instance of the wrapped class, built on the user's parameters."""
+
+    def takes_found_inf(self, batches: Sequence[Batch]) -> bool:
+        """Whether a ``found_inf`` flag makes :meth:`step` skip the update on the device."""
+        ...
+
+    def step(
+        self,
+        batches: Sequence[Batch],
+        state: defaultdict[torch.Tensor, dict],
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """Step every parameter of ``batches``, updating ``state`` in place; gradients are left
+        in place, the caller frees them."""
+        ...
+
+    def flush(self) -> None:
+        """Apply every update still in flight (called when a backward or ``step()`` ends)."""
+        ...
 
 
 def local_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

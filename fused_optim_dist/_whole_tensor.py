@@ -177,7 +177,7 @@ class _InFlight:
 class WholeTensorStepper:
     """Steps batches of parameters with ``optimizer``'s update, each on its owner's full tensor.
 
-    Same interface as ``BucketStepper``. See [Note: whole-tensor stepping]; a step launched in
+    A ``Stepper``, as ``BucketStepper`` is. See [Note: whole-tensor stepping]; a step launched in
     backward completes by the end of that backward ([Note: whole-tensor work in flight]).
 
     Args:

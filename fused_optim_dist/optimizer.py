@@ -20,7 +20,7 @@ from fused_optim_dist._gradients import GradientProcessor
 from fused_optim_dist._kinds import Stepping, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
-from fused_optim_dist._stepping import BucketStepper
+from fused_optim_dist._stepping import BucketStepper, Stepper
 from fused_optim_dist._torch_internals import (
     current_backward_id,
     ddp_modules_holding,
@@ -161,7 +161,7 @@ class OptimizerInBackward(Optimizer):
         self.optimizer_cls = optimizer_cls
         self.options = options
         # The wrapped class's step code, run on one bucket at a time.
-        self._stepper: BucketStepper | WholeTensorStepper = (
+        self._stepper: Stepper = (
             WholeTensorStepper(inner)
             if stepping is Stepping.WHOLE_TENSOR
             else BucketStepper(inner, local_shards=stepping is Stepping.ELEMENTWISE)

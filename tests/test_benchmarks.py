@@ -17,16 +17,20 @@ TIMEOUT_S = 300  # generous: the run takes about a minute on two idle cores
 KINDS = {"parameters", "gradients", "optimizer_state", "activations", "temporaries"}
 
 
-@pytest.mark.slow
-def test_quick_run_writes_json_markdown_and_plots(tmp_path: Path) -> None:
+def _run_script(script: str, *args: str) -> None:
     result = subprocess.run(
-        [sys.executable, "benchmarks/scaling.py", "--quick", "--out", str(tmp_path)],
+        [sys.executable, script, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_quick_run_writes_json_markdown_and_plots(tmp_path: Path) -> None:
+    _run_script("benchmarks/scaling.py", "--quick", "--out", str(tmp_path))
 
     payload = json.loads((tmp_path / "scaling.json").read_text())
     assert {"cpu", "logical_cores", "torch"} <= payload["machine"].keys()
@@ -68,25 +72,11 @@ def test_quick_run_writes_json_markdown_and_plots(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_optimizer_cost_writes_rounds_profile_and_floor(tmp_path: Path) -> None:
     steps, repeats = 8, 2
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/optimizer_cost.py",
-            "--shapes",
-            "many-tiny",
-            "--repeats",
-            str(repeats),
-            "--steps",
-            str(steps),
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+    _run_script(
+        "benchmarks/optimizer_cost.py",
+        *("--shapes", "many-tiny", "--repeats", str(repeats), "--steps", str(steps)),
+        *("--out", str(tmp_path)),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     payload = json.loads((tmp_path / "optimizer_cost.json").read_text())
     assert payload["world_size"] == 2

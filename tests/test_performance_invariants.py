@@ -69,6 +69,13 @@ def _swap(model, optim, reference, ref_optim, saved) -> None:
     _swap_local_tensors(model)
 
 
+def _write_state_by_hand(model, optim, reference, ref_optim, saved) -> None:
+    # A common reset: new zero first moments, written as new objects into the state entries.
+    for o in (optim, ref_optim):
+        for entry in o.state.values():
+            entry["exp_avg"] = torch.zeros_like(entry["exp_avg"])
+
+
 def _reshard(model, optim, reference, ref_optim, saved) -> None:
     # An evaluation forward unshards and reshards every unit, as do explicit calls.
     with torch.no_grad():
@@ -83,6 +90,7 @@ EVENTS: dict[str, Callable] = {
     "unfreeze": _unfreeze,
     "fsdp_swaps_local_tensor": _swap,
     "reshard": _reshard,
+    "state_written_by_hand": _write_state_by_hand,
 }
 
 
