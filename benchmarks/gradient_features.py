@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fused_optim_dist import OptimizerInBackward
-from fused_optim_dist_recipes.launch import free_port
 from fused_optim_dist_recipes.metrics import describe_machine, machine_summary
 from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp
 
@@ -43,9 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per variant")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # One process: an in-memory store, no port to pick.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
     config = PRESETS["12x256"]
     runs = {}

@@ -5,6 +5,15 @@ group (gloo on CPU, nccl with one GPU per rank) and returns rank 0's result. A f
 raises in the caller with its traceback (``torch.multiprocessing.spawn``), and every collective
 waits at most ``COLLECTIVE_TIMEOUT``, so a rank that stops answering fails the run instead of
 hanging it.
+
+[Note: the rendezvous port is bound before anyone is told it]
+Picking a free port, closing it and handing the number to the ranks (the usual
+``MASTER_PORT`` recipe) leaves a window in which another process on the machine (a parallel
+test worker, another job) can take the port, and the group then fails to form or, worse, joins
+a stranger's store. ``rendezvous_store`` instead binds the store's server on port 0 in the
+calling process, so the operating system picks a port that is already ours, and the ranks join
+that server as clients (``join_store``). The caller keeps the server alive while the ranks run:
+process groups created later (device meshes, ``new_group``) rendezvous through it too.
 """
 
 from __future__ import annotations
@@ -12,7 +21,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["COLLECTIVE_TIMEOUT", "CPU_THREADS_PER_RANK", "free_port", "spawn"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT",
+    "CPU_THREADS_PER_RANK",
+    "join_store",
+    "rendezvous_store",
+    "spawn",
+]
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 """A rank that stops answering fails the run after this long instead of hanging it."""
@@ -33,11 +47,22 @@ rank on a shared or oversubscribed machine spin against each other and distort s
 T = TypeVar("T")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOCALHOST = "127.0.0.1"
+
+
+def rendezvous_store(timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
+    """A store server on 127.0.0.1, bound to a port the OS chose; its ``port`` is the rendezvous.
+
+    Keep the returned object alive while any rank uses the group: dropping it stops the server.
+    See [Note: the rendezvous port is bound before anyone is told it].
+    """
+    return dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def join_store(port: int, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
+    """A client of the server ``rendezvous_store`` bound on ``port``, for
+    ``dist.init_process_group(store=...)``."""
+    return dist.TCPStore(LOCALHOST, port, is_master=False, timeout=timeout)
 
 
 def _entry(
@@ -49,14 +74,20 @@ def _entry(
     args: tuple[Any, ...],
     out: str,
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR=LOCALHOST, MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
         backend = "nccl"
     else:
         torch.set_num_threads(CPU_THREADS_PER_RANK)
         backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        backend,
+        store=join_store(port),
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
     try:
         result = body(*args)
         if rank == 0:
@@ -71,11 +102,12 @@ def spawn(world_size: int, body: Callable[..., T], *args: Any, device: str = "cp
     ``body`` must be a module-level function (it is pickled by name) and is collective: every
     rank calls it inside an initialised default process group, and destroys the group after.
     """
+    store = rendezvous_store()  # held until every rank has finished
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.pkl"
         mp.spawn(
             _entry,
-            args=(world_size, free_port(), device, body, args, str(out)),
+            args=(world_size, store.port, device, body, args, str(out)),
             nprocs=world_size,
             join=True,
         )

@@ -6,6 +6,12 @@ body is a module-level function; it runs on every rank with the same keyword arg
 ranks' results come back as a list. A failing rank fails the test with its traceback; a rank that
 hangs hits the collective timeout or the per-body timeout, and the world is then torn down and
 re-spawned for the next test.
+
+The time-outs only catch hangs, so they are sized for a loaded machine, never for speed: two
+ranks sharing two busy cores with other test workers run several times slower than on an idle
+machine, and one rank may compile or plot for a minute while the other waits in a collective.
+The group's store is bound by this process before the ranks start (see [Note: the rendezvous
+port is bound before anyone is told it] in ``fused_optim_dist_recipes.launch``).
 """
 
 from __future__ import annotations
@@ -20,11 +26,17 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from fused_optim_dist_recipes.launch import free_port
+from fused_optim_dist_recipes.launch import join_store, rendezvous_store
 
-COLLECTIVE_TIMEOUT_S = 60
-BODY_TIMEOUT_S = 240
-START_TIMEOUT_S = 120
+COLLECTIVE_TIMEOUT_S = 300
+"""A collective waiting longer than this fails its rank."""
+BODY_TIMEOUT_S = 600
+"""A test body running longer than this on some rank is a hang: the world is torn down."""
+START_TIMEOUT_S = 300
+"""Spawning the ranks and forming the group (each process imports torch)."""
+FAILURE_GRACE_S = 30
+"""After one rank fails, how long to wait for the others to report before tearing the world
+down: they are usually blocked in a collective the failed rank will never join."""
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -39,12 +51,14 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     try:
         dist.init_process_group(
             "gloo",
+            store=join_store(port, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=timeout,
         )
         results.put((rank, True, pickle.dumps("ready")))
     except BaseException:
@@ -74,11 +88,12 @@ class World:
         ctx = mp.get_context("spawn")
         self._results: mp.Queue = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        # Held for the world's life: the ranks' groups (meshes included) rendezvous through it.
+        self._store = rendezvous_store(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, self._tasks[rank], self._results),
+                args=(rank, world_size, self._store.port, self._tasks[rank], self._results),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -104,8 +119,8 @@ class World:
                 rank, ok, out = self._results.get(timeout=timeout)
                 outcomes[rank] = (ok, out)
                 if not ok:
-                    # The other ranks may now block in a collective until its timeout.
-                    timeout = COLLECTIVE_TIMEOUT_S + 30
+                    # The others are likely blocked in a collective it will never join.
+                    timeout = FAILURE_GRACE_S
         except queue.Empty:
             self.close()
             missing = sorted(set(range(self.world_size)) - set(outcomes))

@@ -54,7 +54,9 @@ OPTIMIZERS = {
     "AdamW-amsgrad": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
     "SGD": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
 }
-COMMIT_TIMEOUT_S = 60
+COMMIT_TIMEOUT_S = 300
+"""How long the async-save test waits for a background commit or for its own release of the
+write: a hang detector, sized for a loaded machine (the commit takes well under a second)."""
 MOMENTS = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
 
 
@@ -571,7 +573,7 @@ def _async_body(root: str) -> None:
     release = threading.Event()
 
     def gated_write(self, plan, planner):
-        assert release.wait(timeout=60), "the test never released the write"
+        assert release.wait(timeout=COMMIT_TIMEOUT_S), "the test never released the write"
         return _ORIGINAL_WRITE(self, plan, planner)
 
     with mock.patch.object(FileSystemWriter, "write_data", gated_write):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fused_optim_dist import build_optimizer, checkpoint
 from fused_optim_dist_recipes.data import BatchSampler, ByteTokenizer, read_documents, tokenize
-from fused_optim_dist_recipes.launch import free_port
+from fused_optim_dist_recipes.launch import rendezvous_store
 from fused_optim_dist_recipes.metrics import METRIC_KEYS, MetricsLog, read_metrics
 from fused_optim_dist_recipes.models import PRESETS, Llama, LlamaConfig, apply_fsdp
 
@@ -492,10 +492,10 @@ def test_two_nodes_on_one_machine(tmp_path):
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in read_documents()[:3]))
     out = tmp_path / "run"
-    port, flags = (
-        free_port(),
-        [*TINY, "--max-steps", "4", "--data", str(data), "--output-dir", str(out)],
-    )
+    flags = [*TINY, "--max-steps", "4", "--data", str(data), "--output-dir", str(out)]
+    # The test hosts the rendezvous store, bound before either node starts, and both agents
+    # join it as clients (is_host=0): no port is picked and released for a node to bind later.
+    store = rendezvous_store()
     nodes = [
         _torchrun(
             [
@@ -508,7 +508,9 @@ def test_two_nodes_on_one_machine(tmp_path):
                 "--rdzv-backend",
                 "c10d",
                 "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
+                f"127.0.0.1:{store.port}",
+                "--rdzv-conf",
+                "is_host=0",
                 "--rdzv-id",
                 "two-nodes",
             ],

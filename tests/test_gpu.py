@@ -7,7 +7,6 @@ Skipped without CUDA (see ``conftest.py``).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from fused_optim_dist import OptimizerInBackward
-from fused_optim_dist_recipes.launch import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -38,9 +36,8 @@ SGD_LR = 0.1
 
 @pytest.fixture(scope="module")
 def nccl_world():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    # One process: an in-memory store, no port to pick.
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -10,8 +10,6 @@ a CUDA device.
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
@@ -28,11 +26,10 @@ WIDTH, DEPTH, STEPS = 1024, 6, 5
 
 @pytest.fixture(scope="module")
 def nccl_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    # One process: an in-memory store, no port to pick.
+    dist.init_process_group(
+        "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
     yield
     dist.destroy_process_group()
 
