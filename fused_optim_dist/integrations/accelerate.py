@@ -1,0 +1,154 @@
+"""An ``accelerate`` loop with ``OptimizerInBackward``: accumulation, clipping, data parallel.
+
+The loop differs from the plain one in two places, both here::
+
+    from fused_optim_dist.integrations.accelerate import backward, in_backward_optimizer, prepare
+
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                                max_grad_norm=1.0)  # clipping is configured here, once
+    model, optim, loader = prepare(accelerator, model, optim, loader)  # refuses DDP
+    for batch in loader:
+        with accelerator.accumulate(model):
+            backward(accelerator, loss_fn(model(batch)), optim)  # steps when sync_gradients
+            grad_norm = in_backward_optimizer(optim).grad_norm()  # no clip_grad_norm_
+            optim.step()
+            optim.zero_grad()
+
+Why each piece: :func:`prepare` is ``accelerator.prepare``, then :func:`check_accelerator`
+(DDP would step unreduced gradients) and :func:`hook_swapped_parameters` (FSDP2's prepare
+replaces the optimizer's parameters). ``accelerator.accumulate`` decides per micro-batch
+whether the optimizer steps (``accelerator.sync_gradients``) and skips ``optim.step()``
+otherwise, but an in-backward optimizer steps in backward, before ``step()``: :func:`backward`
+runs the backward of a non-stepping micro-batch under :meth:`OptimizerInBackward.accumulate`.
+The gradients are freed once stepped, so ``accelerator.clip_grad_norm_`` would clip nothing
+and return 0: clip with ``max_grad_norm`` at construction and read the norm with
+``grad_norm()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch.optim import Optimizer
+
+from fused_optim_dist.optimizer import OptimizerInBackward
+
+__all__ = [
+    "backward",
+    "check_accelerator",
+    "hook_swapped_parameters",
+    "in_backward_optimizer",
+    "prepare",
+]
+
+DDP_REFUSAL = (
+    "OptimizerInBackward cannot run under DistributedDataParallel (accelerate's distributed "
+    "type {found}): DDP all-reduces gradients after the hooks that step them, so every rank "
+    "would step its own unreduced gradients and the replicas would drift apart. Use fsdp with "
+    "fsdp_version: 2 (FSDP2; accelerate config `fsdp_config: {{fsdp_version: 2}}`, Trainer "
+    "`fsdp='full_shard', fsdp_config={{'version': 2}}`), or, for plain data parallel, "
+    "torch.distributed._composable.replicate_with_fsdp.replicate on the model."
+)
+"""The refusal of every multi-process type but FSDP2 (formatted with the type found)."""
+
+
+def in_backward_optimizer(optimizer: Optimizer) -> OptimizerInBackward:
+    """The :class:`OptimizerInBackward` inside ``optimizer`` (accelerate's
+    ``AcceleratedOptimizer`` wraps it in ``.optimizer``), for its ``accumulate()`` and
+    ``grad_norm()``, which the wrapper does not forward.
+
+    Raises:
+        TypeError: if ``optimizer`` neither is nor wraps an :class:`OptimizerInBackward`.
+    """
+    inner: Any = optimizer
+    while not isinstance(inner, OptimizerInBackward):
+        wrapped = getattr(inner, "optimizer", None)
+        if not isinstance(wrapped, Optimizer):
+            raise TypeError(
+                f"expected an OptimizerInBackward (or accelerate's wrapper of one), got "
+                f"{type(optimizer).__name__}; build it with "
+                "OptimizerInBackward(model.parameters(), torch.optim.AdamW, ...)"
+            )
+        inner = wrapped
+    return inner
+
+
+def check_accelerator(accelerator: Accelerator) -> None:
+    """Refuse a distributed set-up in which stepping in backward would be wrong.
+
+    One process, and FSDP2 (``fsdp_version: 2``), are accepted. Every other multi-process type
+    wraps the model in ``DistributedDataParallel`` (or FSDP1's flat parameters, or DeepSpeed's
+    own optimizer), whose gradients are not final when the parameters' hooks run. Call it
+    before the first backward, so that nothing has been updated when it raises.
+
+    Raises:
+        ValueError: for any distributed type but ``NO`` and FSDP2, naming what to use instead.
+    """
+    state = accelerator.state
+    if state.distributed_type == DistributedType.NO:
+        return
+    if state.distributed_type == DistributedType.FSDP and state.fsdp_plugin.fsdp_version == 2:
+        return
+    found = state.distributed_type.value
+    if state.distributed_type == DistributedType.FSDP:
+        found = f"FSDP with fsdp_version {state.fsdp_plugin.fsdp_version}"
+    raise ValueError(DDP_REFUSAL.format(found=found))
+
+
+def backward(
+    accelerator: Accelerator, loss: torch.Tensor, optimizer: Optimizer, **kwargs: Any
+) -> None:
+    """``accelerator.backward(loss, **kwargs)``, stepping in backward only on a sync step.
+
+    When ``accelerator.sync_gradients`` is false (a micro-batch that ``accelerator.accumulate``
+    does not step on) the backward runs under :meth:`OptimizerInBackward.accumulate`, so the
+    gradients are summed and the next syncing backward steps once on the sum, exactly as
+    the plain optimizer's ``step()`` on that sync step would. Checks the accelerator first
+    (:func:`check_accelerator`).
+    """
+    check_accelerator(accelerator)
+    inner = in_backward_optimizer(optimizer)
+    with contextlib.nullcontext() if accelerator.sync_gradients else inner.accumulate():
+        accelerator.backward(loss, **kwargs)
+
+
+def hook_swapped_parameters(optimizer: Optimizer) -> None:
+    """Hook the parameters accelerate's FSDP2 prepare put in ``optimizer``, before the first
+    backward.
+
+    ``accelerator.prepare`` shards the model after the optimizer was built and replaces the
+    tensors in its ``param_groups`` (``fsdp2_switch_optimizer_parameters``); the hooks are on
+    the tensors it replaced. ``step()`` re-derives the bucket plan from ``param_groups``, which
+    hooks the new parameters, and with no gradient held it updates nothing. Without this the
+    first step would still be exact, but stepped in ``step()`` with every gradient held.
+    Call it before any backward (a gradient held now would be stepped).
+    """
+    in_backward_optimizer(optimizer).step()
+
+
+def prepare(accelerator: Accelerator, *args: Any) -> Any:
+    """``accelerator.prepare(*args)`` for a loop with an :class:`OptimizerInBackward`.
+
+    Refuses a distributed type other than one process or FSDP2 (:func:`check_accelerator`)
+    before preparing anything, then hooks the parameters FSDP2's prepare swapped into each
+    in-backward optimizer among ``args`` (:func:`hook_swapped_parameters`). Returns what
+    ``accelerator.prepare`` returns.
+    """
+    check_accelerator(accelerator)
+    prepared = accelerator.prepare(*args)
+    for obj in prepared if isinstance(prepared, tuple) else (prepared,):
+        if isinstance(obj, Optimizer) and _wraps_in_backward(obj):
+            hook_swapped_parameters(obj)
+    return prepared
+
+
+def _wraps_in_backward(optimizer: Optimizer) -> bool:
+    try:
+        in_backward_optimizer(optimizer)
+    except TypeError:
+        return False
+    return True

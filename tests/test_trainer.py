@@ -1,0 +1,298 @@
+"""Hugging Face Trainer (and TRL's SFTTrainer) stepping in backward, against plain AdamW.
+
+Every run is compared with the same Trainer run on plain AdamW: parameters at ``PARITY_ATOL``,
+logged ``grad_norm`` (Trainer's ``clip_grad_norm_`` in the plain run) at ``NORM_RTOL``. Clipped
+runs are compared exactly where the model is one bucket (one process, or FSDP2 with the root
+as the only unit); with several FSDP units clipping is the documented per-bucket scheme, and
+there the test is that a resumed run equals the uninterrupted one, clipping history included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _frameworks import (
+    NORM_RTOL,
+    PARITY_ATOL,
+    TokenDataset,
+    accelerate_on_cpu,
+    full_params,
+    local_params,
+    max_difference,
+    tiny_llama,
+)
+
+transformers = pytest.importorskip("transformers")
+from fused_optim_dist import OptimizerInBackward  # noqa: E402
+from fused_optim_dist.integrations.transformers import (  # noqa: E402
+    GRADIENT_STATE_NAME,
+    InBackwardTrainerMixin,
+    in_backward_trainer,
+)
+
+STEPS = 4
+SAVE_AT = 2
+CLIP = 0.05
+"""Below every gradient norm of these runs (checked), so each step is clipped."""
+ONE_UNIT = {"version": 2, "auto_wrap_policy": "NO_WRAP"}
+"""FSDP2 on the root only: one unit, one bucket, so clipping in backward is exact."""
+PER_LAYER = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+"""FSDP2 per decoder layer and the root: several units."""
+
+
+class StepProbe(transformers.TrainerCallback):
+    """Records, per optimizer step, whether the update happened in backward: before
+    ``optimizer.step()`` the parameters have already changed and no gradient is held."""
+
+    def __init__(self) -> None:
+        self.in_backward: list[bool] = []
+        self._before: list[torch.Tensor] = []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs) -> None:
+        self._before = local_params(model)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs) -> None:
+        after = local_params(model)
+        changed = any(not torch.equal(a, b) for a, b in zip(self._before, after, strict=True))
+        no_grads = all(p.grad is None for p in model.parameters())
+        self.in_backward.append(changed and no_grads)
+
+
+def _args(out: Path, **overrides: Any) -> transformers.TrainingArguments:
+    kwargs = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def _train(trainer_cls: type, out: Path, resume: str | None = None, **overrides: Any) -> dict:
+    """Train a fresh tiny Llama with ``trainer_cls``; its parameters, norms and probe."""
+    with accelerate_on_cpu():
+        probe = StepProbe()
+        trainer = trainer_cls(
+            model=tiny_llama(),
+            args=_args(out, **overrides),
+            train_dataset=TokenDataset(),
+            callbacks=[probe],
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+        optim = trainer.optimizer.optimizer  # accelerate's wrapper of the optimizer
+        gradient_state = (
+            optim.gradient_state_dict() if isinstance(optim, OptimizerInBackward) else None
+        )
+        return {
+            "params": full_params(trainer.model),
+            "norms": norms,
+            "in_backward": probe.in_backward,
+            "gradient_state": gradient_state,
+        }
+
+
+def _assert_parity(ours: dict, plain: dict, *, steps: int = STEPS) -> float:
+    """Ours equals plain; every step of ours ran in backward. Returns the largest difference."""
+    difference = max_difference(ours["params"], plain["params"])
+    assert difference < PARITY_ATOL, difference
+    assert len(ours["norms"]) == len(plain["norms"]) == steps
+    torch.testing.assert_close(ours["norms"], plain["norms"], rtol=NORM_RTOL, atol=0)
+    assert ours["in_backward"] == [True] * steps, ours["in_backward"]
+    return difference
+
+
+# ---------------------------------------------------------------------------------- 1 process
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "clip"), [(1, 0.0), (2, 0.0), (1, CLIP)], ids=["ga1", "ga2", "ga1-clip"]
+)
+def test_trainer_matches_plain(tmp_path, accumulation, clip):
+    kwargs = dict(gradient_accumulation_steps=accumulation, max_grad_norm=clip)
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    difference = _assert_parity(ours, plain)
+    if clip:
+        assert min(plain["norms"]) > clip, plain["norms"]
+    print(f"ga={accumulation} clip={clip}: max parameter difference {difference:.2e}")
+
+
+def test_trainer_resume_matches_uninterrupted_plain(tmp_path):
+    """Accumulation 2, clipping: saved at step 2 and resumed to step 4, as plain AdamW."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    trainer_cls = in_backward_trainer(transformers.Trainer)
+    saved = dict(kwargs, save_strategy="steps", save_steps=SAVE_AT)
+    ours = _train(trainer_cls, tmp_path / "ours", **saved)
+    checkpoint = tmp_path / "ours" / f"checkpoint-{SAVE_AT}"
+    assert (checkpoint / GRADIENT_STATE_NAME).is_file()
+    resumed = _train(trainer_cls, tmp_path / "ours", resume=str(checkpoint), **kwargs)
+    _assert_parity(ours, plain)
+    difference = max_difference(resumed["params"], plain["params"])
+    assert difference < PARITY_ATOL, difference
+    torch.testing.assert_close(resumed["norms"], plain["norms"][SAVE_AT:], rtol=NORM_RTOL, atol=0)
+    assert resumed["gradient_state"] == ours["gradient_state"]
+    print(f"resumed: max parameter difference {difference:.2e}")
+
+
+class MeanSquareLogitLoss(transformers.Trainer):
+    """A Trainer subclass with its own loss, as a user's would be."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"])
+        loss = outputs.logits.float().pow(2).mean()
+        return (loss, outputs) if return_outputs else loss
+
+
+class MeanSquareLogitLossInBackward(InBackwardTrainerMixin, MeanSquareLogitLoss):
+    """The mixin first among the bases: the subclass's loss, stepped in backward."""
+
+
+def test_trainer_subclass_with_its_own_loss(tmp_path):
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
+    plain = _train(MeanSquareLogitLoss, tmp_path / "plain", **kwargs)
+    ours = _train(MeanSquareLogitLossInBackward, tmp_path / "ours", **kwargs)
+    print(f"compute_loss subclass: {_assert_parity(ours, plain):.2e}")
+
+
+def _word_tokenizer() -> Any:
+    """A word-level tokenizer over the model's vocabulary, built here (nothing downloaded)."""
+    from _frameworks import VOCAB
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>"
+    )
+
+
+def _train_sft(trainer_cls: type, out: Path) -> dict:
+    import datasets
+    import trl
+    from _frameworks import EXAMPLES, token_ids
+
+    with accelerate_on_cpu():
+        probe = StepProbe()
+        rows = {"input_ids": [token_ids(i).tolist() for i in range(EXAMPLES)]}
+        kwargs = _args(out, gradient_accumulation_steps=2, max_grad_norm=CLIP).to_dict()
+        kwargs.pop("push_to_hub_token", None)
+        trainer = trainer_cls(
+            model=tiny_llama(),
+            args=trl.SFTConfig(**{k: v for k, v in kwargs.items() if not k.startswith("_")}),
+            train_dataset=datasets.Dataset.from_dict(rows),
+            processing_class=_word_tokenizer(),
+            callbacks=[probe],
+        )
+        trainer.train()
+        norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+        return {"params": full_params(trainer.model), "norms": norms, "in_backward": probe.in_backward}
+
+
+def test_trl_sft_trainer(tmp_path):
+    trl = pytest.importorskip("trl")
+    plain = _train_sft(trl.SFTTrainer, tmp_path / "plain")
+    ours = _train_sft(in_backward_trainer(trl.SFTTrainer), tmp_path / "ours")
+    print(f"SFTTrainer: {_assert_parity(ours, plain):.2e}")
+
+
+def test_given_optimizer_must_be_in_backward_and_clip_as_the_arguments(tmp_path):
+    model = tiny_llama()
+    args = _args(tmp_path, max_grad_norm=1.0)
+    trainer_cls = in_backward_trainer(transformers.Trainer)
+    with accelerate_on_cpu(), pytest.raises(TypeError, match="expected an OptimizerInBackward"):
+        trainer_cls(model=model, args=args, optimizers=(torch.optim.AdamW(model.parameters()), None))
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, max_grad_norm=0.5)
+    with accelerate_on_cpu(), pytest.raises(ValueError, match=r"max_grad_norm=1\.0 but the"):
+        trainer_cls(model=model, args=args, optimizers=(optim, None))
+    with pytest.raises(TypeError, match="expected a transformers.Trainer subclass"):
+        in_backward_trainer(torch.optim.AdamW)
+
+
+# ---------------------------------------------------------------------------------- 2 ranks
+
+
+def _fsdp2_parity_body(out: str, fsdp_config: dict, clip: float) -> float:
+    kwargs = dict(
+        gradient_accumulation_steps=2, max_grad_norm=clip, fsdp="full_shard",
+        fsdp_config=fsdp_config,
+    )  # fmt: skip
+    plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), Path(out) / "ours", **kwargs)
+    if clip:
+        assert min(plain["norms"]) > clip, plain["norms"]
+    return _assert_parity(ours, plain)
+
+
+@pytest.mark.parametrize(
+    ("fsdp_config", "clip"), [(ONE_UNIT, CLIP), (PER_LAYER, 0.0)], ids=["one-unit-clip", "units"]
+)
+def test_trainer_fsdp2_matches_plain(worlds, tmp_path, fsdp_config, clip):
+    differences = worlds.run(
+        2, _fsdp2_parity_body, out=str(tmp_path), fsdp_config=fsdp_config, clip=clip
+    )
+    print(f"FSDP2 {fsdp_config}, clip={clip}: max parameter difference {max(differences):.2e}")
+
+
+def _fsdp2_resume_body(out: str) -> dict[str, float]:
+    """Several units, accumulation 2, clipping: resumed at step 2 as if never interrupted."""
+    kwargs = dict(
+        gradient_accumulation_steps=2, max_grad_norm=CLIP, fsdp="full_shard",
+        fsdp_config=PER_LAYER,
+    )  # fmt: skip
+    trainer_cls = in_backward_trainer(transformers.Trainer)
+    plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
+    ours = _train(trainer_cls, Path(out) / "ours", save_strategy="steps", save_steps=2, **kwargs)
+    checkpoint = Path(out) / "ours" / f"checkpoint-{SAVE_AT}"
+    history = json.loads((checkpoint / GRADIENT_STATE_NAME).read_text())["previous_sq"]
+    assert len(history) > 1, history  # one entry per unit
+    resumed = _train(trainer_cls, Path(out) / "ours", resume=str(checkpoint), **kwargs)
+    difference = max_difference(resumed["params"], ours["params"])
+    assert difference < PARITY_ATOL, difference
+    torch.testing.assert_close(resumed["norms"], ours["norms"][SAVE_AT:], rtol=NORM_RTOL, atol=0)
+    assert resumed["gradient_state"] == ours["gradient_state"]
+    assert ours["in_backward"] == [True] * STEPS and resumed["in_backward"] == [True] * SAVE_AT
+    # The norms are exact; the clipped update is the per-bucket scheme, close to plain's.
+    torch.testing.assert_close(ours["norms"][:1], plain["norms"][:1], rtol=NORM_RTOL, atol=0)
+    return {
+        "resumed_vs_uninterrupted": difference,
+        "vs_plain": max_difference(ours["params"], plain["params"]),
+    }
+
+
+def test_trainer_fsdp2_resume_restores_the_clipping_history(worlds, tmp_path):
+    rows = worlds.run(2, _fsdp2_resume_body, out=str(tmp_path))
+    print(f"FSDP2 per layer, clipped, resumed: {rows[0]}")
+
+
+def _ddp_refused_body(out: str) -> None:
+    with accelerate_on_cpu():
+        model = tiny_llama()
+        before = full_params(model)
+        with pytest.raises(ValueError, match=r"fsdp_version: 2.*replicate"):
+            in_backward_trainer(transformers.Trainer)(
+                model=model, args=_args(Path(out)), train_dataset=TokenDataset()
+            )
+        assert max_difference(full_params(model), before) == 0.0
+
+
+def test_trainer_under_ddp_is_refused_before_any_update(worlds, tmp_path):
+    worlds.run(2, _ddp_refused_body, out=str(tmp_path))
