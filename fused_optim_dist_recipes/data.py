@@ -5,6 +5,9 @@ with Python has it, so the fine-tuning job runs with nothing downloaded. Text is
 into one stream of token ids with an end-of-document id between documents; training windows are
 drawn from that stream at offsets that depend only on ``(seed, step)``, so a resumed run sees
 exactly the batches the uninterrupted run would have seen, whatever the world size.
+
+A held-out split (:func:`split_held_out`) is one block of the stream at an offset drawn from the
+seed, cut into whole sequences; training windows are drawn from the rest only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ __all__ = [
     "Tokenizer",
     "default_corpus_files",
     "read_documents",
+    "split_held_out",
     "tokenize",
 ]
 
@@ -45,6 +49,9 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int] | np.ndarray:
         """Token ids of ``text``, without special tokens."""
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens left out."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, and 256 as end of document: any text, no vocabulary file."""
@@ -54,6 +61,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids: list[int]) -> str:
+        # A model may end mid-character: undecodable bytes show as U+FFFD, not an error.
+        return bytes(i for i in ids if i < self.eos_id).decode("utf-8", errors="replace")
 
 
 def default_corpus_files() -> list[Path]:
@@ -146,6 +157,48 @@ def tokenize(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
         pieces.append(np.asarray(tokenizer.encode(doc), dtype=np.int64))
         pieces.append(eos)
     return torch.from_numpy(np.concatenate(pieces))
+
+
+_HELD_OUT_STREAM = 0
+"""Second word of the held-out block's seed ``[seed, 0]``: never a training batch's
+``[seed, step]``, as steps count from 1."""
+
+
+def split_held_out(
+    tokens: torch.Tensor, *, held_out_tokens: int, seq_len: int, seed: int, eos_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut a held-out block out of a token stream; return (training stream, held-out windows).
+
+    The block holds ``held_out_tokens // seq_len`` whole sequences: windows of ``seq_len + 1``
+    tokens overlapping by one, so every token of the block but its first is a target exactly
+    once. Its offset is drawn from ``seed`` alone, so the split is the same for every world size,
+    every rank and a resumed run. The training stream is what is left on either side, joined by
+    ``eos_id`` so that no training window runs from one side into the other as if it were text.
+
+    Raises:
+        ValueError: if the block holds no whole sequence, or leaves too little to train on.
+    """
+    windows = held_out_tokens // seq_len
+    if windows < 1:
+        raise ValueError(
+            f"a held-out split of {held_out_tokens} tokens holds no whole sequence of "
+            f"{seq_len} tokens; hold out at least {seq_len} tokens, or none"
+        )
+    length = windows * seq_len + 1
+    left = tokens.numel() - length
+    if left < seq_len + 2:
+        raise ValueError(
+            f"the corpus has {tokens.numel()} tokens; holding out {length} leaves {left}, fewer "
+            f"than one training window of seq_len + 1 = {seq_len + 1}; hold out fewer tokens or "
+            "use more data"
+        )
+    rng = np.random.default_rng([seed, _HELD_OUT_STREAM])
+    start = int(rng.integers(0, left + 1))
+    held_out = tokens[start : start + length]
+    eos = torch.tensor([eos_id], dtype=tokens.dtype)
+    sides = [piece for piece in (tokens[:start], tokens[start + length :]) if piece.numel()]
+    train = torch.cat([sides[0], eos, sides[1]]) if len(sides) == 2 else sides[0].clone()
+    return train, held_out.unfold(0, seq_len + 1, seq_len).contiguous()
 
 
 class BatchSampler:

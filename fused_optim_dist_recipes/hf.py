@@ -300,6 +300,9 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
 
 def load_tokenizer(directory: str | Path, model_vocab_size: int) -> Tokenizer:
     """The directory's tokenizer, or the byte tokenizer when it has none (see module notes).

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import torch
 
 __all__ = [
+    "HELD_OUT_KEY",
     "METRIC_KEYS",
     "MetricsLog",
     "ProgressLine",
@@ -33,6 +34,8 @@ __all__ = [
 
 METRIC_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes")
 """Keys every row of ``metrics.jsonl`` has."""
+HELD_OUT_KEY = "heldout_loss"
+"""The held-out loss, in the rows of the steps it was computed at only."""
 
 KIB = 1024
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -99,7 +102,8 @@ class ProgressLine:
     """One status line per step, rewritten in place with ``\\r`` on a terminal.
 
     When ``stream`` is not a terminal (a log file, a pipe), every ``every``-th step and the last
-    one are printed on lines of their own instead.
+    one are printed on lines of their own instead. A row with a held-out loss is always printed,
+    and on a terminal its line stays.
     """
 
     def __init__(self, total_steps: int, *, every: int = 10, stream: TextIO | None = None) -> None:
@@ -111,15 +115,20 @@ class ProgressLine:
 
     def update(self, row: Mapping[str, Any]) -> None:
         step = row["step"]
+        held_out = row.get(HELD_OUT_KEY)
         text = (
             f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} "
-            f"| loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm {row['grad_norm']:.3f} "
+            f"| loss {row['loss']:.4f} "
+            + (f"| held-out {held_out:.4f} " if held_out is not None else "")
+            + f"| lr {row['lr']:.2e} | grad norm {row['grad_norm']:.3f} "
             f"| {row['tokens_per_s']:,.0f} tok/s | peak mem {format_bytes(row['peak_mem_bytes'])}"
         )
         if self.in_place:
-            self.stream.write("\r" + text.ljust(self._width))
-            self._width = len(text)
-        elif step % self.every == 0 or step == self.total_steps:
+            # A held-out loss is rare and worth keeping on screen: it ends the in-place line.
+            ends = held_out is not None
+            self.stream.write("\r" + text.ljust(self._width) + ("\n" if ends else ""))
+            self._width = 0 if ends else len(text)
+        elif step % self.every == 0 or step == self.total_steps or held_out is not None:
             self.stream.write(text + "\n")
         self.stream.flush()
 
@@ -169,7 +178,8 @@ class MetricsLog:
 
 
 def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, *, title: str = "") -> Path:
-    """Plot loss (and learning rate, on a second axis) against step from ``metrics.jsonl``.
+    """Plot training loss, held-out loss where computed, and learning rate (on a second axis)
+    against step from ``metrics.jsonl``.
 
     Raises:
         ValueError: if the metrics file has no rows.
@@ -184,9 +194,13 @@ def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, *, title: st
         raise ValueError(f"{metrics_path} has no metrics rows to plot")
     steps = [row["step"] for row in rows]
     fig, loss_axis = plt.subplots(figsize=(7, 4), dpi=120)
-    loss_axis.plot(steps, [row["loss"] for row in rows], color="tab:blue", label="loss")
+    loss_axis.plot(steps, [row["loss"] for row in rows], color="tab:blue", label="train")
+    held_out = [(row["step"], row[HELD_OUT_KEY]) for row in rows if HELD_OUT_KEY in row]
+    if held_out:
+        loss_axis.plot(*zip(*held_out, strict=True), "o-", color="tab:green", label="held-out")
+        loss_axis.legend(loc="upper right")
     loss_axis.set_xlabel("step")
-    loss_axis.set_ylabel("training loss (nats/token)", color="tab:blue")
+    loss_axis.set_ylabel("loss (nats/token)")
     lr_axis = loss_axis.twinx()
     lr_axis.plot(steps, [row["lr"] for row in rows], color="tab:orange", alpha=0.6)
     lr_axis.set_ylabel("learning rate", color="tab:orange")

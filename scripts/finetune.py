@@ -25,9 +25,16 @@ in ``--rdzv-endpoint`` and run one command per node)::
 micro-batches. Each step's batch depends only on (seed, step), so results do not depend on how
 it is split, and a resumed run sees the batches the uninterrupted run would have seen.
 
+Held-out loss and samples: a block of the data fixed by ``--seed`` (``--eval-tokens``) is kept
+out of training; its mean loss is computed every ``--eval-every`` steps and at the end, the same
+on every rank and for any world size. Before and after training the model continues
+``--sample-prompt`` (greedy, and with ``--sample-top-k`` also sampled), still sharded: every
+rank runs the same generation and rank 0 prints and saves it.
+
 Outputs (rank 0 writes them): ``config.json`` (the resolved configuration), ``metrics.jsonl``
-(one JSON object per step: step, loss, lr, grad_norm, tokens_per_s, peak_mem_bytes),
-``loss.png``, ``summary.json``, ``checkpoints/step_<N>/`` (sharded; resumable with or without
+(one JSON object per step: step, loss, lr, grad_norm, tokens_per_s, peak_mem_bytes, and
+heldout_loss on the steps it was computed at), ``loss.png`` (training and held-out loss),
+``samples.txt``, ``summary.json``, ``checkpoints/step_<N>/`` (sharded; resumable with or without
 ``--no-in-backward``, on any number of ranks) and the final weights: ``weights.pt`` (for
 ``--init-from``) or, with ``--hf-model``, ``hf_model/`` in transformers format.
 
@@ -73,9 +80,12 @@ from fused_optim_dist_recipes.data import (
     ByteTokenizer,
     Tokenizer,
     read_documents,
+    split_held_out,
     tokenize,
 )
+from fused_optim_dist_recipes.evaluation import evaluating, generate, held_out_loss
 from fused_optim_dist_recipes.metrics import (
+    HELD_OUT_KEY,
     MetricsLog,
     ProgressLine,
     format_bytes,
@@ -97,11 +107,17 @@ DEFAULT_MODEL = "small"
 CHECKPOINT_SUBDIR = "checkpoints"
 CONFIG_FILE, METRICS_FILE, SUMMARY_FILE = "config.json", "metrics.jsonl", "summary.json"
 LOSS_PLOT_FILE, WEIGHTS_FILE, HF_EXPORT_DIR = "loss.png", "weights.pt", "hf_model"
+SAMPLES_FILE = "samples.txt"
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 MIN_LR_RATIO = 0.1
 """The cosine schedule decays the learning rate to this fraction of --lr."""
 DEFAULT_WARMUP_STEPS = 20
 """Warmup when --warmup-steps is not given, at most a tenth of --max-steps."""
+DEFAULT_EVAL_TOKENS = 16384
+"""Held-out tokens when --eval-tokens is not given, at most a tenth of the corpus: 128
+sequences of 128 tokens, about a second per evaluation of the default job on two CPU ranks."""
+HELD_OUT_CORPUS_SHARE = 10
+"""The default held-out split is at most 1/10 of the corpus."""
 OPTIMIZER_SHORT_NAMES = {
     name.lower(): f"torch.optim.{name}"
     for name in torch.optim.__all__
@@ -148,6 +164,18 @@ class JobConfig:
     """GLOBAL sequences per optimizer step, over all ranks and micro-batches."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    eval_tokens: int | None = None
+    """Tokens held out of training for the held-out loss, in whole sequences; ``None``:
+    ``DEFAULT_EVAL_TOKENS``, at most a tenth of the corpus; 0: no held-out split."""
+    eval_every: int = 50
+    """Held-out loss every N steps and at the end; 0: at the end only."""
+    # samples
+    sample_prompt: str = "def main():\n"
+    """Text the model continues before and after training (empty: the start of a document)."""
+    sample_tokens: int = 200
+    """Tokens generated per sample; 0: no samples."""
+    sample_top_k: int | None = None
+    """Also sample from the K most likely tokens (seeded by ``seed``), besides greedy."""
     # optimization
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues to it)."""
@@ -214,6 +242,11 @@ class JobConfig:
             )
         if "lr" in self.optimizer_kwargs:
             raise ValueError("--optimizer-kwargs sets 'lr'; set the learning rate with --lr")
+        if self.eval_tokens and self.eval_tokens < self.seq_len:
+            raise ValueError(
+                f"--eval-tokens {self.eval_tokens} holds no whole sequence of --seq-len "
+                f"{self.seq_len}; hold out at least {self.seq_len} tokens, or 0 for none"
+            )
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError(
                 "--backend nccl needs CUDA tensors; use --backend gloo with --device cpu"
@@ -341,6 +374,40 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=_default("grad_accum"),
         help="micro-batches per optimizer step",
+    )
+    data.add_argument(
+        "--eval-tokens",
+        type=_non_negative_int,
+        metavar="N",
+        help="tokens held out of training for the held-out loss, a block fixed by --seed, in "
+        f"whole sequences (default {DEFAULT_EVAL_TOKENS}, at most a tenth of the data; 0: none)",
+    )
+    data.add_argument(
+        "--eval-every",
+        type=_non_negative_int,
+        default=_default("eval_every"),
+        metavar="N",
+        help="held-out loss every N steps and at the end (0: at the end only)",
+    )
+    sample = p.add_argument_group("samples (before and after training)")
+    sample.add_argument(
+        "--sample-prompt",
+        default=_default("sample_prompt"),
+        metavar="TEXT",
+        help="text the model continues (empty: the start of a document)",
+    )
+    sample.add_argument(
+        "--sample-tokens",
+        type=_non_negative_int,
+        default=_default("sample_tokens"),
+        metavar="N",
+        help="tokens generated per sample (0: no samples)",
+    )
+    sample.add_argument(
+        "--sample-top-k",
+        type=_positive_int,
+        metavar="K",
+        help="besides the greedy text, sample from the K most likely tokens (seeded by --seed)",
     )
     optim = p.add_argument_group("optimization")
     optim.add_argument(
@@ -645,8 +712,78 @@ def _train_step(
     return loss, grad_norm
 
 
+def _split_data(
+    cfg: JobConfig, tokens: torch.Tensor, tokenizer: Tokenizer
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training stream and the held-out windows (``None``: no held-out split)."""
+    wanted = cfg.eval_tokens
+    if wanted is None:
+        wanted = min(DEFAULT_EVAL_TOKENS, tokens.numel() // HELD_OUT_CORPUS_SHARE)
+        if wanted < cfg.seq_len:  # a corpus of under ten sequences: all of it trains
+            return tokens, None
+    if wanted == 0:
+        return tokens, None
+    return split_held_out(
+        tokens,
+        held_out_tokens=wanted,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        eos_id=tokenizer.eos_id,
+    )
+
+
+def _held_out_loss(
+    cfg: JobConfig, model: _Model, windows: torch.Tensor, device: torch.device
+) -> float:
+    """Mean loss over the whole held-out split, in the training micro-batch size. Collective."""
+    with evaluating(model.module):
+        return held_out_loss(
+            model.logits,
+            windows,
+            batch_size=cfg.batch_size // (cfg.grad_accum * dist.get_world_size()),
+            device=device,
+        )
+
+
+def _samples(cfg: JobConfig, model: _Model, device: torch.device, step: int) -> dict[str, Any]:
+    """The prompt continued greedily, and from the top-k tokens with ``--sample-top-k``: whole
+    texts, prompt included. Collective: every rank generates; all get the same texts."""
+    prompt = [int(i) for i in model.tokenizer.encode(cfg.sample_prompt)]
+    texts: dict[str, Any] = {"step": step}
+    kinds = {"greedy": None} | ({} if cfg.sample_top_k is None else {"top_k": cfg.sample_top_k})
+    with evaluating(model.module):
+        for kind, top_k in kinds.items():
+            continuation = generate(
+                model.logits,
+                prompt,
+                max_new_tokens=cfg.sample_tokens,
+                context=cfg.seq_len,
+                vocab_size=model.tokenizer.vocab_size,
+                eos_id=model.tokenizer.eos_id,
+                device=device,
+                top_k=top_k,
+                seed=cfg.seed,
+            )
+            texts[kind] = model.tokenizer.decode(prompt + continuation)
+    return texts
+
+
+def _samples_text(samples: dict[str, Any], cfg: JobConfig) -> str:
+    parts = []
+    for kind in ("greedy", "top_k"):
+        if kind in samples:
+            how = "greedy" if kind == "greedy" else f"top-{cfg.sample_top_k}, seed {cfg.seed}"
+            parts.append(f"--- sample at step {samples['step']} ({how}) ---\n{samples[kind]}\n")
+    return "".join(parts)
+
+
 def _banner(
-    cfg: JobConfig, model: _Model, sampler: BatchSampler, device: torch.device, start_step: int
+    cfg: JobConfig,
+    model: _Model,
+    sampler: BatchSampler,
+    held_out: torch.Tensor | None,
+    device: torch.device,
+    start_step: int,
 ) -> str:
     world = dist.get_world_size()
     steps = (
@@ -654,13 +791,19 @@ def _banner(
         if start_step < cfg.max_steps
         else "no steps left"
     )
+    held = (
+        f"{held_out.shape[0] * cfg.seq_len + 1:,} held out ({held_out.shape[0]} sequences)"
+        if held_out is not None
+        else "none held out"
+    )
     return (
         f"fine-tuning {model.description['num_params'] / 1e6:.2f}M parameters on {world} "
         f"rank(s), {device} ({format_bytes(memory_budget_bytes(device))} per device), "
         f"{dist.get_backend()}\n"
         f"  optimizer {cfg.optimizer} {'after' if not cfg.in_backward else 'in'} backward, "
         f"{cfg.batch_size * cfg.seq_len:,} tokens/step ({cfg.batch_size} x {cfg.seq_len}, "
-        f"{cfg.grad_accum} micro-batch(es)), {sampler.tokens.numel():,} tokens of data\n"
+        f"{cfg.grad_accum} micro-batch(es)), {sampler.tokens.numel():,} tokens to train on, "
+        f"{held}\n"
         f"  {steps}"
         + (
             f" (resumed from step {start_step})"
@@ -679,6 +822,12 @@ def _summary_text(summary: dict[str, Any], cfg: JobConfig, outputs: list[str]) -
             f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, peak memory "
             f"{format_bytes(summary['peak_mem_bytes'])} (rank 0)"
         )
+        held_out = summary["heldout_losses"]
+        if held_out:
+            ends = held_out[:1] + held_out[1:][-1:]  # the first and the last, if two or more
+            trained += ", held-out loss " + " -> ".join(
+                f"{loss:.4f} (step {step})" for step, loss in ends
+            )
     else:
         trained = f"nothing to train: the checkpoint is already at --max-steps {cfg.max_steps}"
     return f"{trained}\noutputs in {cfg.output_dir}/: {', '.join(outputs)}"
@@ -708,8 +857,11 @@ def _run(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
     model = _build_model(cfg, device)
     if cfg.init_from is not None:
         _init_from(cfg.init_from, model.module)
+    train_tokens, held_out = _split_data(
+        cfg, tokenize(read_documents(cfg.data), model.tokenizer), model.tokenizer
+    )
     sampler = BatchSampler(
-        tokenize(read_documents(cfg.data), model.tokenizer),
+        train_tokens,
         seq_len=cfg.seq_len,
         global_batch=cfg.batch_size,
         seed=cfg.seed,
@@ -743,9 +895,17 @@ def _run(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
         _write_json(cfg.output_dir / CONFIG_FILE, config)
         metrics = MetricsLog(metrics_path, resume_step=start_step)
         progress = ProgressLine(cfg.max_steps, every=cfg.log_every)
-        print(_banner(cfg, model, sampler, device, start_step), flush=True)
+        print(_banner(cfg, model, sampler, held_out, device, start_step), flush=True)
+
+    samples = []
+    if cfg.sample_tokens and start_step < cfg.max_steps:
+        samples.append(_samples(cfg, model, device, step=start_step))
+        if is_main:
+            print(_samples_text(samples[-1], cfg), end="", flush=True)
 
     losses: list[float] = []
+    heldout_losses: list[tuple[int, float]] = []
+    eval_seconds = 0.0
     pending = None
     started = time.perf_counter()
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -767,6 +927,13 @@ def _run(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
             "tokens_per_s": tokens_per_step / (time.perf_counter() - step_started),
             "peak_mem_bytes": peak_memory_bytes(device),
         }
+        if held_out is not None and (
+            step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)
+        ):
+            eval_started = time.perf_counter()
+            heldout_losses.append((step, _held_out_loss(cfg, model, held_out, device)))
+            row[HELD_OUT_KEY] = heldout_losses[-1][1]
+            eval_seconds += time.perf_counter() - eval_started
         if is_main:
             metrics.write(row)
             progress.update(row)
@@ -785,11 +952,17 @@ def _run(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
             inject_fault(
                 "during_save", step=step, rank=dist.get_rank(), checkpoint_dir=checkpoint_dir
             )
-    elapsed = time.perf_counter() - started
+    elapsed = time.perf_counter() - started - eval_seconds
+    if cfg.sample_tokens:
+        samples.append(_samples(cfg, model, device, step=cfg.max_steps))
+        if is_main:
+            print(_samples_text(samples[-1], cfg), end="", flush=True)
     if pending is not None:
         pending.wait()
 
     outputs = [CONFIG_FILE, METRICS_FILE, LOSS_PLOT_FILE, SUMMARY_FILE, f"{CHECKPOINT_SUBDIR}/"]
+    if samples:
+        outputs.append(SAMPLES_FILE)
     if cfg.hf_model is not None:
         hf.save_pretrained(model.module, cfg.hf_model, cfg.output_dir / HF_EXPORT_DIR)
         outputs.append(f"{HF_EXPORT_DIR}/")
@@ -802,6 +975,9 @@ def _run(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
         "last_loss": losses[-1] if losses else None,
         "seconds": elapsed,
         "tokens_per_s": tokens_per_step * len(losses) / elapsed if losses else None,
+        "heldout_losses": heldout_losses,
+        "eval_seconds": eval_seconds,
+        "samples": samples,
         "peak_mem_bytes": peak_memory_bytes(device),
         "output_dir": str(cfg.output_dir),
     }
@@ -814,6 +990,10 @@ def _run(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
             title=f"{model.description.get('preset', 'hf')} fine-tuning",
         )
         _write_json(cfg.output_dir / SUMMARY_FILE, summary)
+        if samples:
+            (cfg.output_dir / SAMPLES_FILE).write_text(
+                "".join(_samples_text(texts, cfg) for texts in samples)
+            )
         print(_summary_text(summary, cfg, outputs), flush=True)
     return summary
 

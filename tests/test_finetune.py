@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from fused_optim_dist import build_optimizer, checkpoint
 from fused_optim_dist_recipes.data import BatchSampler, ByteTokenizer, read_documents, tokenize
 from fused_optim_dist_recipes.launch import rendezvous_store
-from fused_optim_dist_recipes.metrics import METRIC_KEYS, MetricsLog, read_metrics
+from fused_optim_dist_recipes.metrics import HELD_OUT_KEY, METRIC_KEYS, MetricsLog, read_metrics
 from fused_optim_dist_recipes.models import PRESETS, Llama, LlamaConfig, apply_fsdp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,8 @@ SCRIPT = REPO / "scripts" / "finetune.py"
 RUN_TIMEOUT_S = 240
 PNG_MAGIC = b"\x89PNG"
 
-# A few-second configuration of the job on the tiny preset.
+# A few-second configuration of the job on the tiny preset, with a small held-out split and
+# short samples.
 TINY = [
     "--model",
     "tiny",
@@ -47,6 +48,10 @@ TINY = [
     "1e-2",
     "--log-every",
     "5",
+    "--eval-tokens",
+    "2048",
+    "--sample-tokens",
+    "8",
 ]
 
 
@@ -98,6 +103,11 @@ def _finish(popens: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]
 
 def _losses(output_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(output_dir / "metrics.jsonl")}
+
+
+def _heldout_losses(output_dir: Path) -> dict[int, float]:
+    rows = read_metrics(output_dir / "metrics.jsonl")
+    return {row["step"]: row[HELD_OUT_KEY] for row in rows if HELD_OUT_KEY in row}
 
 
 def _run_main(argv: list[str]) -> dict:
@@ -353,18 +363,28 @@ def _copy_without_last_checkpoint(source: Path, target: Path) -> None:
 def _assert_losses_match(
     run: Path, reference: Path, steps: range, atol: float, same_steps: bool = True
 ) -> None:
+    """Training losses at ``steps``, and held-out losses at those of ``steps`` the reference
+    computed them at."""
     got, want = _losses(run), _losses(reference)
     if same_steps:
         assert sorted(got) == sorted(want), "the resumed run's metrics.jsonl has other steps"
     for step in steps:
         assert abs(got[step] - want[step]) <= atol, (step, got[step], want[step])
+    got, want = _heldout_losses(run), _heldout_losses(reference)
+    if same_steps:
+        assert sorted(got) == sorted(want), "the resumed run has held-out losses at other steps"
+    for step in sorted(want.keys() & set(steps)):
+        assert abs(got[step] - want[step]) <= atol, ("held-out", step, got[step], want[step])
 
 
-# 20 steps on 2 ranks with 2 micro-batches per step and checkpoints at steps 10 and 20. Without
-# clipping, a resumed run must reproduce the uninterrupted one exactly; with in-backward
-# clipping too, as the checkpoint carries its history (test below).
+# 20 steps on 2 ranks with 2 micro-batches per step, checkpoints at steps 10 and 20 and the
+# held-out loss every 5 steps. Without clipping, a resumed run must reproduce the uninterrupted
+# one exactly, held-out losses included; with in-backward clipping too, as the checkpoint
+# carries its history (test below).
 RESUMABLE = [
     *TINY,
+    "--eval-every",
+    "5",
     "--max-steps",
     "20",
     "--grad-accum",
@@ -392,6 +412,7 @@ def test_resume_gives_the_uninterrupted_losses(worlds, straight_run, tmp_path):
         2, _run_main, argv=[*RESUMABLE, "--resume", "--output-dir", str(resumed)]
     )
     assert summary["steps"] == 10
+    assert sorted(_heldout_losses(straight_run)) == [5, 10, 15, 20]
     _assert_losses_match(resumed, straight_run, range(1, 21), atol=1e-6)
 
     # ... resumed with the plain optimizer, which writes checkpoints at 15 and 20 ...

@@ -6,6 +6,7 @@ Every model is made here with ``save_pretrained``; nothing is downloaded.
 from __future__ import annotations
 
 import gc
+import json
 import re
 import subprocess
 import sys
@@ -176,7 +177,8 @@ def test_hf_model_fine_tunes_with_its_tokenizer(tmp_path):
     for index, text in enumerate(texts):
         (data_dir / f"{index}.txt").write_text(text)
     # Plain `python`, one process: the launcher path without torchrun.
-    flags = ["--seq-len", "32", "--batch-size", "8", "--max-steps", "8", "--lr", "1e-2"]
+    flags = ["--seq-len", "32", "--batch-size", "8", "--max-steps", "8", "--lr", "1e-2",
+             "--eval-every", "4", "--sample-tokens", "16", "--sample-prompt", "def "]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--hf-model", str(model_dir), "--data", str(data_dir),
          *flags, "--output-dir", str(out)],
@@ -192,6 +194,14 @@ def test_hf_model_fine_tunes_with_its_tokenizer(tmp_path):
     assert before.keys() == after.keys()
     assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
     assert (out / "hf_model" / "tokenizer.json").is_file()
+    # The held-out loss, and samples before and after (the prompt encoded and decoded with the
+    # directory's BPE tokenizer comes back as it was).
+    summary = json.loads((out / "summary.json").read_text())
+    assert [step for step, _ in summary["heldout_losses"]] == [4, 8]
+    assert [texts["step"] for texts in summary["samples"]] == [0, 8]
+    for texts in summary["samples"]:
+        assert texts["greedy"].startswith("def ")
+        assert texts["greedy"] in (out / "samples.txt").read_text()
 
 
 def test_hf_directory_without_tokenizer_uses_bytes(tmp_path):
