@@ -40,7 +40,9 @@ def _load_faults():
 
 _faults = _load_faults()
 
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 900
+"""A job of three restarts that runs longer is hung: about a minute on two idle cores, each
+restart starting two processes that import torch."""
 TOLERANCE = 1e-6
 """Eager CPU runs on the same global batches: resumed and uninterrupted runs agree to this."""
 MAX_STEPS, SAVE_EVERY, KEEP_LAST = 12, 3, 2
