@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import time
 from collections.abc import Callable, Iterator
@@ -47,12 +48,15 @@ __all__ = [
     "SHAPES",
     "EstimateConfig",
     "Margin",
+    "Measured",
     "MethodEstimate",
     "OptimizerMethod",
     "estimate",
     "fake_world",
     "format_report",
-    "run_tracked_step",
+    "measure",
+    "run_tracked_steps",
+    "train_step",
     "verdict",
 ]
 
@@ -309,6 +313,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 LossFn = Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+_TRACKED_STEP = "fused_optim_dist_recipes::tracked_step"
 
 
 def _build(config: EstimateConfig, mesh: DeviceMesh) -> tuple[nn.Module, LossFn, int]:
@@ -369,34 +374,46 @@ def _optimizer(model: nn.Module, config: EstimateConfig, method: OptimizerMethod
     )
 
 
-def run_tracked_step(
+def train_step(
+    optim: Optimizer,
+    loss_fn: LossFn,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    max_grad_norm: float | None,
+    tracker: StepMemoryTracker | None = None,
+) -> None:
+    """The fine-tuning job's step: ``backward_micro_batches``, ``clip_grad_norm_``, ``step()``,
+    ``zero_grad()``; what follows backward is labelled for ``tracker``. Fake or real tensors."""
+    backward_micro_batches(optim, loss_fn, micro_batches)
+    with tracker.after_backward() if tracker is not None else contextlib.nullcontext():
+        clip_grad_norm_(optim, max_grad_norm)
+        optim.step()
+        optim.zero_grad()
+
+
+def run_tracked_steps(
     model: nn.Module,
     optim: Optimizer,
     loss_fn: LossFn,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
     max_grad_norm: float | None,
+    steps: int = 1,
     gloo_reduce_scatter_buffer: bool = False,
-) -> Peak:
-    """Run one untracked warm-up step, then track the next; return its peak.
-
-    The step is the fine-tuning job's: ``backward_micro_batches``, ``clip_grad_norm_``,
-    ``step()``, ``zero_grad()``. Runs the same on fake and on real tensors.
-    """
-
-    def step(tracker: StepMemoryTracker | None) -> None:
-        backward_micro_batches(optim, loss_fn, micro_batches)
-        with tracker.after_backward() if tracker is not None else contextlib.nullcontext():
-            clip_grad_norm_(optim, max_grad_norm)
-            optim.step()
-            optim.zero_grad()
-
-    step(None)
+) -> list[Peak]:
+    """Run one ``train_step`` untracked (warm-up), then track ``steps`` more, each on its own
+    (and in its own ``torch.profiler`` range); return their peaks."""
+    train_step(optim, loss_fn, micro_batches, max_grad_norm=max_grad_norm)
     state = [t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    tracker = StepMemoryTracker(model, state, gloo_reduce_scatter_buffer=gloo_reduce_scatter_buffer)
-    with tracker:
-        step(tracker)
-    return tracker.peak()
+    peaks = []
+    for _ in range(steps):
+        tracker = StepMemoryTracker(
+            model, state, gloo_reduce_scatter_buffer=gloo_reduce_scatter_buffer
+        )
+        with tracker, torch.profiler.record_function(_TRACKED_STEP):
+            train_step(optim, loss_fn, micro_batches, max_grad_norm=max_grad_norm, tracker=tracker)
+        peaks.append(tracker.peak())
+    return peaks
 
 
 def _micro_batches(config: EstimateConfig, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -416,7 +433,7 @@ def _simulate(config: EstimateConfig, name: str) -> MethodEstimate:
             model, loss_fn, vocab = _build(config, mesh)
             num_params = sum(p.numel() for p in model.parameters())
             optim = _optimizer(model, config, method)
-            peak = run_tracked_step(
+            (peak,) = run_tracked_steps(
                 model,
                 optim,
                 loss_fn,
@@ -435,6 +452,82 @@ def estimate(config: EstimateConfig) -> list[MethodEstimate]:
     Runs in this process, which must not have joined a process group (see ``fake_world``).
     """
     return [_simulate(config, name) for name in config.methods]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measured:
+    """One rank's peaks of the tracked steps of a real run, measured two ways."""
+
+    allocator_peaks: list[int]
+    """Per tracked step: the peak of the bytes the CPU allocator had handed out since the
+    model was built (``torch.profiler`` allocation events)."""
+    tracker: list[Peak]
+    """Per tracked step: the tracker's peak on the real tensors."""
+
+
+def measure(config: EstimateConfig, name: str, *, steps: int = 3) -> Measured:
+    """Run ``name``'s warm-up and ``steps`` tracked steps on real CPU tensors, in this
+    process's gloo group.
+
+    Collective: every rank of a ``config.world_size`` group calls it (``config.hsdp_replicas``
+    must be 1). The model is the simulated one, initialised from the default RNG.
+
+    The allocator peak is independent of the tracker: c10's CPU allocator reports every
+    allocation and free to the profiler, whichever thread or C++ code asks (gloo's
+    reduce-scatter buffer included), so it is what a GPU run's ``max_memory_allocated`` is.
+    It varies from step to step by when gloo's worker thread releases its buffers, hence
+    several steps.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    if dist.get_world_size() != config.world_size or config.hsdp_replicas != 1:
+        raise ValueError(
+            f"measure needs a {config.world_size}-rank gloo group and FSDP; got "
+            f"{dist.get_world_size()} ranks and {config.hsdp_replicas} replicas"
+        )
+    gc.collect()  # free what earlier runs left in cycles before counting
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, loss_fn, vocab = _build(config, _mesh(config, "cpu"))
+        optim = _optimizer(model, config, METHODS[name])
+        peaks = run_tracked_steps(
+            model,
+            optim,
+            loss_fn,
+            _micro_batches(config, vocab),
+            max_grad_norm=config.max_grad_norm,
+            steps=steps,
+        )
+    windows: list[tuple[int, int]] = []
+    events: list[tuple[int, int, int]] = []  # (time, address, bytes: negative for a free)
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        elif event.name == _TRACKED_STEP:
+            windows.append((event.start_time_ns, event.end_time_ns))
+        pending.extend(event.children)
+    assert len(windows) == steps, f"found {len(windows)} tracked-step ranges, not {steps}"
+    windows.sort()
+    # The allocator's own running total counts since the process first profiled (earlier
+    # runs' leftovers included): sum this run's allocations that are still live instead.
+    live: dict[int, int] = {}
+    current = 0
+    allocator_peaks = [0] * steps
+    for time_ns, address, size in sorted(events):
+        if size > 0:
+            # An address handed out again was freed, even if that free went unreported (a
+            # free on a thread the profiler does not follow, such as gloo's).
+            current += size - live.get(address, 0)
+            live[address] = size
+        else:
+            current -= live.pop(address, 0)
+        for index, (start, end) in enumerate(windows):
+            if start <= time_ns <= end:
+                allocator_peaks[index] = max(allocator_peaks[index], current)
+    return Measured(allocator_peaks=allocator_peaks, tracker=peaks)
 
 
 # ---------------------------------------------------------------------------------- report

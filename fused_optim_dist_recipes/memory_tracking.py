@@ -60,12 +60,14 @@ _GLOBAL_MODULE = "Global"
 
 # [Note: gloo's reduce-scatter buffer]
 # ProcessGroupGloo implements reduce_scatter_tensor as an all-reduce of a copy of the whole
-# input followed by a copy of this rank's chunk: for the time of the collective it holds one
-# more input-sized buffer, allocated in C++ where no dispatch mode sees it (torch.profiler's
-# allocator events show it: 4 MiB allocated and freed for a 4 MiB input). NCCL reduce-scatters
-# in place into the output, and the fake process group allocates nothing. To compare a
-# simulation with a measured gloo run, the tracker can add that buffer for the duration of
-# each reduce-scatter; an estimate for NCCL leaves it out.
+# input followed by a copy of this rank's chunk: it holds one more input-sized buffer,
+# allocated in C++ where no dispatch mode sees it (torch.profiler's allocator events show it:
+# 4 MiB allocated for a 4 MiB input), and released by gloo's worker thread when the work is
+# done, which in backward overlaps the next unit's compute. NCCL reduce-scatters into the
+# output, and the fake process group allocates nothing. To compare a simulation with a
+# measured gloo run, the tracker can hold such a buffer from each reduce-scatter until the
+# next one (at most one at a time) and drop the last when backward ends; an estimate for
+# NCCL leaves it out.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,6 +109,8 @@ class StepMemoryTracker(FSDPMemTracker):
         # The phase label of what runs inside after_backward(); None while backward runs.
         self._loop_phase: str | None = None
         self._gloo_buffer = gloo_reduce_scatter_buffer
+        # The emulated gloo buffer of the latest reduce-scatter, while it lives.
+        self._gloo_scratch: torch.Tensor | None = None
         # Where the peak was reached: (phase, module); updated whenever the peak grows.
         self._peak_at = ("before the step", "-")
 
@@ -120,6 +124,7 @@ class StepMemoryTracker(FSDPMemTracker):
     def after_backward(self) -> Iterator[None]:
         """Label what the loop allocates inside as temporary, in the optimizer-step phase."""
         self._loop_phase = "after backward: clipping, optimizer step(), zero_grad()"
+        self._gloo_scratch = None  # backward's last reduce-scatter is done
         try:
             yield
         finally:
@@ -134,13 +139,11 @@ class StepMemoryTracker(FSDPMemTracker):
             and func is torch.ops.c10d._reduce_scatter_base_.default
             and self._fsdp_state == _FSDPState.POST_BW
         ):
-            # See [Note: gloo's reduce-scatter buffer]: live for the collective's duration.
-            scratch = torch.empty_like(args[1])
-            self._update_and_maybe_create_winfos(scratch, _FSDPRefType.REDUCE_SCATTER)
+            # See [Note: gloo's reduce-scatter buffer]: replaces the previous one.
+            self._gloo_scratch = None
+            self._gloo_scratch = torch.empty_like(args[1])
+            self._update_and_maybe_create_winfos(self._gloo_scratch, _FSDPRefType.REDUCE_SCATTER)
             self._update_peak_stats(None)
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            del scratch
-            return out
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
