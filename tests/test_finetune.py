@@ -268,6 +268,9 @@ def test_warmup_then_cosine():
         (["--skip-nonfinite", "--no-in-backward"], "options of the in-backward optimizer"),
         (["--clip-grad-value", "0.5"], "pass --max-grad-norm 0 with it"),
         (["--clip-grad-value", "0"], "expected a finite number > 0"),
+        (["--seq-len", "32", "--eval-tokens", "16"], "--eval-tokens 16 holds no whole sequence"),
+        (["--sample-top-k", "0"], "expected a positive integer"),
+        (["--eval-every", "-1"], "expected an integer >= 0"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(argv, message, capsys, tmp_path):

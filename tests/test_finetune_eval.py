@@ -8,6 +8,7 @@ single-process computation on an unsharded copy of the same model.
 from __future__ import annotations
 
 import copy
+import io
 import json
 from pathlib import Path
 
@@ -15,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_finetune import REPO, TINY, _heldout_losses, _run_main, finetune
+from test_finetune import PNG_MAGIC, REPO, TINY, _heldout_losses, _run_main, finetune
 
 from fused_optim_dist_recipes.data import ByteTokenizer, split_held_out
 from fused_optim_dist_recipes.evaluation import evaluating, generate, held_out_loss
+from fused_optim_dist_recipes.metrics import HELD_OUT_KEY, ProgressLine, plot_loss_curve
 from fused_optim_dist_recipes.models import PRESETS, Llama, apply_fsdp
 
 EOS = 0
@@ -61,6 +63,25 @@ def test_byte_tokenizer_round_trip_and_partial_characters():
     text = "def f():\n    return 'é'\n"
     assert tokenizer.decode([*tokenizer.encode(text), tokenizer.eos_id]) == text
     assert tokenizer.decode(list(tokenizer.encode("é"))[:1]) == "\ufffd"
+
+
+def test_progress_line_always_shows_a_held_out_loss_and_the_plot_draws_it(tmp_path):
+    rows = [
+        {"step": step, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
+         "peak_mem_bytes": 1} | ({HELD_OUT_KEY: 2.5} if step == 3 else {})
+        for step in range(1, 6)
+    ]  # fmt: skip
+    stream = io.StringIO()
+    progress = ProgressLine(5, every=2, stream=stream)
+    for row in rows:
+        progress.update(row)
+    lines = stream.getvalue().splitlines()
+    assert [line.split("|")[0].strip() for line in lines] == ["step 2/5", "step 3/5", "step 4/5",
+                                                              "step 5/5"]  # fmt: skip
+    assert "| held-out 2.5000 |" in lines[1] and "held-out" not in lines[0] + lines[2]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert plot_loss_curve(metrics, tmp_path / "loss.png").read_bytes()[:4] == PNG_MAGIC
 
 
 # ---------------------------------------------------------------------------------- on ranks
