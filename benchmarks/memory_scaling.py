@@ -1,0 +1,190 @@
+"""Simulated peak memory per GPU of Llama-3 8B and 70B at 8, 64 and 512 ranks.
+
+Every case is simulated on this CPU (fake tensors on a fake process group of the target size,
+``fused_optim_dist_recipes.memory_estimate``): plain AdamW after backward against the
+in-backward step (and every other method ``METHODS`` lists), with and without activation
+checkpointing, in strong and weak scaling. One command per model::
+
+    python benchmarks/memory_scaling.py --model llama3-8b     # about 10 minutes on 2 cores
+    python benchmarks/memory_scaling.py --model llama3-70b    # about 25 minutes on 2 cores
+    python benchmarks/memory_scaling.py --model small --world-sizes 2 4 --seq-len 128  # seconds
+
+Results: ``benchmarks/results/memory_scaling_<model>.{json,md,png}``.
+
+Assumptions, shared by every case: fp32 weights, FSDP2 mixed precision (bf16 compute, fp32
+gradient reduction), AdamW (foreach kernels, CUDA's default), clipping at 1.0 as the
+fine-tuning job does, sequences of 2048 tokens, one FSDP unit per block plus the root
+(embeddings, final norm and head), the job's loss (logits cast to fp32). Weak scaling: one
+sequence per rank. Strong scaling: a fixed global batch of 64 x 2048 tokens split over the
+ranks (8 sequences per rank at 8 ranks, 1 at 64); at 512 ranks, where sequences are fewer than
+ranks, the same tokens as one 256-token sequence per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from fused_optim_dist_recipes import metrics
+from fused_optim_dist_recipes.memory_estimate import (
+    GIB,
+    METHODS,
+    SHAPES,
+    EstimateConfig,
+    estimate,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SEQ_LEN = 2048
+STRONG_GLOBAL_TOKENS = 64 * SEQ_LEN
+"""Strong scaling: tokens per optimizer step, whatever the number of ranks."""
+
+
+def _case(
+    model: str, world: int, scaling: str, ac: bool, seq_len: int, methods: tuple[str, ...]
+) -> EstimateConfig:
+    if scaling == "weak":
+        batch, seq = world, seq_len
+    else:
+        tokens = STRONG_GLOBAL_TOKENS * seq_len // SEQ_LEN
+        batch, seq = max(world, tokens // seq_len), min(seq_len, tokens // world)
+    return EstimateConfig(
+        model=model,
+        world_size=world,
+        activation_checkpointing=ac,
+        mixed_precision="bf16",
+        seq_len=seq,
+        batch_size=batch,
+        max_grad_norm=1.0,
+        methods=methods,
+    )
+
+
+def _markdown(payload: dict[str, Any]) -> str:
+    methods = payload["config"]["methods"]
+    base = methods[0]
+    lines = [
+        f"# Simulated peak memory per GPU: {payload['config']['model']}",
+        "",
+        f"{payload['num_params'] / 1e9:.2f}B parameters. Estimates from a simulation on "
+        f"{payload['machine']['cpu']} ({payload['seconds']:.0f} s for the table); GiB per rank "
+        "(rank 0), tensors only: add the margin of `docs/memory_estimation.md` for the CUDA "
+        "context, NCCL/cuBLAS workspaces and the caching allocator.",
+        "",
+        "| scaling | ranks | AC | tokens/rank | "
+        + " | ".join(f"{m} GiB" for m in methods)
+        + " | "
+        + " | ".join(f"{m} / {base}" for m in methods[1:])
+        + f" | {base} peak at | {methods[-1]} peak at | sim s |",
+        "|---|---|---|---|" + "---|" * (2 * len(methods) - 1) + "---|---|---|",
+    ]
+    for row in payload["rows"]:
+        peaks = {r["method"]: r["peak_bytes"] for r in row["results"]}
+        where = {r["method"]: f"{r['peak_phase']}, {r['peak_module']}" for r in row["results"]}
+        lines.append(
+            f"| {row['scaling']} | {row['world_size']} | {'on' if row['ac'] else 'off'} | "
+            f"{row['tokens_per_rank']} | "
+            + " | ".join(f"{peaks[m] / GIB:.2f}" for m in methods)
+            + " | "
+            + " | ".join(f"{peaks[m] / peaks[base]:.2f}" for m in methods[1:])
+            + f" | {where[base]} | {where[methods[-1]]} | "
+            + f"{sum(r['seconds'] for r in row['results']):.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = payload["config"]["methods"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, scaling in zip(axes, ("strong", "weak"), strict=True):
+        for ac, style in ((False, "-"), (True, "--")):
+            rows = [r for r in payload["rows"] if r["scaling"] == scaling and r["ac"] == ac]
+            worlds = [r["world_size"] for r in rows]
+            for index, method in enumerate(methods):
+                peaks = [
+                    next(x["peak_bytes"] for x in r["results"] if x["method"] == method) / GIB
+                    for r in rows
+                ]
+                ax.plot(
+                    worlds,
+                    peaks,
+                    style,
+                    marker="o",
+                    color=f"C{index}",
+                    label=f"{method}, AC {'on' if ac else 'off'}",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.set_title(f"{scaling} scaling")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("simulated peak per rank (GiB, est.)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"{payload['config']['model']}: peak memory per GPU (simulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Simulate every case, write JSON, Markdown and PNG; return the payload."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512])
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    rows = []
+    for scaling in ("strong", "weak"):
+        for ac in (False, True):
+            for world in args.world_sizes:
+                config = _case(args.model, world, scaling, ac, args.seq_len, tuple(args.methods))
+                results = estimate(config)
+                rows.append(
+                    {
+                        "scaling": scaling,
+                        "world_size": world,
+                        "ac": ac,
+                        "tokens_per_rank": config.micro_batch * config.seq_len,
+                        "config": {
+                            k: str(v) if isinstance(v, Path) else v
+                            for k, v in dataclasses.asdict(config).items()
+                        },
+                        "results": [r.as_dict() for r in results],
+                    }
+                )
+                print(
+                    f"{scaling} {world} ranks AC {ac}: "
+                    + ", ".join(f"{r.method} {r.peak.total / GIB:.2f} GiB" for r in results)
+                    + f" ({sum(r.seconds for r in results):.0f} s)",
+                    flush=True,
+                )
+    payload = {
+        "machine": metrics.describe_machine("cpu"),
+        "config": {"model": args.model, "methods": args.methods, "seq_len": args.seq_len},
+        "num_params": rows[0]["results"][0]["num_params"],
+        "seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"memory_scaling_{args.model}"
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(_markdown(payload))
+    _plot(payload, stem.with_suffix(".png"))
+    print(f"wrote {stem}.{{json,md,png}} in {payload['seconds']:.0f} s")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
