@@ -533,10 +533,6 @@ def measure(config: EstimateConfig, name: str, *, steps: int = 3) -> Measured:
 # ---------------------------------------------------------------------------------- report
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
-
-
 def verdict(peak: int, margin: Margin, gpu_gib: float) -> str:
     """Whether ``peak`` tracked bytes plus ``margin`` fit a GPU of ``gpu_gib`` GiB."""
     need = peak + margin.bytes_for(peak)
@@ -553,29 +549,32 @@ def format_report(
     """The estimate as text: each method's peak per rank, its breakdown and where it sits, the
     saving against the first method, the verdict, and what the figures leave out."""
     base = results[0]
+    unit, scale = ("GiB", GIB) if base.peak.total >= GIB else ("MiB", 2**20)
+
+    def size(n: float) -> str:
+        return f"{n / scale:.2f}"
+
     lines = [
-        f"Estimated peak memory per rank (simulated rank 0, {base.num_params / 1e9:.2f}B "
+        f"Estimated peak memory per rank (simulated rank 0; {base.num_params / 1e6:,.1f}M "
         f"parameters): {config.describe()}",
         "",
-        "| method | peak GiB (est.) | "
+        f"| method | peak {unit} (est.) | "
         + " | ".join(k.replace("_", " ") for k in KINDS)
-        + " | saving vs "
-        + base.method
-        + " | peak at |",
+        + f" | saving vs {base.method} | peak at (phase, module) |",
         "|---|---|" + "---|" * len(KINDS) + "---|---|",
     ]
     for r in results:
         saving = base.peak.total - r.peak.total
-        share = f"{saving / GIB:.2f} GiB ({saving / base.peak.total:.0%})" if r is not base else "-"
+        share = f"{size(saving)} {unit} ({saving / base.peak.total:.0%})" if r is not base else "-"
         lines.append(
-            f"| {r.method} | {_gib(r.peak.total)} | "
-            + " | ".join(_gib(r.peak.by_kind[k]) for k in KINDS)
+            f"| {r.method} | {size(r.peak.total)} | "
+            + " | ".join(size(r.peak.by_kind[k]) for k in KINDS)
             + f" | {share} | {r.peak.phase}, {r.peak.module} |"
         )
     lines += [
         "",
-        f"Margin added for what is not simulated: {margin.fixed_gib:g} GiB + "
-        f"{margin.fraction:.0%} of the peak.",
+        f"Verdict, with a margin of {margin.fixed_gib:g} GiB + {margin.fraction:.0%} of the "
+        "peak for what is not simulated:",
     ]
     lines += [f"  {r.method}: {verdict(r.peak.total, margin, gpu_gib)}" for r in results]
     lines += [
@@ -583,6 +582,6 @@ def format_report(
         "Not simulated (covered only by the margin): the CUDA caching allocator's reserved "
         "memory and fragmentation, the CUDA context, NCCL and cuBLAS workspaces, and the "
         "kernels CUDA picks (the simulation runs CPU kernels; the optimizer kernel is "
-        f"'{config.kernel}', as set). Figures are estimates.",
+        f"'{config.kernel}', as set). Every figure is an estimate.",
     ]
     return "\n".join(lines)
