@@ -9,6 +9,14 @@ raises half-way (an OOM the loop catches, a bad batch), its callback never runs,
 backward simply starts a new ``BackwardPass``. The gradients that arrived in the failed one stay
 on the parameters, as they would for a plain optimizer (``zero_grad()`` drops them).
 
+One ``loss.backward()`` is one pass even when it runs nested backward graphs: reentrant
+activation checkpointing (``checkpoint(..., use_reentrant=True)``) recomputes a block and runs
+its backward as a graph task of its own, with its own id, inside the outer one. A gradient
+that arrives under another id while the pass's own graph task is still alive belongs to that
+pass (:meth:`BackwardPass.adopt`): one norm, one clipping, one history. Whether the graph task
+is alive is told by a token only the callbacks queued on it hold: the engine drops them when the
+task finishes or fails, so a new backward after a failed one starts a new pass.
+
 Phases: ``COLLECTING`` (hooks arrive; complete buckets are stepped at once), then ``FINISHED``
 (:meth:`BackwardPass.finish`: the buckets that did not complete are stepped, gradients that
 reached the parameters without a hook too, the norm is completed). A ``step()`` outside
@@ -39,19 +47,25 @@ of it), inside it ``fused_optim_dist::gradients`` (norm, clipping, non-finite ch
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
 
+from fused_optim_dist._class_state import ClassState
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
+from fused_optim_dist._protocol import PendingUpdates, describe
 from fused_optim_dist._stepping import Batch, Stepper, local_gradients
 from fused_optim_dist._streams import StepEvents, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
+    current_backward_id,
     drop_grads,
+    enclosing_backward_node,
     local_tensor,
+    queue_end_of_backward,
     read_grads,
     slot_end,
     storage_numel,
@@ -66,8 +80,11 @@ class Phase(enum.Enum):
     FINISHED = enum.auto()
 
 
-def _describe(param: torch.Tensor) -> str:
-    return f"a parameter of shape {tuple(param.shape)}"
+class _GraphTaskToken:
+    """Held only by the callbacks queued on one backward's graph task. See [Note: one
+    backward, one BackwardPass]."""
+
+    __slots__ = ("__weakref__",)
 
 
 class BackwardPass:
@@ -78,8 +95,12 @@ class BackwardPass:
         plan: the bucket plan, current when the pass starts.
         param_groups, state: the optimizer's, read when a bucket is stepped (so values an LR
             scheduler wrote apply).
-        record: account gradients in the norm and the clipping history. ``False`` for the
-            zero-gradient, zero-lr step ``torch.distributed.checkpoint`` runs to create state.
+        pending: the updates made in backward since the last ``step()``; this pass adds its
+            own, and refuses a gradient for a parameter already there. See [Note: the step
+            protocol].
+        record: account gradients in the norm and the clipping history, and check them against
+            ``pending``. ``False`` only for the zero-gradient, zero-lr step
+            ``torch.distributed.checkpoint`` runs to create state.
     """
 
     def __init__(
@@ -90,10 +111,15 @@ class BackwardPass:
         gradients: GradientProcessor,
         param_groups: list[dict[str, Any]],
         state: defaultdict[torch.Tensor, dict],
+        pending: PendingUpdates,
         *,
         record: bool = True,
+        trackable: bool = True,
     ) -> None:
-        self.backward_id = backward_id
+        # The graph task ids of this backward (nested reentrant ones adopted), and a weak
+        # reference to the token its queued callbacks hold.
+        self._backward_ids = {backward_id}
+        self._token: weakref.ref[_GraphTaskToken] | None = None
         self.phase = Phase.COLLECTING
         self._plan = plan
         self._stepper = stepper
@@ -101,6 +127,7 @@ class BackwardPass:
         self._param_groups = param_groups
         self._state = state
         self._record = record
+        self._pending = pending
         # Ids of the parameters whose gradient arrived, per bucket index not yet stepped, and
         # of the parameters already stepped.
         self._arrived: dict[int, set[int]] = {}
@@ -109,6 +136,49 @@ class BackwardPass:
         self._output_numel: dict[int, int] = {}
         self._norms = BackwardNorms()
         self._events = StepEvents()
+        # See [Note: group and instance state].
+        self._class_state = ClassState(stepper.optimizer, param_groups, trackable=trackable)
+
+    def queue_finish(self) -> None:
+        """Finish this pass once its backward has finished (call in its first hook).
+
+        In a backward nested inside another, the pass belongs to the outermost one: its
+        finish is queued there, from a post hook of the node that backward is running."""
+        token = _GraphTaskToken()
+        self._token = weakref.ref(token)
+        node = enclosing_backward_node()
+        if node is None:
+            queue_end_of_backward(lambda: self.finish(token))
+            return
+
+        def in_enclosing_backward(_grad_inputs: Any, _grad_outputs: Any) -> None:
+            handle.remove()
+            if self.phase is Phase.COLLECTING:
+                self._backward_ids.add(current_backward_id())
+                queue_end_of_backward(lambda: self.finish(token))
+
+        handle = node.register_hook(in_enclosing_backward)
+
+    def owns(self, backward_id: int) -> bool:
+        return backward_id in self._backward_ids
+
+    def adopt(self, backward_id: int) -> bool:
+        """Take ``backward_id`` as this pass's if it runs nested inside this pass's backward
+        (reentrant checkpointing); whether it did."""
+        alive = self._token is not None and self._token() is not None
+        if alive and self.phase is Phase.COLLECTING:
+            self._backward_ids.add(backward_id)
+            return True
+        return False
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether this pass stepped something in a backward that never finished (it raised)."""
+        return (
+            self.phase is Phase.COLLECTING
+            and bool(self._stepped)
+            and (self._token is None or self._token() is None)
+        )
 
     def arrive(self, param: torch.Tensor) -> None:
         """``param`` holds its gradient: step its bucket if that completes it.
@@ -122,6 +192,8 @@ class BackwardPass:
         bucket = self._plan.bucket_of(key)
         if bucket is None or key in self._stepped:
             self._refuse(param, bucket)
+        if self._pending and self._pending.holds(param):
+            self._pending.refuse_second_gradient(param)
         arrived = self._arrived.get(bucket.index)
         if arrived is None:
             arrived = self._arrived[bucket.index] = set()
@@ -145,26 +217,37 @@ class BackwardPass:
     def _refuse(param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
         if bucket is None:
             raise RuntimeError(
-                f"{_describe(param)} received a gradient and is hooked by this "
+                f"{describe(param)} received a gradient and is hooked by this "
                 "OptimizerInBackward, but is no longer in its param_groups; add it with "
                 "add_param_group() or call detach() before editing param_groups by hand"
             )
         raise RuntimeError(
-            f"{_describe(param)} received a second gradient after it was stepped in this "
-            "backward (reentrant activation checkpointing does this); use "
-            "torch.utils.checkpoint with use_reentrant=False"
+            f"{describe(param)} received a second gradient after it was stepped in this "
+            "backward (a module applied twice in one forward, or a gradient added to it by "
+            "hand in backward); a plain optimizer would step the sum. Apply each parameter once "
+            "per forward, or build a plain optimizer for this model"
         )
 
     def step_all(self, params: Sequence[torch.Tensor]) -> None:
-        """Step ``params`` (members of the plan holding gradients) bucket by bucket, in order."""
+        """Step ``params`` (members of the plan holding gradients) bucket by bucket, in order.
+
+        Raises before anything moves if one of them was updated in backward since the last
+        ``step()`` (its gradient would be stepped a second time)."""
+        if self._record and self._pending:
+            for param in params:
+                if self._pending.holds(param):
+                    self._pending.refuse_second_gradient(param)
         ready = {id(p) for p in params}
         for bucket in self._plan.buckets:
             members = [p for p in bucket.params if id(p) in ready]
             if members:
                 self._step_bucket(bucket, members)
 
-    def finish(self) -> None:
-        """Step what did not complete, wait for the steps' streams, complete the norm."""
+    def finish(self, token: _GraphTaskToken | None = None) -> None:
+        """Step what did not complete, wait for the steps' streams, complete the norm.
+
+        ``token``: the one :meth:`queue_finish` made, held by the queued callback until now."""
+        del token
         if self.phase is Phase.FINISHED:
             return
         self.phase = Phase.FINISHED
@@ -186,6 +269,11 @@ class BackwardPass:
             # Updates still in flight (whole-tensor stepping) are applied before anything
             # after this backward reads the parameters.
             self._stepper.flush()
+            untouched = self._class_state.untouched()
+            if untouched:
+                groups = [self._class_state.group(index) for index in untouched]
+                self._class_state.run(untouched, lambda: self._stepper.step_without_params(groups))
+            self._class_state.commit()
             self._events.wait()
             if self._record:
                 self._gradients.end_of_backward(self._norms)
@@ -197,15 +285,17 @@ class BackwardPass:
             grads = None
             try:
                 grads = local_gradients(params)
+                split = bucket.by_group(params)
+                group = self._class_state.group
                 batches = [
-                    Batch(self._param_groups[index], params, grads)
+                    Batch(group(index), params, grads)
                     if len(positions) == len(params)
                     else Batch(
-                        self._param_groups[index],
+                        group(index),
                         [params[i] for i in positions],
                         [grads[i] for i in positions],
                     )
-                    for index, positions in bucket.by_group(params)
+                    for index, positions in split
                 ]
                 verdict = BucketVerdict()
                 if self._record and self._gradients.active:
@@ -217,7 +307,11 @@ class BackwardPass:
                             self._norms, bucket, params, grads, device_skip=device_skip
                         )
                 if verdict.step:
-                    self._stepper.step(batches, self._state, verdict.found_inf)
+                    found_inf = verdict.found_inf
+                    self._class_state.run(
+                        [index for index, _ in split],
+                        lambda: self._stepper.step(batches, self._state, found_inf),
+                    )
             finally:
                 self._release(params, grads)
 
@@ -234,3 +328,5 @@ class BackwardPass:
             self._events.record(on_device[0].device)
         drop_grads(params)
         self._stepped.update(map(id, params))
+        if self._record:
+            self._pending.add(params)

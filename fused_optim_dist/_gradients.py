@@ -51,7 +51,7 @@ from fused_optim_dist._options import InBackwardOptions
 from fused_optim_dist._plan import Bucket
 from fused_optim_dist._torch_internals import flatten, local_tensor
 
-__all__ = ["BackwardNorms", "BucketVerdict", "GradientProcessor"]
+__all__ = ["BackwardNorms", "BucketVerdict", "GradientProcessor", "all_zero"]
 
 # How a share of the squared norm is completed: summed over these dimensions of this mesh, or
 # (None) left local.
@@ -130,6 +130,27 @@ class _Shares:
             assert share is not None
             out.append((key, share))
         return out
+
+
+def all_zero(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """Whether every gradient of ``params`` (``grads``: their local tensors) is exactly zero
+    on every rank that holds a shard of it. Collective, as the norm is; reads one value back.
+    The largest magnitude is taken, not the square, which can underflow to zero."""
+    by_key: dict[_ReduceKey, list[torch.Tensor]] = {}
+    for param, grad in zip(params, grads, strict=True):
+        if grad.numel():
+            by_key.setdefault(_reduce_key(param), []).append(grad)
+        else:
+            by_key.setdefault(_reduce_key(param), [])
+    total: torch.Tensor | None = None
+    for key, local in by_key.items():
+        largest = (
+            torch.stack(torch._foreach_norm(local, float("inf"))).max().float()
+            if local
+            else torch.zeros(())
+        )
+        total = _add(total, _all_reduce(largest, key))
+    return total is None or bool(total == 0)
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["Stepping", "declare_stepping", "stepping_of"]
+__all__ = ["Stepping", "declare_stepping", "is_torch_optim_class", "stepping_of"]
 
 
 class Stepping(str, enum.Enum):
@@ -59,6 +59,13 @@ _KNOWN: dict[type[Optimizer], Stepping] = {
     torch.optim.Adafactor: Stepping.WHOLE_TENSOR,
 }
 """torch.optim classes whose update is elementwise, or needs each whole parameter."""
+
+
+def is_torch_optim_class(optimizer_cls: type[Optimizer]) -> bool:
+    """Whether ``optimizer_cls`` is exactly one of torch.optim's classes listed above, which
+    keep all their state in ``state[p]`` (not a subclass, which may keep more)."""
+    return optimizer_cls in _KNOWN
+
 
 _DECLARED: WeakKeyDictionary[type, Stepping] = WeakKeyDictionary()
 

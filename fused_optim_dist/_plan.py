@@ -83,6 +83,8 @@ class BucketPlan:
         ]
         group_of = {id(p): index for index, params in enumerate(self._group_params) for p in params}
         self.trainable = tuple(trainable)
+        # The trainable parameters that are plain tensors (what DistributedDataParallel trains).
+        self.plain_trainable = tuple(p for p in trainable if not hasattr(p, "device_mesh"))
         self.buckets = tuple(
             Bucket(index, params, group_of)
             for index, params in enumerate(_split(trainable, bucket_numel))

@@ -142,21 +142,26 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
     (e.g. Adam's ``step``) stay plain tensors, as torch.optim creates them. FSDP2 shards dim 0
     unevenly (the last ranks may hold fewer rows, or none), so ``from_local`` is given the
     global shape and stride instead of inferring them from the local shard.
+
+    A state tensor with one entry per row of the shard (dim 0 the shard's rows, other dims its
+    own, e.g. ``CompactAdamW``'s per-row quantization scales) is placed like ``param`` too,
+    with ``param``'s row count as its global dim 0, when ``param`` is sharded along dim 0 only.
     """
-    if not (
-        isinstance(param, DTensor)
-        and isinstance(value, torch.Tensor)
-        and value.dim() > 0
-        and value.shape == local_param.shape
+    if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0):
+        return value
+    if value.shape == local_param.shape:
+        shape, stride = param.shape, param.stride()
+    elif (
+        local_param.dim() > 0
+        and value.shape[0] == local_param.shape[0]
+        and all(not p.is_shard() or p.is_shard(0) for p in param.placements)
     ):
+        shape = torch.Size((param.shape[0], *value.shape[1:]))
+        stride = torch.empty(shape, device="meta").stride()
+    else:
         return value
     return DTensor.from_local(
-        value,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
+        value, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride
     )
 
 
@@ -176,9 +181,14 @@ class Stepper(Protocol):
         batches: Sequence[Batch],
         state: defaultdict[torch.Tensor, dict],
         found_inf: torch.Tensor | None = None,
-    ) -> None:
+    ) -> list[dict[str, Any]] | None:
         """Step every parameter of ``batches``, updating ``state`` in place; gradients are left
-        in place, the caller frees them."""
+        in place, the caller frees them. Returns the group dicts the class's own ``step``
+        received, one per batch (``None`` where it did not run: torch.optim's classes only)."""
+        ...
+
+    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run the class's ``step`` on ``groups`` with no parameters; the groups it received."""
         ...
 
     def flush(self) -> None:
@@ -465,13 +475,17 @@ class BucketStepper:
     def flush(self) -> None:
         """Apply updates still in flight: none, every update is applied in :meth:`step`."""
 
+    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run the class's ``step`` on ``groups`` with no parameters; the groups it received."""
+        return self._run([{**group, "params": []} for group in groups], defaultdict(dict), None)
+
     @torch.no_grad()
     def step(
         self,
         batches: Sequence[Batch],
         state: defaultdict[torch.Tensor, dict],
         found_inf: torch.Tensor | None = None,
-    ) -> None:
+    ) -> list[dict[str, Any]] | None:
         """Step every parameter of ``batches`` with its gradient, updating ``state`` in place.
 
         The local-shard step reads the batches' ``grads``, the DTensor step each parameter's
@@ -480,10 +494,9 @@ class BucketStepper:
         :meth:`takes_found_inf`): a 0-dim float tensor, nonzero to skip the update on the device.
         """
         if self.local_shards:
-            self._step_local(batches, state, found_inf)
-        else:
-            groups = [{**group, "params": list(params)} for group, params, _ in batches]
-            self._run(groups, state, found_inf)
+            return self._step_local(batches, state, found_inf)
+        groups = [{**group, "params": list(params)} for group, params, _ in batches]
+        return self._run(groups, state, found_inf)
 
     def _local_views(self, batches: Sequence[Batch], state: dict) -> tuple[_Key, _LocalViews]:
         """The cached views of ``batches``' parameters, re-derived if a source changed."""
@@ -509,7 +522,7 @@ class BucketStepper:
         batches: Sequence[Batch],
         state: defaultdict[torch.Tensor, dict],
         found_inf: torch.Tensor | None,
-    ) -> None:
+    ) -> list[dict[str, Any]] | None:
         key, views = self._local_views(batches, state)
         groups = [batch.group for batch in batches]
         fused = [
@@ -521,7 +534,7 @@ class BucketStepper:
             with traced("fused_optim_dist::update"):
                 for batch, lists, use_fused in zip(batches, adam, fused, strict=True):
                     self._adam_update(batch.group, lists, batch.grads, use_fused, found_inf)
-            return
+            return None
         local_groups = [
             {**group, "params": shards, "fused": True} if use_fused else {**group, "params": shards}
             for group, shards, use_fused in zip(groups, views.shards, fused, strict=True)
@@ -533,13 +546,14 @@ class BucketStepper:
                 view.shard.grad = grad
                 dtensor_views.append(view)
         try:
-            self._run(local_groups, views.state_dict, found_inf)
+            handed = self._run(local_groups, views.state_dict, found_inf)
         finally:
             for view in dtensor_views:
                 view.shard.grad = None
         if self._write_back(views, state):
             # New or replaced state: the views are re-derived from it at the next step.
             del self._views[key]
+        return handed
 
     def _adam_update(
         self,
@@ -630,13 +644,15 @@ class BucketStepper:
         groups: list[dict[str, Any]],
         state: defaultdict[torch.Tensor, dict],
         found_inf: torch.Tensor | None,
-    ) -> None:
+    ) -> list[dict[str, Any]]:
+        """Run the class's own step on ``groups`` (returned: what the step left in them)."""
         optimizer = self.optimizer
         optimizer.param_groups, optimizer.state = groups, state
         optimizer.found_inf = found_inf
         try:
             with traced("fused_optim_dist::update"):
                 self._step(optimizer)
+            return groups
         finally:
             # Drop the references so the stepper never keeps a bucket's tensors alive.
             optimizer.param_groups, optimizer.state = [], defaultdict(dict)

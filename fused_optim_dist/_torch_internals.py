@@ -9,9 +9,22 @@ Everything else in the package uses public APIs. What this module relies on, for
   group is one FSDP unit: its gradients are reduce-scattered together into one flat buffer, and
   ``foreach_reduce`` (``_fsdp_collectives.py``) then calls each sharded parameter's
   post-accumulate-grad hooks, one after the other.
-* ``DistributedDataParallel`` keeps no registry of its instances, so finding one means scanning
-  the garbage collector's objects; this is done once per optimizer, and only for plain-tensor
-  parameters in a multi-process job.
+* ``DistributedDataParallel`` keeps no registry of its instances, so finding one built before
+  the optimizer means scanning the garbage collector's objects; this is done once per
+  optimizer, and only for plain-tensor parameters in a multi-process job. One built later
+  (Hugging Face's Trainer and accelerate wrap the model after the optimizer is built) assigns
+  ``self.module = module`` in its ``__init__``, which runs the global module registration hooks
+  (``torch.nn.modules.module.register_module_module_registration_hook``): ``watch_ddp``
+  installs one that keeps every such instance in a weak set.
+* A backward that runs inside another one (reentrant activation checkpointing:
+  ``CheckpointFunction.backward`` calls ``torch.autograd.backward``) runs while the outer graph
+  task executes a Python autograd Function's node, whose Python frame is
+  ``BackwardCFunction.apply(self, ...)`` in ``torch/autograd/function.py`` with ``self`` the
+  node itself. A post hook registered on that node (``Node.register_hook``) while it runs is
+  called when it returns, in the outer graph task, where ``queue_callback`` queues on the outer
+  task (checked on torch 2.13).
+* ``torch.optim.optimizer._global_optimizer_pre_hooks`` holds the hooks
+  ``register_optimizer_step_pre_hook`` registered for every optimizer.
 * The autograd engine runs callbacks queued with ``Variable._execution_engine.queue_callback``
   once the current backward has finished, in the order they were queued, including callbacks
   queued by a running callback (``exec_post_processing`` in ``engine.cpp`` loops until the list
@@ -54,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 
@@ -61,15 +75,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "current_backward_id",
     "ddp_modules_holding",
+    "ddp_wrapped",
     "drop_grads",
+    "enclosing_backward_node",
     "flatten",
     "fsdp_gradient_slots",
     "fsdp_units",
     "fused_kernel_devices",
+    "global_step_pre_hooks",
     "local_tensor",
     "placed_alike",
     "queue_end_of_backward",
@@ -78,6 +96,7 @@ __all__ = [
     "slot_end",
     "storage_numel",
     "traced",
+    "watch_ddp",
 ]
 
 
@@ -196,6 +215,39 @@ def fused_kernel_devices() -> frozenset[str]:
     return frozenset(_get_fused_kernels_supported_devices())
 
 
+_DDP_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_DDP_WATCH: list[RemovableHandle] = []
+
+
+def _note_ddp(module: nn.Module, _name: str, _submodule: nn.Module) -> None:
+    if issubclass(type(module), nn.parallel.DistributedDataParallel):
+        _DDP_MODULES.add(module)
+
+
+def watch_ddp() -> None:
+    """From now on, note every ``DistributedDataParallel`` built (once per process)."""
+    if not _DDP_WATCH:
+        from torch.nn.modules.module import register_module_module_registration_hook
+
+        _DDP_WATCH.append(register_module_module_registration_hook(_note_ddp))
+
+
+def ddp_wrapped(params: Sequence[torch.Tensor]) -> bool:
+    """Whether a ``DistributedDataParallel`` built since :func:`watch_ddp` trains any of
+    ``params``. Costs nothing while none exists."""
+    if not _DDP_MODULES:
+        return False
+    wanted = {id(p) for p in params}
+    return any(id(p) in wanted for module in list(_DDP_MODULES) for p in module.parameters())
+
+
+def global_step_pre_hooks() -> bool:
+    """Whether a step pre-hook is registered for every optimizer."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    return bool(_global_optimizer_pre_hooks)
+
+
 def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:
     """Return the live ``DistributedDataParallel`` modules that train any of ``params``."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -211,6 +263,23 @@ def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:
         for obj in gc.get_objects()
         if issubclass(type(obj), ddp_cls) and any(id(p) in wanted for p in obj.parameters())
     ]
+
+
+def enclosing_backward_node() -> torch.autograd.graph.Node | None:
+    """The node the outermost enclosing backward is running, if this code runs in a backward
+    nested inside another (reentrant checkpointing); ``None`` otherwise. Walks the stack."""
+    import sys
+
+    from torch.autograd import function
+
+    node = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "apply" and code.co_filename == function.__file__:
+            node = frame.f_locals.get("self", node)
+        frame = frame.f_back
+    return node
 
 
 current_backward_id: Callable[[], int] = torch._C._current_graph_task_id

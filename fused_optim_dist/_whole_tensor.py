@@ -209,6 +209,10 @@ class WholeTensorStepper:
     ) -> None:
         """Step every parameter of ``batches`` (a unit) using its ``.grad``; a collective.
 
+        Returns nothing: the class's step runs on owner ranks only, each on its own
+        parameters, so group and instance state cannot be tracked here (see
+        ``WholeTensorStepper.__init__``).
+
         Gradients are read before this returns, so the caller may free them. The update is
         applied by the next call or by :meth:`flush`, which the ``BackwardPass`` calls when it
         finishes (at the end of backward, or of ``step()``).
@@ -237,6 +241,10 @@ class WholeTensorStepper:
             self.flush()
             owned = _Owned(params, groups, dim, state)
             self._pending = (self._launch_muon if self._muon else self._launch_class)(owned)
+
+    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run the class's ``step`` on ``groups`` with no parameters; the groups it received."""
+        return self._whole.step_without_params(groups)
 
     def flush(self) -> None:
         """Complete the unit in flight, if any."""

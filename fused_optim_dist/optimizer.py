@@ -16,17 +16,20 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fused_optim_dist._engine import BackwardPass
-from fused_optim_dist._gradients import GradientProcessor
+from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
-from fused_optim_dist._stepping import BucketStepper, Stepper
+from fused_optim_dist._protocol import PendingUpdates
+from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     current_backward_id,
     ddp_modules_holding,
+    ddp_wrapped,
     drop_grads,
-    queue_end_of_backward,
+    global_step_pre_hooks,
     read_grads,
+    watch_ddp,
 )
 from fused_optim_dist._validation import check_param_groups, resolve_optimizer_class
 from fused_optim_dist._whole_tensor import WholeTensorStepper
@@ -54,6 +57,17 @@ def _grad_ready_hook(optimizer: OptimizerInBackward) -> Callable[[torch.Tensor],
             owner._on_grad_ready(param)
 
     return hook
+
+
+def _ddp_error(kind: type[Exception] = RuntimeError) -> Exception:
+    return kind(
+        "these parameters are trained by DistributedDataParallel, whose gradient all-reduce "
+        "runs after the post-accumulate-grad hooks, so stepping in backward would use "
+        "unreduced gradients (and DDP's own step after backward would update them twice). "
+        "Shard the model with fully_shard, or for data parallel use replicate from "
+        "torch.distributed._composable.replicate_with_fsdp (FSDP2's all-reduce twin), "
+        "before building the optimizer."
+    )
 
 
 def _remove_hooks(handles: list[RemovableHandle]) -> None:
@@ -132,6 +146,10 @@ class OptimizerInBackward(Optimizer):
         TypeError: for an option given both ways, or a keyword both we and the class take.
     """
 
+    # torch.amp.GradScaler then hands step() its scale instead of unscaling gradients that
+    # are gone: step() recognises it and raises a clear error.
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -140,6 +158,7 @@ class OptimizerInBackward(Optimizer):
         options: InBackwardOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        watch_ddp()
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
         stepping = stepping_of(optimizer_cls, options.stepping)
@@ -170,6 +189,10 @@ class OptimizerInBackward(Optimizer):
         self._gradients = GradientProcessor(options)
         # Whether a gradient ever reached this object's params (or they were found live).
         self._ever_arrived = False
+        # Updates made in backward since the last step(). See [Note: the step protocol].
+        self._pending = PendingUpdates()
+        # Whether a backward stepped since the last step().
+        self._stepped_since_step = False
         self._accumulate_depth = 0
         self._attach_hooks()
 
@@ -177,7 +200,8 @@ class OptimizerInBackward(Optimizer):
         """Start the hook bookkeeping (at construction, and for a deep copy)."""
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
-        self._hooked: set[int] = set()
+        # The hooked parameters, by identity (weakly: never a recycled id()).
+        self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._detached = False
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         # The bucket plan, rebuilt when stale, and the backward pass in progress (or the last).
@@ -197,11 +221,7 @@ class OptimizerInBackward(Optimizer):
                     "state is kept) or pass disjoint parameters"
                 )
         if ddp_modules_holding(trainable):
-            raise ValueError(
-                "these parameters are trained by DistributedDataParallel, whose gradient "
-                "all-reduce runs after the post-accumulate-grad hooks, so stepping in backward "
-                "would use unreduced gradients; shard the model with fully_shard instead"
-            )
+            raise _ddp_error(ValueError)
 
     def _current_plan(self) -> BucketPlan:
         """The bucket plan of the param groups as they are now; hooks on every trainable param.
@@ -213,13 +233,13 @@ class OptimizerInBackward(Optimizer):
         if plan is not None and plan.is_current(self.param_groups):
             return plan
         plan = self._plan = BucketPlan(self.param_groups, self.options.bucket_numel)
-        new = [p for p in plan.trainable if id(p) not in self._hooked]
+        new = [p for p in plan.trainable if p not in self._hooked]
         if new and not self._detached:
             self._check_not_driven_elsewhere(new)
             hook = _grad_ready_hook(self)
             for param in new:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
-                self._hooked.add(id(param))
+                self._hooked[param] = True
                 _OWNERS[param] = weakref.ref(self)
         return plan
 
@@ -231,7 +251,9 @@ class OptimizerInBackward(Optimizer):
             self._gradients,
             self.param_groups,
             self.state,
+            self._pending,
             record=record,
+            trackable=not isinstance(self._stepper, WholeTensorStepper),
         )
 
     # ------------------------------------------------------------------ torch.optim.Optimizer
@@ -246,6 +268,21 @@ class OptimizerInBackward(Optimizer):
         self._check_not_driven_elsewhere([p for p in param_group["params"] if p.requires_grad])
         super().add_param_group(param_group)
         self._current_plan()
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """Refused: a step pre-hook runs before the update, and here the updates happen in
+        backward, before ``step()`` is called. Post-hooks (:meth:`register_step_post_hook`)
+        run at ``step()`` as for a plain optimizer.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError(
+            "OptimizerInBackward cannot run a step pre-hook: it updates each parameter in "
+            "backward, before step() is called, so the hook would see gradients that are "
+            "already stepped and freed. Do the hook's work before backward (on the loss, or "
+            "in a module backward hook) or use register_step_post_hook."
+        )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         stepper = self.__dict__.get("_stepper")
@@ -274,6 +311,10 @@ class OptimizerInBackward(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; with ``set_to_none`` (the default), without
         its per-parameter ``__torch_function__`` lookups (usually no gradient is left)."""
+        if self._pending:
+            # See [Note: the step protocol].
+            self._pending.mark_unfinished(self._pass is not None and self._pass.unfinished)
+            self._pending.refuse_discard()
         if not set_to_none:
             super().zero_grad(set_to_none=False)
             return
@@ -304,6 +345,7 @@ class OptimizerInBackward(Optimizer):
                 "OptimizerInBackward.step() takes no closure: parameters are stepped during "
                 "backward, so call loss.backward() yourself before step()"
             )
+        self._refuse_grad_scaler()
         plan = self._current_plan()
         ready = [
             p
@@ -312,13 +354,70 @@ class OptimizerInBackward(Optimizer):
         ]
         if ready:
             self._ever_arrived = True
-            lrs = [group["lr"] for group in self.param_groups if "lr" in group]
-            creates_state_only = bool(lrs) and all(float(lr) == 0.0 for lr in lrs)
-            step = self._new_pass(None, record=not creates_state_only)
+            if self._creates_state_only(plan, ready):
+                step = self._new_pass(None, record=False)
+                step.step_all(ready)
+                step.finish()
+                return
+            self._check_first_backward()
+            step = self._new_pass(None)
             step.step_all(ready)
             step.finish()
-        elif not self._ever_arrived:
-            self._check_alive(plan)
+        else:
+            if not self._ever_arrived:
+                self._check_alive(plan)
+            if not self._stepped_since_step:
+                # A step() with no backward since the last: the class's step still visits
+                # every group, so state it keeps there advances as the plain optimizer's does.
+                # See [Note: group and instance state].
+                self._new_pass(None).finish()
+        self._pending.commit()
+        self._stepped_since_step = False
+
+    def _creates_state_only(self, plan: BucketPlan, ready: list[torch.Tensor]) -> bool:
+        """Whether this ``step()`` is the one ``torch.distributed.checkpoint`` runs to create
+        state: no state yet, lr 0 in every group, and every trainable parameter holding a
+        gradient that is exactly zero on every rank (collective, one value read back; only
+        when the first three hold). Any other step, a warmup's lr-0 first step included, is
+        an ordinary one: clipped, checked for non-finite values, counted in the norm."""
+        lrs = [group["lr"] for group in self.param_groups if "lr" in group]
+        if not lrs or any(float(lr) != 0.0 for lr in lrs):
+            return False
+        if self.state or len(ready) != len(plan.trainable):
+            return False
+        return all_zero(ready, local_gradients(ready))
+
+    def _refuse_grad_scaler(self) -> None:
+        """Raise if ``torch.amp.GradScaler.step`` called this ``step()``.
+
+        GradScaler hands an optimizer that declares ``_step_supports_amp_scaling`` its scale
+        and inf flag as attributes and expects it to unscale; here the scaled gradients were
+        stepped in backward already."""
+        if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
+            raise RuntimeError(
+                "torch.amp.GradScaler cannot drive OptimizerInBackward: the loss was scaled, "
+                "and each gradient was stepped in backward as it arrived, before GradScaler "
+                "could unscale it or skip a step with inf/NaN gradients. Train with bf16 "
+                "autocast (torch.autocast(device_type, dtype=torch.bfloat16)), which needs no "
+                "loss scaling, and use skip_nonfinite=True to skip non-finite buckets; or use "
+                "the plain optimizer with GradScaler."
+            )
+
+    def _check_first_backward(self) -> None:
+        """Checks run when a backward (or ``step()``) starts stepping, before anything moves:
+        what can have changed since construction."""
+        if self._optimizer_step_pre_hooks or global_step_pre_hooks():
+            raise RuntimeError(
+                "a step pre-hook is registered (register_step_pre_hook or "
+                "torch.optim.optimizer.register_optimizer_step_pre_hook), but OptimizerInBackward "
+                "updates parameters in backward, before step() could run it. Do its work before "
+                "backward (or in a backward hook), or remove it."
+            )
+        plan = self._current_plan()
+        if plan.plain_trainable and ddp_wrapped(plan.plain_trainable):
+            raise _ddp_error()
 
     def _check_alive(self, plan: BucketPlan) -> None:
         if plan.trainable and not _held_by_a_module(plan.trainable):
@@ -411,6 +510,9 @@ class OptimizerInBackward(Optimizer):
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._ever_arrived = True
+        if self._pending and self._pending.holds(param):
+            # See [Note: the step protocol].
+            self._pending.refuse_second_gradient(param)
         if self._accumulate_depth:
             return
         backward_id = current_backward_id()
@@ -421,10 +523,12 @@ class OptimizerInBackward(Optimizer):
             single.step_all([param])
             single.finish()
             return
-        if current is None or current.backward_id != backward_id:
+        if current is None or not (current.owns(backward_id) or current.adopt(backward_id)):
             # The first gradient of a new backward. See [Note: one backward, one BackwardPass].
+            self._check_first_backward()
             current = self._pass = self._new_pass(backward_id)
-            queue_end_of_backward(current.finish)
+            current.queue_finish()
+            self._stepped_since_step = True
         current.arrive(param)
 
 

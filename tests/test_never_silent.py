@@ -1,0 +1,515 @@
+"""Loops people write for a plain optimizer, with ours swapped in: equal, or refused at once.
+
+Each test writes the loop for plain ``torch.optim`` first, then runs it with
+``OptimizerInBackward`` on an identical model and data. The rule (README, "What differs from the
+plain optimizer, and what raises"): the parameters end equal (1e-6), or an ordinary exception
+naming the fix is raised at the first step where they cannot, with the parameters unchanged
+wherever that was knowable. Single-process tests use a plain module; the ``*_body`` functions
+run on 2 (or 3) gloo ranks with FSDP2, uneven shards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _toy import assert_match, batch, full, loss_fn, make_models, rank_slice, shard
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.checkpoint import checkpoint
+
+from fused_optim_dist import InBackwardOptions, OptimizerInBackward
+
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    for name, param in model.named_parameters():
+        assert torch.equal(full(param).detach(), before[name]), f"{name} moved"
+
+
+def _x(step: int, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(step)
+    return (rank_slice(x), rank_slice(y)) if sharded else (x, y)
+
+
+# ------------------------------------------------------------- 1. reentrant checkpointing
+
+
+def _checkpointed(model: nn.Module) -> nn.Module:
+    """``model`` with every block run under reentrant activation checkpointing (the forward
+    replaced on the instance, so FSDP2's hooks on the root still run)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.inp(x)
+        for layer in model.layers:
+            h = checkpoint(layer, h, use_reentrant=True)
+        return model.head(h)
+
+    model.forward = forward
+    return model
+
+
+def _reentrant(sharded: bool, max_grad_norm: float | None, bucket_numel: int) -> None:
+    model, reference = map(_checkpointed, make_models())
+    if sharded:
+        shard(model)
+        shard(reference)
+    optim = OptimizerInBackward(
+        model.parameters(),
+        torch.optim.AdamW,
+        options=InBackwardOptions(max_grad_norm=max_grad_norm, bucket_numel=bucket_numel),
+        **ADAMW,
+    )
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(3):
+        x, y = _x(step, sharded)
+        loss_fn(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, x, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), max_grad_norm if max_grad_norm else math.inf
+        )
+        torch.testing.assert_close(optim.grad_norm(), full(norm), rtol=1e-5, atol=1e-6)
+        plain.step()
+        plain.zero_grad()
+    if max_grad_norm is None or bucket_numel > 10_000:
+        assert_match(model, reference)
+
+
+def test_reentrant_checkpointing_is_one_pass_plain_module():
+    """Nested graph tasks belong to the outer backward: one norm, and exact clipping on a
+    one-bucket module (clipping must see every gradient of the backward)."""
+    _reentrant(sharded=False, max_grad_norm=None, bucket_numel=20)
+    _reentrant(sharded=False, max_grad_norm=0.5, bucket_numel=1 << 20)
+
+
+def _reentrant_body() -> None:
+    _reentrant(sharded=True, max_grad_norm=None, bucket_numel=20)
+
+
+# ------------------------------------------- 2. group and instance state of the wrapped class
+
+
+class GroupStepLamb(torch.optim.Optimizer):
+    """LAMB as timm writes it, reduced to what matters here: a step counter in each param
+    group (``group["step"] += 1`` once per ``step()``), bias correction from it, and a trust
+    ratio from the norms of the whole parameter and of its update."""
+
+    def __init__(self, params, lr: float = 1e-2, betas=(0.9, 0.99), eps: float = 1e-6):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            c1, c2 = 1 - beta1 ** group["step"], 1 - beta2 ** group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                update = (state["exp_avg"] / c1) / (
+                    (state["exp_avg_sq"] / c2).sqrt() + group["eps"]
+                )
+                w_norm, u_norm = p.norm(), update.norm()
+                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+                p.add_(update * ratio, alpha=-group["lr"])
+
+
+class InstanceCountSGD(torch.optim.Optimizer):
+    """SGD whose lr decays with a counter kept on the instance (``self.t += 1``)."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, dict(lr=lr))
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / math.sqrt(self.t))
+
+
+class NormInGroup(torch.optim.SGD):
+    """Writes a value that depends on the parameters stepped into its group: no per-bucket
+    stepping can reproduce it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["last_norm"] = float(
+                sum(p.grad.norm() ** 2 for p in group["params"] if p.grad is not None)
+            )
+        return super().step()
+
+
+def _counters(sharded: bool, cls: type, kwargs: dict) -> None:
+    model, reference = make_models()
+    if sharded:
+        shard(model)
+        shard(reference)
+    head = list(model.head.parameters())
+    body = [p for n, p in model.named_parameters() if not n.startswith("head")]
+    ref_head = list(reference.head.parameters())
+    ref_body = [p for n, p in reference.named_parameters() if not n.startswith("head")]
+    optim = OptimizerInBackward(
+        [{"params": body}, {"params": head, "lr": 3e-3}], cls, bucket_numel=20, **kwargs
+    )
+    plain = cls([{"params": ref_body}, {"params": ref_head, "lr": 3e-3}], **kwargs)
+    for step in range(4):
+        x, y = _x(step, sharded)
+        loss_fn(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, x, y).backward()
+        plain.step()
+        plain.zero_grad()
+    # A step() without a backward advances the counters, as plain's does.
+    optim.step()
+    plain.step()
+    assert_match(model, reference)
+    assert [g.get("step") for g in optim.param_groups] == [
+        g.get("step") for g in plain.param_groups
+    ]
+
+
+def test_group_step_counter_trains_like_plain():
+    _counters(False, GroupStepLamb, {})
+
+
+def test_instance_counter_trains_like_plain():
+    _counters(False, InstanceCountSGD, {})
+
+
+def test_group_state_depending_on_parameters_is_refused():
+    model, _ = make_models()
+    _optim = OptimizerInBackward(model.parameters(), NormInGroup, lr=0.1, bucket_numel=20)
+    x, y = _x(0)
+    with pytest.raises(RuntimeError, match="wrote different values in param group 0"):
+        loss_fn(model, x, y).backward()
+
+
+def _lamb_body() -> None:
+    _counters(True, GroupStepLamb, {})
+
+
+# --------------------------------------------------------- 3. a warmup from lr 0
+
+
+def test_lr_zero_step_is_an_ordinary_step():
+    """A warmup's first step at lr 0 on gradients ``step()`` consumes: clipped, guarded and
+    counted, exactly like the plain optimizer with clip_grad_norm_ (one bucket)."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, max_grad_norm=0.1, bucket_numel=1 << 20, **ADAMW
+    )
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 2)) for o in (optim, plain)
+    ]
+    for step in range(4):
+        x, y = _x(step)
+        with optim.accumulate():
+            loss_fn(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, x, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        torch.testing.assert_close(optim.grad_norm(), norm, rtol=1e-5, atol=1e-7)
+        plain.step()
+        plain.zero_grad()
+        for s in schedules:
+            s.step()
+    assert_match(model, reference)
+    for a, b in zip(optim.state.values(), plain.state.values(), strict=True):
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], atol=1e-7, rtol=1e-5)
+
+
+def test_lr_zero_step_skips_a_nonfinite_gradient():
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, skip_nonfinite=True, lr=0.0)
+    before = _snapshot(model)
+    x, y = _x(0)
+    with optim.accumulate():
+        loss_fn(model, x, y).backward()
+    model.head.weight.grad[0, 0] = float("nan")
+    optim.step()
+    _assert_unchanged(model, before)
+    assert optim.nonfinite_steps >= 1
+    assert all(torch.isfinite(v).all() for s in optim.state.values() for v in s.values())
+
+
+# ------------------------------------- 4-6. a second backward before step(): refused at once
+
+
+def test_two_losses_two_backwards_refused_before_the_second_moves():
+    model, _ = make_models()
+    _optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    x, y = _x(0)
+    out = model(x)
+    nn.functional.mse_loss(out, y).backward(retain_graph=True)
+    after_first = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"accumulate\(\)"):
+        out.square().mean().backward()
+    _assert_unchanged(model, after_first)
+
+
+def test_two_losses_under_accumulate_equal_plain():
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(3):
+        x, y = _x(step)
+        out = model(x)
+        with optim.accumulate():
+            nn.functional.mse_loss(out, y).backward(retain_graph=True)
+        out.square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+        ref = reference(x)
+        (nn.functional.mse_loss(ref, y) + ref.square().mean()).backward()
+        plain.step()
+        plain.zero_grad()
+    assert_match(model, reference)
+
+
+def test_plain_style_accumulation_refused_at_the_second_micro_batch():
+    model, _ = make_models()
+    _optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = _x(0)
+    (loss_fn(model, x[:4], y[:4]) / 2).backward()
+    after_first = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"accumulate\(\)"):
+        (loss_fn(model, x[4:], y[4:]) / 2).backward()
+    _assert_unchanged(model, after_first)
+
+
+def _gan_models() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4)), nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)
+    )
+
+
+def _dcgan(make_opt, fixed: bool) -> tuple[nn.Module, nn.Module]:
+    """The DCGAN tutorial's loop; ``fixed``: D's two backwards as one step (accumulate) and
+    G's loss run with D frozen, as the README tells in-backward users."""
+    netG, netD = _gan_models()
+    optD, optG = make_opt(netD.parameters()), make_opt(netG.parameters())
+    bce = nn.BCEWithLogitsLoss()
+    in_backward = isinstance(optD, OptimizerInBackward)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        real, noise = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+        netD.zero_grad()
+        errD_real = bce(netD(real), torch.ones(8, 1))
+        if fixed and in_backward:
+            with optD.accumulate():
+                errD_real.backward()
+        else:
+            errD_real.backward()
+        fake = netG(noise)
+        bce(netD(fake.detach()), torch.zeros(8, 1)).backward()
+        optD.step()
+        netG.zero_grad()
+        if fixed:
+            netD.requires_grad_(False)
+        bce(netD(fake), torch.ones(8, 1)).backward()
+        netD.requires_grad_(True)
+        optG.step()
+    return netG, netD
+
+
+def test_dcgan_tutorial_loop_refused_fixed_loop_equal():
+    adam = lambda ps: torch.optim.Adam(ps, lr=2e-3, betas=(0.5, 0.999))  # noqa: E731
+    ours = lambda ps: OptimizerInBackward(ps, torch.optim.Adam, lr=2e-3, betas=(0.5, 0.999))  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"accumulate\(\)"):
+        _dcgan(ours, fixed=False)
+    for a, b in zip(_dcgan(ours, fixed=True), _dcgan(adam, fixed=True), strict=True):
+        assert_match(a, b)
+
+
+def test_zero_grad_discarding_an_in_backward_update_is_refused():
+    """The GAN case through the optimizer's own zero_grad(): D was updated by G's loss."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = _x(0)
+    loss_fn(model, x, y).backward()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) called while"):
+        optim.zero_grad()
+    optim.step()
+    optim.zero_grad()
+
+
+def _fsdp_two_backwards_body() -> None:
+    """On FSDP2: two backwards refused; FSDP2's own no-sync accumulation and accumulate()
+    still equal plain."""
+    model, reference = make_models()
+    shard(model)
+    shard(reference)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(2):
+        x, y = _x(step, sharded=True)
+        for net, opt in ((model, optim), (reference, plain)):
+            net.set_requires_gradient_sync(False)
+            (loss_fn(net, x, y) / 2).backward()
+            net.set_requires_gradient_sync(True)
+            (loss_fn(net, x, y) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference)
+    x, y = _x(5, sharded=True)
+    loss_fn(model, x, y).backward()
+    after_first = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"accumulate\(\)"):
+        loss_fn(model, x, y).backward()
+    _assert_unchanged(model, after_first)
+
+
+# ------------------------------------------------------------------ 7. GradScaler
+
+
+def test_grad_scaler_refused_at_step_zero():
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = _x(0)
+    scaler.scale(loss_fn(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match="bf16 autocast"):
+        scaler.step(optim)
+
+
+# ------------------------------------------------------------------ 8. step hooks
+
+
+def test_step_pre_hook_refused_at_registration_post_hook_runs_at_step():
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="step pre-hook"):
+        optim.register_step_pre_hook(lambda *_: None)
+    calls = []
+    optim.register_step_post_hook(lambda *_: calls.append(1))
+    x, y = _x(0)
+    loss_fn(model, x, y).backward()
+    assert calls == []
+    optim.step()
+    assert calls == [1]
+
+
+def test_global_step_pre_hook_refused_before_anything_moves():
+    model, _ = make_models()
+    _optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    handle = register_optimizer_step_pre_hook(lambda *_: None)
+    before = _snapshot(model)
+    try:
+        x, y = _x(0)
+        with pytest.raises(RuntimeError, match="step pre-hook"):
+            loss_fn(model, x, y).backward()
+    finally:
+        handle.remove()
+    _assert_unchanged(model, before)
+
+
+def test_load_state_dict_hooks_run_as_plain():
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    seen = []
+    optim.register_load_state_dict_pre_hook(lambda o, sd: seen.append("pre"))
+    optim.register_load_state_dict_post_hook(lambda o: seen.append("post"))
+    optim.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    state = optim.state_dict()
+    assert state["extra"] == 1
+    del state["extra"]
+    optim.load_state_dict(state)
+    assert seen == ["pre", "post"]
+
+
+# ------------------------------------------------------------------ 9. DDP at any time
+
+
+def _ddp_late_body() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match="replicate"):
+        ddp(torch.randn(3, 4)).sum().backward()
+    _assert_unchanged(model, before)
+    del optim, ddp
+
+
+def _replicate_body() -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    model, reference = make_models()
+    replicate(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    size = 2 * dist.get_world_size()  # equal shares: replicate averages the ranks' means
+    for step in range(3):
+        gx, gy = batch(step, size)
+        loss_fn(model, rank_slice(gx), rank_slice(gy)).backward()
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, gx, gy).backward()
+        plain.step()
+        plain.zero_grad()
+    assert_match(model, reference)
+
+
+# ------------------------------------------------------------------ extras
+
+
+def test_parameter_swap_is_hooked_from_the_next_backward():
+    """accelerate's FSDP2 prepare replaces the tensors in param_groups: the new parameters
+    are hooked (by identity, never a recycled id) and stepped in backward."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    old = list(model.parameters())
+    for name, param in list(model.named_parameters()):
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(param.detach().clone()))
+    mapping = dict(zip(map(id, old), model.parameters(), strict=True))
+    for group in optim.param_groups:
+        group["params"] = [mapping[id(p)] for p in group["params"]]
+    del old, mapping
+    for step in range(3):
+        x, y = _x(step)
+        loss_fn(model, x, y).backward()
+        if step > 0:  # from the first backward after the swap was seen, in backward
+            assert all(p.grad is None for p in model.parameters())
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, x, y).backward()
+        plain.step()
+        plain.zero_grad()
+    assert_match(model, reference)
+
+
+def test_ten_loops_on_distributed_worlds(worlds):
+    worlds.run(2, _reentrant_body)
+    worlds.run(2, _lamb_body)
+    worlds.run(3, _lamb_body)
+    worlds.run(2, _fsdp_two_backwards_body)
+    worlds.run(2, _ddp_late_body)
+    worlds.run(2, _replicate_body)
+    worlds.run(3, _replicate_body)
