@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "MethodEstimate",
     "OptimizerMethod",
     "estimate",
+    "estimate_job_memory",
     "fake_world",
     "format_report",
     "measure",
@@ -585,3 +587,49 @@ def format_report(
         f"'{config.kernel}', as set). Every figure is an estimate.",
     ]
     return "\n".join(lines)
+
+
+def estimate_job_memory(job: Any, *, llama: LlamaConfig | None) -> dict[str, Any]:
+    """Print the estimate for a fine-tuning job as configured; return it (rank 0 only).
+
+    ``job`` is ``scripts/finetune.py``'s ``JobConfig`` (read by field name: model, hf_model,
+    activation_checkpointing, mixed_precision, seq_len, batch_size, grad_accum, optimizer,
+    optimizer_kwargs, max_grad_norm, in_backward); ``llama`` its resolved preset, ``None`` with
+    ``hf_model``. The world size is torchrun's ``WORLD_SIZE`` (1 without torchrun); the GPU is
+    this machine's first CUDA device, or an 80 GB one. Under torchrun only rank 0 simulates,
+    and the other ranks return an empty dict. Call it before joining a process group.
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    config = EstimateConfig(
+        model=job.model,
+        llama=llama,
+        hf_model=job.hf_model,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        activation_checkpointing=job.activation_checkpointing,
+        mixed_precision=job.mixed_precision,
+        seq_len=job.seq_len,
+        batch_size=job.batch_size,
+        grad_accum=job.grad_accum,
+        optimizer=job.optimizer,
+        optimizer_kwargs=job.optimizer_kwargs,
+        max_grad_norm=job.max_grad_norm or None,
+    )
+    gpu_gib = (
+        torch.cuda.get_device_properties(0).total_memory / GIB
+        if torch.cuda.is_available()
+        else GPU_80GB_GIB
+    )
+    results = estimate(config)
+    margin = Margin()
+    print(format_report(config, results, margin, gpu_gib), flush=True)
+    method = "in-backward" if job.in_backward else "plain"
+    print(
+        f"This job steps the optimizer {'in' if job.in_backward else 'after'} backward ({method}).",
+        flush=True,
+    )
+    return {
+        "config": config.describe(),
+        "job_method": method,
+        "results": [r.as_dict() for r in results],
+    }

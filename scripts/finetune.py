@@ -84,6 +84,7 @@ from fused_optim_dist_recipes.data import (
     tokenize,
 )
 from fused_optim_dist_recipes.evaluation import evaluating, generate, held_out_loss
+from fused_optim_dist_recipes.memory_estimate import estimate_job_memory
 from fused_optim_dist_recipes.metrics import (
     HELD_OUT_KEY,
     MetricsLog,
@@ -213,6 +214,8 @@ class JobConfig:
     """``auto`` (nccl on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
     log_every: int = 10
     """Print a progress line every N steps when not on a terminal."""
+    estimate_memory: bool = False
+    """Print the simulated peak memory per rank of this job, then exit without training."""
 
     def __post_init__(self) -> None:
         if self.batch_size % self.grad_accum:
@@ -505,6 +508,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=_default("log_every"),
         help="print a progress line every N steps when not on a terminal",
+    )
+    run.add_argument(
+        "--estimate-memory",
+        action="store_true",
+        help="print this job's simulated peak memory per rank (plain and in backward), then "
+        "exit; see scripts/estimate_memory.py",
     )
     return p
 
@@ -839,6 +848,8 @@ def _summary_text(summary: dict[str, Any], cfg: JobConfig, outputs: list[str]) -
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the fine-tuning job; return the final summary (the same on every rank)."""
     cfg = parse_args(argv)
+    if cfg.estimate_memory:  # simulated on this CPU: no process group, no training
+        return estimate_job_memory(cfg, llama=None if cfg.hf_model else _llama_config(cfg))
     device, created_group = _setup_distributed(cfg)
     try:
         return _run(cfg, device)
