@@ -451,7 +451,8 @@ class CompactAdamW(Optimizer):
             get no ``weight_error``), or param-group dicts.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         weight_correction: keep the int8 error of bfloat16 weights (``False``: plain bfloat16
-            weights, for ablations). Per group; turning it on later starts from a zero error.
+            weights, for ablations). Fixed for a run; state loaded from AdamW (no error yet)
+            starts from a zero error.
         compand: compand the momentum before quantizing (``False``: linear 8-bit, for
             ablations). Fixed for a run: the codes are read as they were written.
 

@@ -1,0 +1,243 @@
+"""CompactAdamW on plain tensors, in one process: the encodings' error bounds, the update
+against torch.optim.AdamW, layout independence, state dicts. The distributed behaviour (in
+backward, checkpoints) is in ``test_compact_adamw_dist.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fused_optim_dist import _kinds
+from fused_optim_dist.compact_adamw import (
+    GROUP_SIZE,
+    CompactAdamW,
+    _decode_momentum,
+    _decode_root,
+    _encode_momentum,
+    _encode_root,
+    _join24,
+    _split24,
+    master_weight,
+    to_adamw_state_dict,
+)
+
+KWARGS = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def _heavy_tailed(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.randn(n, generator=g).exp()
+
+
+def test_24_bit_values_keep_16_significant_bits():
+    x = _heavy_tailed(4096) * 1e-3
+    high, error = _split24(x)
+    assert high.dtype == torch.bfloat16 and error.dtype == torch.int8
+    joined = _join24(high, error)
+    # bf16 keeps 8 significant bits, the error 8 more: |x - joined| <= ulp(x) / 512.
+    assert ((joined - x).abs() <= x.abs() * 2**-15).all()
+    assert ((high.float() - x).abs() > x.abs() * 2**-12).any(), "bf16 alone must be coarser"
+
+
+@pytest.mark.parametrize("compand", [True, False])
+def test_momentum_codes_within_half_a_step(compand):
+    m = _heavy_tailed(64 * GROUP_SIZE).view(-1, GROUP_SIZE)
+    code, scale = _encode_momentum(m, compand)
+    decoded = _decode_momentum(code, scale, compand)
+    s = scale.float()
+    # Largest code step: 1/127 of the scale linear; companded 2/127 near the scale (slope
+    # 1/2 there), 1/254 near zero. Plus the bf16 rounding of the scale (2**-8 relative).
+    step = s / 127 * (2 if compand else 1)
+    assert ((decoded - m).abs() <= step / 2 + m.abs() * 2**-8).all()
+    small = m.abs() < s / 8
+    if compand:  # finer than linear near zero
+        linear = _decode_momentum(*_encode_momentum(m, False), False)
+        assert (decoded - m)[small].abs().mean() < (linear - m)[small].abs().mean()
+
+
+def test_root_codes_never_zero_for_positive_variance():
+    root = _heavy_tailed(64 * GROUP_SIZE).abs().view(-1, GROUP_SIZE)
+    root[0, 3] = 0.0
+    root[1, 5] = root[1].max() * 1e-6
+    code, scale = _encode_root(root)
+    decoded = _decode_root(code, scale)
+    assert code[0, 3] == 0 and code[1, 5] == 1
+    assert ((code > 0) == (root > 0)).all()
+    big = code > 1
+    s = scale.float().expand_as(root)
+    assert ((decoded - root)[big].abs() <= (s / 255 / 2 + root * 2**-8)[big]).all()
+
+
+def test_groups_never_cross_a_row():
+    """A (3, 70) weight: 3 groups per row (32, 32, 6); each row is encoded on its own."""
+    torch.manual_seed(0)
+    start, grad = torch.randn(3, 70).bfloat16(), torch.randn(3, 70).bfloat16()
+    weight = nn.Parameter(start.clone())
+    optim = CompactAdamW([weight], **KWARGS)
+    weight.grad = grad.clone()
+    optim.step()
+    state = optim.state[weight]
+    assert state["exp_avg_scale"].shape == (3, 3)
+    assert state["exp_avg_code"].shape == (3, 70)
+    # Row 1 alone, as a one-row shard, gets the same weights, codes and scales.
+    row = nn.Parameter(start[1:2].clone())
+    row_optim = CompactAdamW([row], **KWARGS)
+    row.grad = grad[1:2].clone()
+    row_optim.step()
+    for key, value in row_optim.state[row].items():
+        assert torch.equal(value, state[key] if key == "step" else state[key][1:2]), key
+    assert torch.equal(row.detach(), weight.detach()[1:2])
+
+
+def test_same_result_whatever_is_stepped_with_it():
+    """Stepping parameters one by one or together gives the same bits ([Note:
+    layout-independent arithmetic]): in backward a bucket holds one FSDP unit, after it all."""
+    torch.manual_seed(0)
+    shapes = [(3, 70), (17, 33), (64,), (5, 5), (1, 1000)]
+    start = [torch.randn(s).bfloat16() for s in shapes]
+    grads = [[torch.randn(s).bfloat16() for s in shapes] for _ in range(3)]
+    together = [nn.Parameter(t.clone()) for t in start]
+    alone = [nn.Parameter(t.clone()) for t in start]
+    optim = CompactAdamW(together, **KWARGS)
+    optims = [CompactAdamW([p], **KWARGS) for p in alone]
+    for step_grads in grads:
+        for p, q, g in zip(together, alone, step_grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        optim.step()
+        for o in optims:
+            o.step()
+    for p, q, o in zip(together, alone, optims, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+        for key, value in optim.state[p].items():
+            assert torch.equal(o.state[q][key], value), key
+
+
+def test_first_step_equals_adamw_on_float32():
+    """From zero state the first update uses exact moments: AdamW's step to rounding."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(7, 40)), nn.Parameter(torch.randn(9))]
+    reference = copy.deepcopy(params)
+    optim = CompactAdamW(params, **KWARGS)
+    ref_optim = torch.optim.AdamW(reference, foreach=False, **KWARGS)
+    for p, q in zip(params, reference, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    optim.step()
+    ref_optim.step()
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+
+
+def test_trajectory_close_to_adamw_on_float32():
+    """Twenty steps on float32 weights: the 8-bit moments move each weight within a few
+    percent of AdamW's total displacement."""
+    torch.manual_seed(0)
+    start = torch.randn(16, 64)
+    p, q = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    optim, ref_optim = CompactAdamW([p], **KWARGS), torch.optim.AdamW([q], **KWARGS)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        p.grad = torch.randn(16, 64, generator=g) + 0.5
+        q.grad = p.grad.clone()
+        optim.step()
+        ref_optim.step()
+    ours, theirs = (p.detach() - start), (q.detach() - start)
+    assert (ours - theirs).norm() < 0.05 * theirs.norm()
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_updates_below_half_a_bf16_ulp(correction):
+    """Weights near 1 (bf16 ULP 2**-7) updated by about 1e-4 per step: with the error they
+    move as float32 weights do; without it bf16 rounds every update away."""
+    weight = nn.Parameter(torch.full((4, 32), 1.0, dtype=torch.bfloat16))
+    fp32 = nn.Parameter(torch.full((4, 32), 1.0))
+    kwargs = dict(lr=1e-4, weight_decay=0.0)
+    optim = CompactAdamW([weight], weight_correction=correction, **kwargs)
+    ref_optim = CompactAdamW([fp32], **kwargs)
+    for _ in range(50):
+        weight.grad = torch.ones_like(weight)
+        fp32.grad = torch.ones_like(fp32)
+        optim.step()
+        ref_optim.step()
+    if correction:
+        # Each step rounds to 1/256 of a bf16 ULP (2**-16 in [0.5, 1)): half of it per step.
+        master = master_weight(weight, optim.state[weight])
+        torch.testing.assert_close(master, fp32.detach(), atol=50 * 2**-17, rtol=0)
+        assert (weight.float() < 1.0).all()
+    else:
+        assert (weight == 1.0).all(), "bf16 alone loses updates below half an ULP"
+        assert "weight_error" not in optim.state[weight]
+
+
+def _trained(dtype: torch.dtype) -> tuple[list[nn.Parameter], CompactAdamW]:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 70).to(dtype)), nn.Parameter(torch.randn(6).to(dtype))]
+    optim = CompactAdamW(params, **KWARGS)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optim.step()
+    return params, optim
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_state_dict_round_trip_is_exact(dtype):
+    """load_state_dict casts state to the parameters' dtype; every value survives it."""
+    params, optim = _trained(dtype)
+    loaded = CompactAdamW(params, **KWARGS)
+    loaded.load_state_dict(copy.deepcopy(optim.state_dict()))
+    for p in params:
+        assert optim.state[p].keys() == loaded.state[p].keys()
+        for key, value in optim.state[p].items():
+            assert loaded.state[p][key].dtype == value.dtype, key
+            assert torch.equal(loaded.state[p][key], value), key
+    # And both continue alike.
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    optim.step()
+    after = [p.detach().clone() for p in params]
+    for p, b in zip(params, before, strict=True):
+        p.data.copy_(b)
+    loaded.step()
+    for p, a in zip(params, after, strict=True):
+        assert torch.equal(p.detach(), a)
+
+
+def test_adamw_state_in_and_out():
+    """An AdamW state dict loads (quantized); exporting gives AdamW's layout back, within the
+    quantization error, and AdamW loads it."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 70)), nn.Parameter(torch.randn(6))]
+    adamw = torch.optim.AdamW(params, **KWARGS)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        adamw.step()
+    compact = CompactAdamW(params, **KWARGS)
+    compact.load_state_dict(adamw.state_dict())
+    assert compact.state[params[0]]["exp_avg_code"].dtype == torch.int8
+    assert compact.state[params[1]]["exp_avg"].dtype == torch.bfloat16
+    exported = to_adamw_state_dict(compact.state_dict())
+    for index, p in enumerate(params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected = adamw.state[p][key]
+            actual = exported["state"][index][key]
+            assert actual.shape == expected.shape and actual.dtype == torch.float32
+            relative = (actual - expected).norm() / expected.norm()
+            assert relative < (2**-14 if p.dim() < 2 else 0.02), (index, key, relative)
+    torch.optim.AdamW(params, **KWARGS).load_state_dict(exported)
+
+
+def test_refusals():
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        CompactAdamW([nn.Parameter(torch.zeros(3, dtype=torch.float16))])
+    with pytest.raises(ValueError, match="learning rate"):
+        CompactAdamW([nn.Parameter(torch.zeros(3))], lr=-1.0)
+
+
+def test_declared_elementwise():
+    assert _kinds.stepping_of(CompactAdamW, None) is _kinds.Stepping.ELEMENTWISE
