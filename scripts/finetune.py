@@ -126,6 +126,9 @@ OPTIMIZER_SHORT_NAMES = {
     and issubclass(cls, Optimizer)
     and cls is not Optimizer
 }
+OPTIMIZER_SHORT_NAMES["compactadamw"] = "fused_optim_dist.compact_adamw.CompactAdamW"
+COMPACT_OPTIMIZERS = ("fused_optim_dist.compact_adamw.CompactAdamW",)
+"""Optimizers made for bfloat16 weights: ``--param-dtype`` defaults to bfloat16 with them."""
 
 
 # ---------------------------------------------------------------------------------- config
@@ -155,6 +158,9 @@ class JobConfig:
     """Recompute each block's activations in backward."""
     mixed_precision: str = "none"
     """``none`` or ``bf16`` (compute in bfloat16, reduce gradients in float32)."""
+    param_dtype: str | None = None
+    """``float32`` or ``bfloat16``: the dtype of the model's weights, which the optimizer
+    steps; ``None``: bfloat16 with ``compactadamw`` (``COMPACT_OPTIMIZERS``), else float32."""
     # data
     data: Path | None = None
     """Text file, ``.jsonl`` file with a ``text`` field, or directory of them; ``None``: the
@@ -218,6 +224,9 @@ class JobConfig:
     """Print the simulated peak memory per rank of this job, then exit without training."""
 
     def __post_init__(self) -> None:
+        if self.param_dtype is None:
+            compact = self.optimizer in COMPACT_OPTIMIZERS
+            self.param_dtype = "bfloat16" if compact else "float32"
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"--batch-size {self.batch_size} is not a multiple of --grad-accum "
@@ -354,6 +363,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=("none", "bf16"),
         default=_default("mixed_precision"),
         help="bf16: compute in bfloat16, reduce gradients in float32",
+    )
+    model.add_argument(
+        "--param-dtype",
+        choices=("float32", "bfloat16"),
+        default=_default("param_dtype"),
+        help="dtype of the weights the optimizer steps (default: bfloat16 with "
+        "--optimizer compactadamw, float32 otherwise)",
     )
     data = p.add_argument_group("data")
     data.add_argument(
@@ -641,6 +657,7 @@ def _build_model(cfg: JobConfig, device: torch.device) -> _Model:
         description = {"preset": cfg.model, **dataclasses.asdict(config)}
         logits = module
     description["num_params"] = sum(p.numel() for p in module.parameters())
+    module.to(getattr(torch, cfg.param_dtype))
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cfg.mixed_precision == "bf16"
