@@ -41,8 +41,8 @@ def _load_faults():
 _faults = _load_faults()
 
 RUN_TIMEOUT_S = 900
-"""A job of three restarts that runs longer is hung: about a minute on two idle cores, each
-restart starting two processes that import torch."""
+"""A job of three restarts that runs longer is hung: one took 77 s on 2 cores at a load
+average of 15 (the suite beside two busy processes)."""
 TOLERANCE = 1e-6
 """Eager CPU runs on the same global batches: resumed and uninterrupted runs agree to this."""
 MAX_STEPS, SAVE_EVERY, KEEP_LAST = 12, 3, 2
