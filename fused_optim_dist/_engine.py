@@ -172,12 +172,14 @@ class BackwardPass:
         return False
 
     @property
-    def unfinished(self) -> bool:
-        """Whether this pass stepped something in a backward that never finished (it raised)."""
+    def abandoned(self) -> bool:
+        """Whether this pass stepped something in a backward that will never finish it (the
+        backward raised, and the engine dropped its callbacks)."""
         return (
             self.phase is Phase.COLLECTING
             and bool(self._stepped)
-            and (self._token is None or self._token() is None)
+            and self._token is not None
+            and self._token() is None
         )
 
     def arrive(self, param: torch.Tensor) -> None:

@@ -73,12 +73,13 @@ class it wraps), casts each back to its dtype by key. It also converts an AdamW 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
-from torch.nn import functional as F
 from torch.optim import Optimizer
 
 from fused_optim_dist._kinds import declare_stepping
@@ -91,10 +92,9 @@ GROUP_SIZE = 32
 
 _MOMENTUM_LEVELS = 127  # int8 codes -127..127
 _ROOT_LEVELS = 255  # uint8 codes 0..255
-_ERROR_LEVELS = 127  # int8 weight (or 1-dim moment) errors, -127..127 of 1/256 ULP
-_ERROR_UNIT = 2.0**-15  # 1/256 of a bf16 ULP, relative to the power of two of its binade
-_EXPONENT_MASK = 0x7F800000  # float32 exponent bits
-_SMALLEST_NORMAL_BITS = 0x00800000  # float32 2**-126: the binade of bf16 zero and subnormals
+_ERROR_LEVELS = 127  # int8 weight (or 1-dim moment) errors: -128..127 of 1/256 ULP
+_HALF_BF16_BIT = 0x8000  # float32 bits: half of the lowest bit a bfloat16 keeps
+_HALF_ERROR_BIT = 0x80  # half of the lowest bit the error keeps (bit 8 of the float32)
 
 _CODE_DTYPES = {
     "weight_error": torch.int8,
@@ -116,130 +116,122 @@ _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 # ------------------------------------------------------------------------------ the encodings
 
 
-def _binade(value: torch.Tensor) -> torch.Tensor:
-    """The power of two of each float32 ``value``'s binade (2**-126 for zero and subnormals)."""
-    bits = value.view(torch.int32) & _EXPONENT_MASK
-    return bits.clamp_(min=_SMALLEST_NORMAL_BITS).view(torch.float32)
-
-
 def _join24(high: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """float32 ``high + error * ulp(high) / 256`` of a bfloat16 ``high``. See [Note: 24-bit
-    weights]."""
-    value = high.float()
-    return value.add_(error.float().mul_(_ERROR_UNIT).mul_(_binade(value)))
+    """float32 of a bfloat16 ``high`` and its int8 ``error``. See [Note: 24-bit weights]."""
+    bits = high.view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
+    bits += error.to(torch.int32).bitwise_left_shift_(8)
+    return bits.view(torch.float32)
 
 
 def _split24(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``value`` (float32) as bfloat16 and the int8 error of that rounding, in 1/256 ULP."""
-    high = value.to(torch.bfloat16)
-    rounded = high.float()
-    error = value.sub(rounded).div_(_binade(rounded)).mul_(1 / _ERROR_UNIT)
-    return high, error.round_().clamp_(-_ERROR_LEVELS, _ERROR_LEVELS).to(torch.int8)
+    """``value`` (float32) rounded to bfloat16, and the int8 error of that rounding."""
+    bits = value.view(torch.int32)
+    high = bits.add(_HALF_BF16_BIT).bitwise_right_shift_(16)
+    error = bits.sub(high.bitwise_left_shift(16)).add_(_HALF_ERROR_BIT).bitwise_right_shift_(8)
+    error = error.clamp_(max=_ERROR_LEVELS).to(torch.int8)
+    return high.to(torch.int16).view(torch.bfloat16), error
 
 
-def _group_scale(magnitude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's largest ``magnitude`` (``(groups, GROUP_SIZE)``) as a bfloat16 scale, and
-    the float32 divisor codes are computed against (1 for an all-zero group)."""
-    scale = magnitude.amax(dim=1, keepdim=True).to(torch.bfloat16)
-    divisor = scale.float()
-    return scale, divisor.masked_fill_(divisor == 0, 1.0)
+class _Groups:
+    """The quantization groups of a flat batch: 32 consecutive elements of a row, the last
+    group of a row shorter where the row length is not a multiple of 32. See [Note: groups
+    never cross a row].
+
+    ``lengths``: each group's length (int32), or ``None`` when every row is a multiple of 32
+    elements long (the groups are then ``flat.view(-1, 32)``, without an index).
+    """
+
+    __slots__ = ("count", "lengths", "numel")
+
+    def __init__(self, shapes: Sequence[torch.Size]) -> None:
+        self.numel = sum(math.prod(shape) for shape in shapes)
+        rows = [(shape[0], math.prod(shape[1:])) for shape in shapes]
+        if all(length % GROUP_SIZE == 0 for _, length in rows):
+            self.lengths = None
+            self.count = self.numel // GROUP_SIZE
+            return
+        pieces = []
+        for count, length in rows:
+            row = [GROUP_SIZE] * (length // GROUP_SIZE) + [length % GROUP_SIZE] * bool(
+                length % GROUP_SIZE
+            )
+            pieces.append(torch.tensor(row, dtype=torch.int32).repeat(count))
+        self.lengths = torch.cat(pieces)
+        self.count = self.lengths.numel()
+
+    def to(self, device: torch.device) -> _Groups:
+        if self.lengths is not None and self.lengths.device != device:
+            self.lengths = self.lengths.to(device)
+        return self
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (one value per element) shaped for per-group broadcasting."""
+        return flat if self.lengths is not None else flat.view(-1, GROUP_SIZE)
+
+    def amax(self, magnitude: torch.Tensor) -> torch.Tensor:
+        """Each group's largest value of ``magnitude`` (as :meth:`view` shapes it)."""
+        if self.lengths is None:
+            return magnitude.amax(dim=1)
+        return torch.segment_reduce(magnitude, "max", lengths=self.lengths)
+
+    def expand(self, per_group: torch.Tensor) -> torch.Tensor:
+        """``per_group`` (one value per group), broadcastable against :meth:`view`."""
+        if self.lengths is None:
+            return per_group.view(-1, 1)
+        return per_group.repeat_interleave(self.lengths, output_size=self.numel)
 
 
-def _encode_momentum(m: torch.Tensor, compand: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes and bfloat16 scales of ``m`` (``(groups, GROUP_SIZE)``, float32). See
-    [Note: 8-bit moments]."""
+def _group_scale(magnitude: torch.Tensor, groups: _Groups, out: torch.Tensor) -> torch.Tensor:
+    """Each group's largest ``magnitude`` rounded into the bfloat16 ``out``; returns the float32
+    divisor codes are computed against, broadcastable (1 for an all-zero group)."""
+    out.copy_(groups.amax(magnitude))
+    divisor = out.float()
+    return groups.expand(divisor.masked_fill_(divisor == 0, 1.0))
+
+
+def _encode_momentum(
+    m: torch.Tensor, groups: _Groups, code: torch.Tensor, scale: torch.Tensor, compand: bool
+) -> None:
+    """Write ``m`` (float32, as ``groups.view`` shapes it) into int8 ``code`` and bfloat16
+    ``scale`` (flat). See [Note: 8-bit moments]."""
     magnitude = m.abs()
-    scale, divisor = _group_scale(magnitude)
+    divisor = _group_scale(magnitude, groups, scale)
     if compand:
         # 127 * 2y / (1 + |y|), y = m / scale.
-        ratio = m.div(divisor)
-        code = ratio.div_(magnitude.div_(divisor).add_(1.0)).mul_(2 * _MOMENTUM_LEVELS)
+        level = m.div(divisor)
+        level = level.div_(magnitude.div_(divisor).add_(1.0)).mul_(2 * _MOMENTUM_LEVELS)
     else:
-        code = m.div(divisor).mul_(_MOMENTUM_LEVELS)
-    code = code.round_().clamp_(-_MOMENTUM_LEVELS, _MOMENTUM_LEVELS).to(torch.int8)
-    return code, scale
+        level = m.div(divisor).mul_(_MOMENTUM_LEVELS)
+    level = level.round_().clamp_(-_MOMENTUM_LEVELS, _MOMENTUM_LEVELS)
+    code.copy_(level.view(-1))
 
 
-def _decode_momentum(code: torch.Tensor, scale: torch.Tensor, compand: bool) -> torch.Tensor:
-    value = code.float()
+def _decode_momentum(
+    code: torch.Tensor, scale: torch.Tensor, groups: _Groups, compand: bool
+) -> torch.Tensor:
+    """float32 momentum (as ``groups.view`` shapes it) of flat int8 ``code`` and ``scale``."""
+    value = groups.view(code.float())
     if compand:
         value = value.div_(value.abs().neg_().add_(2 * _MOMENTUM_LEVELS))
     else:
         value = value.div_(_MOMENTUM_LEVELS)
-    return value.mul_(scale.float())
+    return value.mul_(groups.expand(scale.float()))
 
 
-def _encode_root(root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 codes and bfloat16 scales of a non-negative ``root`` (``(groups, GROUP_SIZE)``):
-    nearest rounding, but at least 1 where ``root`` is positive."""
-    scale, divisor = _group_scale(root)
+def _encode_root(
+    root: torch.Tensor, groups: _Groups, code: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Write a non-negative ``root`` into uint8 ``code`` and bfloat16 ``scale``: nearest
+    rounding, but at least 1 where ``root`` is positive."""
+    divisor = _group_scale(root, groups, scale)
     level = root.div(divisor).mul_(_ROOT_LEVELS)
     floor_one = level.clamp(max=1.0).ceil_()
-    code = level.round_().maximum(floor_one).clamp_(max=_ROOT_LEVELS)
-    return code.to(torch.uint8), scale
+    level = level.round_().maximum(floor_one).clamp_(max=_ROOT_LEVELS)
+    code.copy_(level.view(-1))
 
 
-def _decode_root(code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return code.float().mul_(scale.float().div_(_ROOT_LEVELS))
-
-
-# ------------------------------------------------------------------------------ flat batches
-
-
-class _Rows(NamedTuple):
-    """How a tensor of ``rows`` rows of ``length`` elements lies in a flat batch: each row
-    padded with zeros to ``padded`` (a multiple of GROUP_SIZE) elements."""
-
-    rows: int
-    length: int
-    padded: int
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor, grouped: bool) -> _Rows:
-        numel = tensor.numel()
-        if not grouped:
-            return cls(1, numel, numel)
-        # From the shape, not the element count: an empty shard (0 rows) has whole rows too.
-        rows, length = tensor.shape[0], math.prod(tensor.shape[1:])
-        return cls(rows, length, -(-length // GROUP_SIZE) * GROUP_SIZE)
-
-    @property
-    def groups(self) -> int:
-        return self.padded // GROUP_SIZE
-
-
-def _gather(tensors: Sequence[torch.Tensor], layouts: Sequence[_Rows]) -> torch.Tensor:
-    """The flat concatenation of ``tensors``, each row padded as its layout says."""
-    pieces = []
-    for tensor, layout in zip(tensors, layouts, strict=True):
-        piece = tensor.reshape(layout.rows, layout.length)
-        if layout.padded != layout.length:
-            piece = F.pad(piece, (0, layout.padded - layout.length))
-        pieces.append(piece.reshape(-1))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def _scatter(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layouts: Sequence[_Rows]) -> None:
-    """Copy ``flat`` (laid out as :func:`_gather` lays it) into ``tensors``, padding dropped."""
-    sizes = [layout.rows * layout.padded for layout in layouts]
-    sources = [
-        piece.view(layout.rows, layout.padded)[:, : layout.length]
-        for piece, layout in zip(flat.split(sizes), layouts, strict=True)
-    ]
-    targets = [
-        t.view(layout.rows, layout.length) for t, layout in zip(tensors, layouts, strict=True)
-    ]
-    torch._foreach_copy_(targets, sources)
-
-
-def _gather_scales(scales: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Scales ``(rows, groups)`` of each tensor, as a column ``(all groups, 1)``."""
-    return torch.cat([s.reshape(-1) for s in scales]).unsqueeze(1)
-
-
-def _scatter_scales(column: torch.Tensor, scales: Sequence[torch.Tensor]) -> None:
-    pieces = column.view(-1).split([s.numel() for s in scales])
-    torch._foreach_copy_([s.view(-1) for s in scales], list(pieces))
+def _decode_root(code: torch.Tensor, scale: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    return groups.view(code.float()).mul_(groups.expand(scale.float().div_(_ROOT_LEVELS)))
 
 
 # ------------------------------------------------------------------------------ the update
@@ -251,99 +243,167 @@ class _Hyper(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
-    step: int
+    correction: bool
+    compand: bool
 
 
-def _adamw(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: _Hyper) -> None:
+_Factor = float | torch.Tensor
+"""A float, or a float32 tensor with one value per element of a batch."""
+
+
+def _bias_corrections(
+    params: Sequence[_Param], counts: list[float], h: _Hyper
+) -> tuple[_Factor, _Factor]:
+    """``1 / sqrt(1 - beta2**t)`` and ``lr / (1 - beta1**t)`` for each parameter's step count
+    ``t``: floats when the batch shares one count (the usual case), else float32 tensors with
+    one value per element (parameters that missed steps). Either way each element is multiplied
+    by the float32 rounding of its parameter's factor, so the result does not depend on which
+    parameters share the batch."""
+
+    def factors(t: float) -> tuple[float, float]:
+        return 1 / math.sqrt(1 - h.beta2**t), h.lr / (1 - h.beta1**t)
+
+    if min(counts) == max(counts):
+        return factors(counts[0])
+    per_param = torch.tensor([factors(t) for t in counts], dtype=torch.float32)
+    numels = torch.tensor([p.weight.numel() for p in params])
+    total = int(numels.sum())
+    device = params[0].weight.device
+    return tuple(  # type: ignore[return-value]
+        column.repeat_interleave(numels, output_size=total).to(device)
+        for column in per_param.unbind(1)
+    )
+
+
+def _adamw(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    h: _Hyper,
+    corrections: tuple[_Factor, _Factor],
+) -> None:
     """AdamW on float32 weights ``x``, gradient ``g``, moments ``m``, ``v``, all in place; the
-    arithmetic of ``torch.optim.AdamW`` (single-tensor), in unfused ops. See [Note:
-    layout-independent arithmetic]."""
+    arithmetic of ``torch.optim.AdamW`` in unfused ops, the bias corrections multiplied by
+    (:func:`_bias_corrections`). See [Note: layout-independent arithmetic]."""
+    inverse_sqrt_correction2, step_size = corrections
     m.mul_(h.beta1).add_(g.mul(1 - h.beta1))
     v.mul_(h.beta2).add_(g.mul(g).mul_(1 - h.beta2))
-    bias_correction1 = 1 - h.beta1**h.step
-    bias_correction2_sqrt = math.sqrt(1 - h.beta2**h.step)
-    denom = v.sqrt().div_(bias_correction2_sqrt).add_(h.eps)
+    denom = v.sqrt().mul_(inverse_sqrt_correction2).add_(h.eps)
     x.mul_(1 - h.lr * h.weight_decay)
-    x.sub_(m.div(denom).mul_(h.lr / bias_correction1))
+    x.sub_(m.div(denom).mul_(step_size))
 
 
 class _Param(NamedTuple):
-    """One parameter's local tensors in a step."""
+    """One parameter in a step."""
 
+    param: torch.Tensor
+    """As the optimizer holds it (a DTensor, or the local shard ``OptimizerInBackward`` hands
+    in)."""
     weight: torch.Tensor
+    """Its local tensor."""
     grad: torch.Tensor
+    """The local tensor of its gradient."""
+    entry: dict[str, Any]
+    """Its state entry in ``self.state`` (values placed like ``param``)."""
     state: dict[str, torch.Tensor]
+    """The local tensors of ``entry``."""
 
 
-def _step_grouped(params: Sequence[_Param], h: _Hyper, correction: bool, compand: bool) -> None:
-    """Step parameters of two or more dims (8-bit moments in row groups), all at once."""
-    layouts = [_Rows.of(p.weight, grouped=True) for p in params]
-    weights = [p.weight for p in params]
-    g = _gather([p.grad for p in params], layouts).float()
-    x = _weights_in(params, layouts, correction)
-    m = _decode_momentum(
-        _gather([p.state["exp_avg_code"] for p in params], layouts).view(-1, GROUP_SIZE),
-        _gather_scales([p.state["exp_avg_scale"] for p in params]),
-        compand,
-    ).view(-1)
-    root = _decode_root(
-        _gather([p.state["exp_avg_sq_root_code"] for p in params], layouts).view(-1, GROUP_SIZE),
-        _gather_scales([p.state["exp_avg_sq_root_scale"] for p in params]),
-    ).view(-1)
-    v = root.mul_(root)
-    _adamw(x, g, m, v, h)
-    _weights_out(x, params, weights, layouts, correction)
-    code, scale = _encode_momentum(m.view(-1, GROUP_SIZE), compand)
-    _scatter(code.view(-1), [p.state["exp_avg_code"] for p in params], layouts)
-    _scatter_scales(scale, [p.state["exp_avg_scale"] for p in params])
-    code, scale = _encode_root(v.sqrt_().view(-1, GROUP_SIZE))
-    _scatter(code.view(-1), [p.state["exp_avg_sq_root_code"] for p in params], layouts)
-    _scatter_scales(scale, [p.state["exp_avg_sq_root_scale"] for p in params])
-
-
-def _step_flat(params: Sequence[_Param], h: _Hyper, correction: bool) -> None:
-    """Step parameters of at most one dim (24-bit moments), all at once."""
-    layouts = [_Rows.of(p.weight, grouped=False) for p in params]
-    weights = [p.weight for p in params]
-    g = _gather([p.grad for p in params], layouts).float()
-    x = _weights_in(params, layouts, correction)
-    moments = []
-    for key in ("exp_avg", "exp_avg_sq"):
-        high = _gather([p.state[key] for p in params], layouts)
-        error = _gather([p.state[f"{key}_error"] for p in params], layouts)
-        moments.append(_join24(high, error))
-    m, v = moments
-    _adamw(x, g, m, v, h)
-    _weights_out(x, params, weights, layouts, correction)
-    for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
-        high, error = _split24(value)
-        _scatter(high, [p.state[key] for p in params], layouts)
-        _scatter(error, [p.state[f"{key}_error"] for p in params], layouts)
-
-
-def _weights_in(
-    params: Sequence[_Param], layouts: Sequence[_Rows], correction: bool
-) -> torch.Tensor:
-    """The float32 weights of ``params`` (flat, padded as ``layouts``)."""
-    weight = _gather([p.weight for p in params], layouts)
-    if weight.dtype == torch.bfloat16 and correction:
-        return _join24(weight, _gather([p.state["weight_error"] for p in params], layouts))
-    return weight.float()
-
-
-def _weights_out(
-    x: torch.Tensor,
+def _update(
     params: Sequence[_Param],
-    weights: Sequence[torch.Tensor],
-    layouts: Sequence[_Rows],
-    correction: bool,
+    buffers: dict[str, torch.Tensor],
+    groups: _Groups | None,
+    h: _Hyper,
+    corrections: tuple[_Factor, _Factor],
 ) -> None:
-    if weights[0].dtype == torch.bfloat16 and correction:
-        high, error = _split24(x)
-        _scatter(high, weights, layouts)
-        _scatter(error, [p.state["weight_error"] for p in params], layouts)
+    """Step ``params`` (one kind, dtype and step count) on the flat state ``buffers``: the
+    update of the whole batch in one pass of whole-tensor ops."""
+    weights = [p.weight for p in params]
+    g = _flatten_dense_tensors([p.grad for p in params]).float()
+    flat_weights = _flatten_dense_tensors(weights)
+    correction = h.correction and flat_weights.dtype == torch.bfloat16
+    x = _join24(flat_weights, buffers["weight_error"]) if correction else flat_weights.float()
+    if groups is None:  # parameters of at most one dim: 24-bit moments
+        m = _join24(buffers["exp_avg"], buffers["exp_avg_error"])
+        v = _join24(buffers["exp_avg_sq"], buffers["exp_avg_sq_error"])
     else:
-        _scatter(x, weights, layouts)
+        x, g = groups.view(x), groups.view(g)
+        m = _decode_momentum(buffers["exp_avg_code"], buffers["exp_avg_scale"], groups, h.compand)
+        root = _decode_root(
+            buffers["exp_avg_sq_root_code"], buffers["exp_avg_sq_root_scale"], groups
+        )
+        v = root.mul_(root)
+        corrections = tuple(  # type: ignore[assignment]
+            c if isinstance(c, float) else groups.view(c) for c in corrections
+        )
+    _adamw(x, g, m, v, h, corrections)
+    x = x.view(-1)
+    if correction:
+        high, error = _split24(x)
+        buffers["weight_error"].copy_(error)
+    else:
+        high = x
+    torch._foreach_copy_(weights, _unflatten_dense_tensors(high, weights))
+    if groups is None:
+        for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
+            high, error = _split24(value)
+            buffers[key].copy_(high)
+            buffers[f"{key}_error"].copy_(error)
+    else:
+        _encode_momentum(m, groups, buffers["exp_avg_code"], buffers["exp_avg_scale"], h.compand)
+        root = v.sqrt_()
+        _encode_root(
+            root, groups, buffers["exp_avg_sq_root_code"], buffers["exp_avg_sq_root_scale"]
+        )
+
+
+# ------------------------------------------------------------------------------ packed state
+
+
+class _Packed:
+    """The state of one batch of parameters as flat buffers, each parameter's state tensors
+    views of them. See [Note: packed state].
+
+    ``values[key]``: the tensors the buffers were last checked against, in batch order.
+    """
+
+    __slots__ = ("buffers", "groups", "values", "weights")
+
+    def __init__(self, weights: list[torch.Tensor], groups: _Groups | None) -> None:
+        self.weights = weights
+        self.groups = groups
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.values: dict[str, list[torch.Tensor]] = {}
+
+
+def _consecutive(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The flat tensor whose consecutive pieces ``values`` are (in order, covering all of it),
+    or ``None``."""
+    if len(values) == 1:
+        return values[0].view(-1) if values[0].is_contiguous() else None
+    base = values[0]._base
+    if base is None or base.dim() != 1 or not base.is_contiguous():
+        return None
+    itemsize, offset = base.element_size(), base.data_ptr()
+    for value in values:
+        if value._base is not base or value.data_ptr() != offset or not value.is_contiguous():
+            return None
+        offset += value.numel() * itemsize
+    return base if offset == base.data_ptr() + base.numel() * itemsize else None
+
+
+def _repack(params: Sequence[_Param], key: str) -> torch.Tensor:
+    """Copy ``key``'s state of ``params`` into one new flat buffer; each entry's value
+    becomes a view of it (placed like its parameter)."""
+    values = [p.state[key] for p in params]
+    buffer = torch.cat([value.reshape(-1) for value in values])
+    pieces = buffer.split([value.numel() for value in values])
+    for p, value, piece in zip(params, values, pieces, strict=True):
+        view = piece.view(value.shape)
+        p.state[key] = view
+        p.entry[key] = _placed_like(view, p.param, p.weight)
+    return buffer
 
 
 # ------------------------------------------------------------------------------ state
@@ -355,8 +415,7 @@ def _new_state(weight: torch.Tensor, correction: bool) -> dict[str, torch.Tensor
     if weight.dtype == torch.bfloat16 and correction:
         state["weight_error"] = torch.zeros_like(weight, dtype=torch.int8)
     if weight.dim() >= 2:
-        layout = _Rows.of(weight, grouped=True)
-        scales = (layout.rows, layout.groups)
+        scales = (weight.shape[0], -(-math.prod(weight.shape[1:]) // GROUP_SIZE))
         state["exp_avg_code"] = torch.zeros_like(weight, dtype=torch.int8)
         state["exp_avg_scale"] = weight.new_zeros(scales, dtype=torch.bfloat16)
         state["exp_avg_sq_root_code"] = torch.zeros_like(weight, dtype=torch.uint8)
@@ -375,24 +434,23 @@ def _is_adamw_entry(entry: dict[str, Any]) -> bool:
 
 def _from_adamw(weight: torch.Tensor, entry: dict[str, Any], compand: bool) -> dict[str, Any]:
     """This layout of an AdamW state entry for the local tensor ``weight`` (quantizing)."""
-    out: dict[str, Any] = {"step": entry["step"]}
+    out = _new_state(weight, correction=False)
+    out["step"] = entry["step"]
     if "weight_error" in entry:
         out["weight_error"] = entry["weight_error"]
-    m, v = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
+    m, v = entry["exp_avg"].float().reshape(-1), entry["exp_avg_sq"].float().reshape(-1)
     if weight.dim() >= 2:
-        layout = _Rows.of(weight, grouped=True)
-        target = _new_state(weight, correction=False)
-        codes = [target["exp_avg_code"]], [target["exp_avg_sq_root_code"]]
-        code, scale = _encode_momentum(_gather([m], [layout]).view(-1, GROUP_SIZE), compand)
-        _scatter(code.view(-1), codes[0], [layout])
-        _scatter_scales(scale, [target["exp_avg_scale"]])
-        code, scale = _encode_root(_gather([v], [layout]).sqrt_().view(-1, GROUP_SIZE))
-        _scatter(code.view(-1), codes[1], [layout])
-        _scatter_scales(scale, [target["exp_avg_sq_root_scale"]])
-        out.update({key: target[key] for key in _ROW_KEYS})
+        groups = _Groups([weight.shape]).to(weight.device)
+        flat = {k: out[k].view(-1) for k in _ROW_KEYS}
+        _encode_momentum(
+            groups.view(m), groups, flat["exp_avg_code"], flat["exp_avg_scale"], compand
+        )
+        root = groups.view(v.sqrt())
+        _encode_root(root, groups, flat["exp_avg_sq_root_code"], flat["exp_avg_sq_root_scale"])
     else:
         for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
-            out[key], out[f"{key}_error"] = _split24(value)
+            high, error = _split24(value)
+            out[key], out[f"{key}_error"] = high.view(weight.shape), error.view(weight.shape)
     return out
 
 
@@ -401,24 +459,16 @@ def _to_adamw(weight_shape: torch.Size, entry: dict[str, Any], compand: bool) ->
     local tensor of ``weight_shape`` (dequantizing)."""
     out: dict[str, Any] = {"step": entry["step"]}
     if "exp_avg_code" in entry:
-        probe = torch.empty(weight_shape, device="meta")
-        layout = _Rows.of(probe, grouped=True)
-        m = _decode_momentum(
-            _gather([entry["exp_avg_code"]], [layout]).view(-1, GROUP_SIZE),
-            _gather_scales([entry["exp_avg_scale"]]),
-            compand,
-        )
-        root = _decode_root(
-            _gather([entry["exp_avg_sq_root_code"]], [layout]).view(-1, GROUP_SIZE),
-            _gather_scales([entry["exp_avg_sq_root_scale"]]),
-        )
-        for key, value in (("exp_avg", m), ("exp_avg_sq", root.mul_(root))):
-            moment = torch.empty(weight_shape, dtype=torch.float32, device=value.device)
-            _scatter(value.view(-1), [moment], [layout])
-            out[key] = moment
+        groups = _Groups([weight_shape]).to(entry["exp_avg_code"].device)
+        flat = {k: entry[k].reshape(-1) for k in _ROW_KEYS}
+        m = _decode_momentum(flat["exp_avg_code"], flat["exp_avg_scale"], groups, compand)
+        root = _decode_root(flat["exp_avg_sq_root_code"], flat["exp_avg_sq_root_scale"], groups)
+        out["exp_avg"] = m.reshape(weight_shape)
+        out["exp_avg_sq"] = root.mul_(root).reshape(weight_shape)
     else:
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = _join24(entry[key], entry[f"{key}_error"]).view(weight_shape)
+            high, error = entry[key].reshape(-1), entry[f"{key}_error"].reshape(-1)
+            out[key] = _join24(high, error).view(weight_shape)
     return out
 
 
@@ -457,7 +507,8 @@ class CompactAdamW(Optimizer):
             ablations). Fixed for a run: the codes are read as they were written.
 
     ``state[p]`` holds ``step`` (a float32 CPU scalar, as AdamW's) and the tensors named in the
-    module's table, created at ``p``'s first step. ``load_state_dict`` also takes a
+    module's table, created at ``p``'s first step; the parameters stepped together hold their
+    state as views of shared buffers ([Note: packed state]). ``load_state_dict`` also takes a
     ``torch.optim.AdamW`` state dict (quantizing its moments); :func:`to_adamw_state_dict`
     converts the other way.
     """
@@ -488,6 +539,7 @@ class CompactAdamW(Optimizer):
             compand=compand,
         )
         super().__init__(params, defaults)
+        self._forget_packs()
         for group in self.param_groups:
             for param in group["params"]:
                 if param.dtype not in _WEIGHT_DTYPES:
@@ -504,10 +556,17 @@ class CompactAdamW(Optimizer):
                         "groups lie within rows"
                     )
 
+    def _forget_packs(self) -> None:
+        # Flat state buffers by batch (the ids of its local weights), and each weight's batch.
+        # See [Note: packed state].
+        self._packs: dict[tuple[int, ...], _Packed] = {}
+        self._pack_of: dict[int, tuple[int, ...]] = {}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore state dtypes by key and convert AdamW entries. See [Note: state dtypes
         across load_state_dict]."""
         super().__setstate__(state)
+        self._forget_packs()
         compand = {}
         for group in self.param_groups:
             group.setdefault("weight_correction", True)
@@ -530,52 +589,91 @@ class CompactAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        """Step every parameter holding a gradient; state is created at its first step."""
+        """Step every parameter holding a gradient; state is created at its first step.
+
+        The parameters of a param group are stepped together, one batch per kind (matrices,
+        vectors), dtype and device, each in one pass of whole-tensor ops.
+        """
         if closure is not None:
             raise TypeError("CompactAdamW.step takes no closure")
         for group in self.param_groups:
-            batches: dict[tuple[bool, torch.dtype, torch.device, int], list[_Param]] = {}
-            steps = []
+            batches: dict[tuple[bool, torch.dtype, torch.device], list[_Param]] = {}
             for param in group["params"]:
-                if param.grad is None:
-                    continue
-                entry = self.state.get(param)
-                local = _local(param)
-                if not entry:
-                    entry = self.state[param] = {
-                        k: _placed_like(v, param, local)
-                        for k, v in _new_state(local, group["weight_correction"]).items()
-                    }
-                elif (
-                    group["weight_correction"]
-                    and param.dtype == torch.bfloat16
-                    and "weight_error" not in entry
-                ):
-                    error = torch.zeros_like(local, dtype=torch.int8)
-                    entry["weight_error"] = _placed_like(error, param, local)
-                steps.append(entry["step"])
-                if local.numel() == 0:
-                    continue
                 grad = param.grad
-                if isinstance(param, DTensor):
-                    if grad.placements != param.placements:
-                        grad = grad.redistribute(param.device_mesh, param.placements)
-                    grad = grad._local_tensor
-                state = {k: _local(v) for k, v in entry.items()}
-                key = (local.dim() >= 2, local.dtype, local.device, int(entry["step"]) + 1)
-                batches.setdefault(key, []).append(_Param(local, grad, state))
-            if not steps:
+                if grad is None:
+                    continue
+                item = self._param(param, grad, group["weight_correction"])
+                weight = item.weight
+                kind = (weight.dim() >= 2, weight.dtype, weight.device)
+                batches.setdefault(kind, []).append(item)
+            for (grouped, _, _), params in batches.items():
+                self._step_batch(params, grouped, group)
+
+    def _param(self, param: torch.Tensor, grad: torch.Tensor, correction: bool) -> _Param:
+        """``param`` with its local tensors and state, the state created if missing."""
+        local = _local(param)
+        entry = self.state.get(param)
+        if not entry:
+            new = _new_state(local, correction)
+            entry = self.state[param] = {k: _placed_like(v, param, local) for k, v in new.items()}
+        elif correction and param.dtype == torch.bfloat16 and "weight_error" not in entry:
+            error = torch.zeros_like(local, dtype=torch.int8)
+            entry["weight_error"] = _placed_like(error, param, local)
+        if type(param) is DTensor:
+            if grad.placements != param.placements:
+                grad = grad.redistribute(param.device_mesh, param.placements)
+            return _Param(
+                param, local, grad._local_tensor, entry, {k: _local(v) for k, v in entry.items()}
+            )
+        return _Param(param, local, grad, entry, entry)
+
+    def _step_batch(self, params: list[_Param], grouped: bool, group: dict[str, Any]) -> None:
+        correction = group["weight_correction"]
+        keys = _ROW_KEYS if grouped else _FLAT_KEYS
+        if correction and params[0].weight.dtype == torch.bfloat16:
+            keys = ("weight_error", *keys)
+        packed = self._packed(params, grouped, ("step", *keys))
+        steps = packed.buffers["step"]
+        steps += 1
+        beta1, beta2 = group["betas"]
+        h = _Hyper(
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            correction=correction,
+            compand=group["compand"],
+        )
+        # Host values of the step counts (CPU scalars): no device sync.
+        counts = steps.tolist()
+        _update(params, packed.buffers, packed.groups, h, _bias_corrections(params, counts, h))
+
+    def _packed(self, params: list[_Param], grouped: bool, keys: Sequence[str]) -> _Packed:
+        """The flat buffers of ``keys``' state of ``params``, repacked where the state is not
+        laid out as consecutive views of one buffer. See [Note: packed state]."""
+        weights = [p.weight for p in params]
+        batch = tuple(map(id, weights))
+        packed = self._packs.get(batch)
+        if packed is None or not all(map(operator.is_, weights, packed.weights)):
+            groups = _Groups([w.shape for w in weights]).to(weights[0].device) if grouped else None
+            packed = self._packs[batch] = _Packed(weights, groups)
+            for pid in batch:  # at most one batch per weight
+                previous = self._pack_of.get(pid)
+                if previous is not None and previous != batch:
+                    self._packs.pop(previous, None)
+                self._pack_of[pid] = batch
+        for key in keys:
+            values = [p.state[key] for p in params]
+            cached = packed.values.get(key)
+            if cached is not None and all(map(operator.is_, values, cached)):
                 continue
-            torch._foreach_add_(steps, 1.0)
-            beta1, beta2 = group["betas"]
-            for (grouped, _, _, step), params in batches.items():
-                h = _Hyper(
-                    float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], step
-                )
-                if grouped:
-                    _step_grouped(params, h, group["weight_correction"], group["compand"])
-                else:
-                    _step_flat(params, h, group["weight_correction"])
+            buffer = _consecutive(values)
+            if buffer is None:
+                buffer = _repack(params, key)
+                values = [p.state[key] for p in params]
+            packed.values[key], packed.buffers[key] = values, buffer
+        return packed
 
 
 def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:

@@ -174,9 +174,13 @@ class OptimizerInBackward(Optimizer):
         )
         # Optimizer.__setstate__ initialises the base class (hook dicts, profiled step) around
         # the wrapped optimizer's groups and state, without re-validating them.
+        # (It also adds "differentiable" to the defaults it is given, which the wrapped class's
+        # own defaults may lack: groups added later must get exactly the class's keys.)
+        defaults = dict(inner.defaults)
         super().__setstate__(
-            {"defaults": inner.defaults, "state": inner.state, "param_groups": inner.param_groups}
+            {"defaults": defaults, "state": inner.state, "param_groups": inner.param_groups}
         )
+        self.defaults = inner.defaults
         self.optimizer_cls = optimizer_cls
         self.options = options
         # The wrapped class's step code, run on one bucket at a time.
@@ -313,7 +317,7 @@ class OptimizerInBackward(Optimizer):
         its per-parameter ``__torch_function__`` lookups (usually no gradient is left)."""
         if self._pending:
             # See [Note: the step protocol].
-            self._pending.mark_unfinished(self._pass is not None and self._pass.unfinished)
+            self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
             self._pending.refuse_discard()
         if not set_to_none:
             super().zero_grad(set_to_none=False)
@@ -346,6 +350,11 @@ class OptimizerInBackward(Optimizer):
                 "backward, so call loss.backward() yourself before step()"
             )
         self._refuse_grad_scaler()
+        if self._pass is not None and self._pass.abandoned:
+            # A backward raised after stepping some buckets: step() accepts it, finishing it
+            # as its end-of-backward callback would have (the gradients that arrived are
+            # stepped, the norm completed, group and instance state committed).
+            self._pass.finish()
         plan = self._current_plan()
         ready = [
             p

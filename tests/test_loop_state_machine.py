@@ -1,8 +1,10 @@
 """Random training loops, driven on a plain and an in-backward optimizer side by side.
 
 A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
-freezing and unfreezing, groups added later, a backward that raises, ``step()`` without a
-backward, LR changes, ``state_dict``/``load_state_dict`` round trips. After every rule both
+freezing and unfreezing, groups added later, a backward that raises, a second backward before
+``step()`` (refused), reentrant activation checkpointing, ``step()`` without a backward, LR
+changes (lr 0 included), ``state_dict``/``load_state_dict`` round trips; also with a class that
+counts steps in its param groups. After every rule both
 models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
@@ -11,6 +13,7 @@ derandomised so that both ranks draw the same sequence).
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import pytest
 import torch
@@ -25,8 +28,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from test_never_silent import GroupStepLamb
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import OptimizerInBackward
 
@@ -72,6 +77,8 @@ def _assert_same_state(ours: torch.optim.Optimizer, plain: torch.optim.Optimizer
 
 class LoopMachine(RuleBasedStateMachine):
     sharded = False
+    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+    optimizer_kwargs: ClassVar[dict] = ADAMW
 
     @initialize()
     def build(self) -> None:
@@ -82,8 +89,9 @@ class LoopMachine(RuleBasedStateMachine):
         ours_model, plain_model = self.models
         body = [p for n, p in ours_model.named_parameters() if not n.startswith("head")]
         ref_body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
-        self.ours = OptimizerInBackward(body, torch.optim.AdamW, bucket_numel=24, **ADAMW)
-        self.plain = torch.optim.AdamW(ref_body, **ADAMW)
+        cls, kwargs = self.optimizer_cls, self.optimizer_kwargs
+        self.ours = OptimizerInBackward(body, cls, bucket_numel=24, **kwargs)
+        self.plain = cls(ref_body, **kwargs)
         self.head_added = False
         self.pending = False  # gradients accumulated, not yet stepped
         self.step = 0
@@ -153,30 +161,71 @@ class LoopMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.pending and not self.sharded)
     @rule(layer=st.integers(0, LAYERS - 1))
     def failing_backward(self, layer: int) -> None:
-        """A backward that raises part-way; the loop catches it and zeroes the gradients.
-        The buckets ours stepped before the exception cannot be undone: the reference steps
-        exactly those (FSDP2 itself does not recover from an exception inside its backward)."""
-        ours_model, plain_model = self.models
+        """A backward that raises part-way, on both sides. Ours refuses to discard the updates
+        it made (zero_grad() raises); step() accepts them, as the plain optimizer steps the
+        same partial gradients (FSDP2 itself does not recover from an exception inside its
+        backward)."""
 
         def boom(*_):
             raise _Boom("bad batch")
 
-        handle = ours_model.layers[layer].register_full_backward_hook(boom)
-        before = _steps(self.ours)
-        try:
-            with pytest.raises(_Boom):
-                self._backward(ours_model, self.step)
-        finally:
-            handle.remove()
-        ours_model.zero_grad()  # what the loop does after catching it
-        names = {id(p): n for n, p in ours_model.named_parameters()}
-        stepped = {names[k] for k, v in _steps(self.ours).items() if before.get(k) != v}
+        for model in self.models:
+            handle = model.layers[layer].register_full_backward_hook(boom)
+            try:
+                with pytest.raises(_Boom):
+                    self._backward(model, self.step)
+            finally:
+                handle.remove()
+        if self.ours._pending:
+            with pytest.raises(RuntimeError, match="A backward raised after updating them"):
+                self.ours.zero_grad()
+        for optim in (self.ours, self.plain):
+            optim.step()
+            optim.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: not self.pending and not self.sharded)
+    @rule()
+    def second_backward(self) -> None:
+        """Two backwards before step(): ours refuses the second before it moves anything; the
+        loop then drops its gradients and steps once, as the plain loop that backs once."""
+        ours_model, plain_model = self.models
+        self._backward(ours_model, self.step)
+        if self.ours._pending:
+            before = [p.detach().clone() for p in ours_model.parameters()]
+            with pytest.raises(RuntimeError, match=r"accumulate\(\)"):
+                self._backward(ours_model, self.step + 1)
+            for param, old in zip(ours_model.parameters(), before, strict=True):
+                assert torch.equal(param.detach(), old)
+            ours_model.zero_grad()
+        self.ours.step()
+        self.ours.zero_grad()
         self._backward(plain_model, self.step)
-        for name, param in plain_model.named_parameters():
-            if name not in stepped:
-                param.grad = None
         self.plain.step()
-        plain_model.zero_grad()
+        self.plain.zero_grad()
+        self.step += 2
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def train_reentrant(self) -> None:
+        """A step under reentrant activation checkpointing: one backward, one pass."""
+        ours_model, plain_model = self.models
+        for model, optim in ((ours_model, self.ours), (plain_model, self.plain)):
+            forward = model.forward
+
+            def checkpointed(x, model=model):
+                h = model.inp(x)
+                for layer in model.layers:
+                    h = checkpoint(layer, h, use_reentrant=True)
+                return model.head(h)
+
+            model.forward = checkpointed
+            try:
+                self._backward(model, self.step)
+            finally:
+                model.forward = forward
+            optim.step()
+            optim.zero_grad()
         self.step += 1
 
     @invariant()
@@ -192,6 +241,13 @@ class LoopMachine(RuleBasedStateMachine):
 
 class ShardedLoopMachine(LoopMachine):
     sharded = True
+
+
+class GroupCounterLoopMachine(LoopMachine):
+    """The same loops with a class that counts steps in its param groups (timm's Lamb)."""
+
+    optimizer_cls = GroupStepLamb
+    optimizer_kwargs: ClassVar[dict] = {"lr": 1e-2}
 
 
 def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
@@ -210,6 +266,10 @@ def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> Non
 
 def test_random_loops_plain_module():
     _run(LoopMachine, examples=25, steps=15)
+
+
+def test_random_loops_group_counter():
+    _run(GroupCounterLoopMachine, examples=6, steps=10)
 
 
 def test_random_loops_fsdp2(worlds):
