@@ -23,6 +23,10 @@ Everything else in the package uses public APIs. What this module relies on, for
   node itself. A post hook registered on that node (``Node.register_hook``) while it runs is
   called when it returns, in the outer graph task, where ``queue_callback`` queues on the outer
   task (checked on torch 2.13).
+* ``torch.distributed.destroy_process_group`` offers no hook: ``before_teardown`` replaces the
+  module attribute (``torch.distributed`` re-exports ``distributed_c10d``'s function) with a
+  wrapper that runs the callbacks first; code that imported the function by name earlier
+  keeps the original, so the callbacks also run at interpreter exit (``atexit``).
 * ``torch.optim.optimizer._global_optimizer_pre_hooks`` holds the hooks
   ``register_optimizer_step_pre_hook`` registered for every optimizer.
 * The autograd engine runs callbacks queued with ``Variable._execution_engine.queue_callback``
@@ -78,6 +82,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "before_teardown",
     "current_backward_id",
     "ddp_modules_holding",
     "ddp_wrapped",
@@ -239,6 +244,34 @@ def ddp_wrapped(params: Sequence[torch.Tensor]) -> bool:
         return False
     wanted = {id(p) for p in params}
     return any(id(p) in wanted for module in list(_DDP_MODULES) for p in module.parameters())
+
+
+_TEARDOWN: list[Callable[[], None]] = []
+
+
+def _run_teardown() -> None:
+    for callback in _TEARDOWN:
+        callback()
+
+
+def before_teardown(callback: Callable[[], None]) -> None:
+    """Run ``callback`` before ``torch.distributed.destroy_process_group`` and at exit."""
+    if not _TEARDOWN:
+        import atexit
+
+        from torch.distributed import distributed_c10d
+
+        original = distributed_c10d.destroy_process_group
+
+        def destroy_process_group(*args: object, **kwargs: object) -> None:
+            _run_teardown()
+            original(*args, **kwargs)
+
+        destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+        dist.destroy_process_group = destroy_process_group
+        distributed_c10d.destroy_process_group = destroy_process_group
+        atexit.register(_run_teardown)
+    _TEARDOWN.append(callback)
 
 
 def global_step_pre_hooks() -> bool:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ from fused_optim_dist._checkpoint_metadata import (
 )
 from fused_optim_dist._checkpoint_reading import Inspection, inspect, verify_share
 from fused_optim_dist._checkpoint_rendezvous import init_process_group
+from fused_optim_dist._torch_internals import before_teardown
 from fused_optim_dist.optimizer import OptimizerInBackward
 
 __all__ = [
@@ -126,7 +128,9 @@ class SaveHandle:
     rank 0 commits the checkpoint, in the background too, as soon as every rank has written its
     part: from then on ``latest`` and ``load`` (and a restarted job) see it, without any call.
     :meth:`wait` tells every rank the outcome; the next ``save`` or ``load`` calls it, and after
-    the last save of a run call it yourself to hear of a failure.
+    the last save of a run call it yourself to hear of a failure. A save still pending when
+    the process group is destroyed or the process exits is completed first, or its failure
+    logged with exit status 1 (see [Note: an async save is never lost silently]).
     """
 
     def __init__(self, path: Path, step: int, finished: Future) -> None:
@@ -195,7 +199,33 @@ def _finisher() -> ThreadPoolExecutor:
     global _FINISHER
     if _FINISHER is None:
         _FINISHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        before_teardown(_finish_pending_locally)
     return _FINISHER
+
+
+# [Note: an async save is never lost silently]
+# A loop that ends with an async save and then destroys the process group, or simply exits,
+# without ``wait()`` would leave the checkpoint half-written (a ``.tmp`` folder) and exit 0.
+# So this rank's part of a pending save is completed first: before ``destroy_process_group``
+# tears down the groups its background write uses, and at interpreter exit. Waiting is local
+# (rank 0 commits once its own write completes, which DCP completes only after every rank
+# wrote). If the save failed, the error is logged and the process exits with status 1: a
+# checkpoint that silently does not exist is never the outcome.
+
+
+def _finish_pending_locally() -> None:
+    pending = _PENDING
+    if pending is None or pending._outcome is not None:
+        return
+    error = pending._finished.exception()
+    if error is None:
+        return
+    sys.stderr.write(
+        f"fused_optim_dist.checkpoint: the asynchronous save of step {pending.step} into "
+        f"{pending.path} failed and was not committed: {error}\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
