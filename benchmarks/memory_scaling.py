@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +86,27 @@ def _markdown(payload: dict[str, Any]) -> str:
     ]
     for row in payload["rows"]:
         peaks = {r["method"]: r["peak_bytes"] for r in row["results"]}
-        where = {r["method"]: f"{r['peak_phase']}, {r['peak_module']}" for r in row["results"]}
+        where = {
+            r["method"]: f"{r['peak_phase']}, {r['peak_module']}"
+            if r["skipped"] is None
+            else f"not simulated: {r['skipped']}"
+            for r in row["results"]
+        }
+
+        def gib(method: str, peaks: dict[str, int | None] = peaks) -> str:
+            return "n/a" if peaks[method] is None else f"{peaks[method] / GIB:.2f}"
+
+        def ratio(method: str, peaks: dict[str, int | None] = peaks) -> str:
+            if peaks[method] is None or peaks[base] is None:
+                return "n/a"
+            return f"{peaks[method] / peaks[base]:.2f}"
+
         lines.append(
             f"| {row['scaling']} | {row['world_size']} | {'on' if row['ac'] else 'off'} | "
             f"{row['tokens_per_rank']} | "
-            + " | ".join(f"{peaks[m] / GIB:.2f}" for m in methods)
+            + " | ".join(gib(m) for m in methods)
             + " | "
-            + " | ".join(f"{peaks[m] / peaks[base]:.2f}" for m in methods[1:])
+            + " | ".join(ratio(m) for m in methods[1:])
             + f" | {where[base]} | {where[methods[-1]]} | "
             + f"{sum(r['seconds'] for r in row['results']):.0f} |"
         )
@@ -110,13 +126,15 @@ def _plot(payload: dict[str, Any], path: Path) -> None:
             rows = [r for r in payload["rows"] if r["scaling"] == scaling and r["ac"] == ac]
             worlds = [r["world_size"] for r in rows]
             for index, method in enumerate(methods):
-                peaks = [
-                    next(x["peak_bytes"] for x in r["results"] if x["method"] == method) / GIB
-                    for r in rows
+                points = [
+                    (w, x["peak_bytes"] / GIB)
+                    for w, r in zip(worlds, rows, strict=True)
+                    for x in r["results"]
+                    if x["method"] == method and x["skipped"] is None
                 ]
                 ax.plot(
-                    worlds,
-                    peaks,
+                    [w for w, _ in points],
+                    [g for _, g in points],
                     style,
                     marker="o",
                     color=f"C{index}",
@@ -135,6 +153,10 @@ def _plot(payload: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _simulate(config: EstimateConfig) -> list[dict[str, Any]]:
+    return [r.as_dict() for r in estimate(config)]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Simulate every case, write JSON, Markdown and PNG; return the payload."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -142,44 +164,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512])
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    p.add_argument(
+        "--jobs", type=int, default=2, help="cases simulated at once, each in its own process"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     started = time.perf_counter()
-    rows = []
-    # Strong scaling at 64 ranks is weak scaling's case: simulated once.
-    simulated: dict[str, list[dict[str, Any]]] = {}
-    for scaling in ("strong", "weak"):
-        for ac in (False, True):
-            for world in args.world_sizes:
-                config = _case(args.model, world, scaling, ac, args.seq_len, tuple(args.methods))
-                key = repr(config)
-                if key not in simulated:
-                    simulated[key] = [r.as_dict() for r in estimate(config)]
-                results = simulated[key]
-                rows.append(
-                    {
-                        "scaling": scaling,
-                        "world_size": world,
-                        "ac": ac,
-                        "tokens_per_rank": config.micro_batch * config.seq_len,
-                        "config": {
-                            k: str(v) if isinstance(v, Path) else v
-                            for k, v in dataclasses.asdict(config).items()
-                        },
-                        "results": results,
-                    }
+    cases = [
+        (
+            scaling,
+            ac,
+            world,
+            _case(args.model, world, scaling, ac, args.seq_len, tuple(args.methods)),
+        )
+        for scaling in ("strong", "weak")
+        for ac in (False, True)
+        for world in args.world_sizes
+    ]
+    # Strong scaling at 64 ranks is weak scaling's case: simulated once. Each simulation runs
+    # in a fresh process (a fake process group per process).
+    unique = {repr(config): config for *_, config in cases}
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {key: pool.submit(_simulate, config) for key, config in unique.items()}
+        for key, future in futures.items():
+            results = future.result()
+            print(
+                f"{unique[key].describe()}: "
+                + ", ".join(
+                    f"{r['method']} "
+                    + (f"{r['peak_bytes'] / GIB:.2f} GiB" if r["skipped"] is None else "skipped")
+                    for r in results
                 )
-                print(
-                    f"{scaling} {world} ranks AC {ac}: "
-                    + ", ".join(f"{r['method']} {r['peak_bytes'] / GIB:.2f} GiB" for r in results)
-                    + f" ({sum(r['seconds'] for r in results):.0f} s)",
-                    flush=True,
-                )
+                + f" ({sum(r['seconds'] for r in results):.0f} s)",
+                flush=True,
+            )
+    rows = [
+        {
+            "scaling": scaling,
+            "world_size": world,
+            "ac": ac,
+            "tokens_per_rank": config.micro_batch * config.seq_len,
+            "config": {
+                k: str(v) if isinstance(v, Path) else v
+                for k, v in dataclasses.asdict(config).items()
+            },
+            "results": futures[repr(config)].result(),
+        }
+        for scaling, ac, world, config in cases
+    ]
     payload = {
         "machine": metrics.describe_machine("cpu"),
         "config": {"model": args.model, "methods": args.methods, "seq_len": args.seq_len},
         "num_params": rows[0]["results"][0]["num_params"],
         "seconds": time.perf_counter() - started,
+        "jobs": args.jobs,
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
