@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from fused_optim_dist import build_optimizer, clip_grad_norm_
+from fused_optim_dist._validation import resolve_optimizer_class
 from fused_optim_dist.training import backward_micro_batches
 from fused_optim_dist_recipes import hf
 from fused_optim_dist_recipes.memory_tracking import KINDS, Peak, StepMemoryTracker
@@ -375,19 +377,18 @@ def _build(
 
 
 def _optimizer(model: nn.Module, config: EstimateConfig, method: OptimizerMethod) -> Optimizer:
+    path = method.optimizer or config.optimizer
     kwargs = {} if method.optimizer else dict(config.optimizer_kwargs)
-    if not method.optimizer and not {"foreach", "fused"} & kwargs.keys():
+    accepted = inspect.signature(resolve_optimizer_class(path)).parameters
+    # The kernel choice applies to classes that offer one (torch.optim's), unless set already.
+    if {"foreach", "fused"} <= accepted.keys() and not {"foreach", "fused"} & kwargs.keys():
         kwargs |= {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(
             config.kernel, {"foreach": False}
         )
     if method.in_backward:
         kwargs["max_grad_norm"] = config.max_grad_norm
     return build_optimizer(
-        model.parameters(),
-        method.optimizer or config.optimizer,
-        in_backward=method.in_backward,
-        lr=1e-4,
-        **kwargs,
+        model.parameters(), path, in_backward=method.in_backward, lr=1e-4, **kwargs
     )
 
 
@@ -635,11 +636,12 @@ def estimate_job_memory(job: Any, *, llama: LlamaConfig | None) -> dict[str, Any
     """Print the estimate for a fine-tuning job as configured; return it (rank 0 only).
 
     ``job`` is ``scripts/finetune.py``'s ``JobConfig`` (read by field name: model, hf_model,
-    activation_checkpointing, mixed_precision, seq_len, batch_size, grad_accum, optimizer,
-    optimizer_kwargs, max_grad_norm, in_backward); ``llama`` its resolved preset, ``None`` with
-    ``hf_model``. The world size is torchrun's ``WORLD_SIZE`` (1 without torchrun); the GPU is
-    this machine's first CUDA device, or an 80 GB one. Under torchrun only rank 0 simulates,
-    and the other ranks return an empty dict. Call it before joining a process group.
+    activation_checkpointing, mixed_precision, param_dtype, seq_len, batch_size, grad_accum,
+    optimizer, optimizer_kwargs, max_grad_norm, in_backward); ``llama`` its resolved preset,
+    ``None`` with ``hf_model``. The world size is torchrun's ``WORLD_SIZE`` (1 without
+    torchrun); the GPU is this machine's first CUDA device, or an 80 GB one. Under torchrun
+    only rank 0 simulates, and the other ranks return an empty dict. Call it before joining a
+    process group.
     """
     if int(os.environ.get("RANK", "0")) != 0:
         return {}
@@ -650,6 +652,7 @@ def estimate_job_memory(job: Any, *, llama: LlamaConfig | None) -> dict[str, Any
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         activation_checkpointing=job.activation_checkpointing,
         mixed_precision=job.mixed_precision,
+        param_dtype=job.param_dtype,
         seq_len=job.seq_len,
         batch_size=job.batch_size,
         grad_accum=job.grad_accum,
