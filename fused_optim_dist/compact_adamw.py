@@ -76,9 +76,10 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
+from weakref import WeakKeyDictionary
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -304,10 +305,15 @@ class _Param(NamedTuple):
     """Its local tensor."""
     grad: torch.Tensor
     """The local tensor of its gradient."""
-    entry: dict[str, Any]
-    """Its state entry in ``self.state`` (values placed like ``param``)."""
     state: dict[str, torch.Tensor]
-    """The local tensors of ``entry``."""
+    """The local tensors of its state entry (a dict of this step's own)."""
+
+
+def _flat_float32(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One new float32 tensor holding ``tensors`` flattened one after the other (one copy,
+    converting as it goes)."""
+    out = torch.empty(sum(t.numel() for t in tensors), device=tensors[0].device)
+    return torch.cat([t.reshape(-1) for t in tensors], out=out)
 
 
 def _update(
@@ -317,13 +323,15 @@ def _update(
     h: _Hyper,
     corrections: tuple[_Factor, _Factor],
 ) -> None:
-    """Step ``params`` (one kind, dtype and step count) on the flat state ``buffers``: the
-    update of the whole batch in one pass of whole-tensor ops."""
+    """Step ``params`` (one kind and dtype) on their flat state ``buffers``: the update of the
+    whole batch in whole-tensor ops, one call each."""
     weights = [p.weight for p in params]
-    g = _flatten_dense_tensors([p.grad for p in params]).float()
-    flat_weights = _flatten_dense_tensors(weights)
-    correction = h.correction and flat_weights.dtype == torch.bfloat16
-    x = _join24(flat_weights, buffers["weight_error"]) if correction else flat_weights.float()
+    g = _flat_float32([p.grad for p in params])
+    x = _flat_float32(weights)
+    correction = h.correction and weights[0].dtype == torch.bfloat16
+    if correction:
+        # x holds the bfloat16 bits in its upper half: add the error below them.
+        x.view(torch.int32).add_(buffers["weight_error"].to(torch.int32).bitwise_left_shift_(8))
     if groups is None:  # parameters of at most one dim: 24-bit moments
         m = _join24(buffers["exp_avg"], buffers["exp_avg_error"])
         v = _join24(buffers["exp_avg_sq"], buffers["exp_avg_sq_error"])
@@ -377,6 +385,21 @@ class _Packed:
         self.values: dict[str, list[torch.Tensor]] = {}
 
 
+class _PackCache:
+    """An optimizer's ``_Packed`` by batch (the ids of its local weights), and each weight's
+    batch: at most one batch per weight, so that no buffer outlives its use."""
+
+    __slots__ = ("batch_of", "packs")
+
+    def __init__(self) -> None:
+        self.packs: dict[tuple[int, ...], _Packed] = {}
+        self.batch_of: dict[int, tuple[int, ...]] = {}
+
+
+_PACKS: WeakKeyDictionary[Optimizer, _PackCache] = WeakKeyDictionary()
+"""The cache of each CompactAdamW, kept off the instance. See [Note: packed state]."""
+
+
 def _consecutive(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The flat tensor whose consecutive pieces ``values`` are (in order, covering all of it),
     or ``None``."""
@@ -393,16 +416,17 @@ def _consecutive(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return base if offset == base.data_ptr() + base.numel() * itemsize else None
 
 
-def _repack(params: Sequence[_Param], key: str) -> torch.Tensor:
-    """Copy ``key``'s state of ``params`` into one new flat buffer; each entry's value
-    becomes a view of it (placed like its parameter)."""
+def _repack(state: dict[torch.Tensor, dict], params: Sequence[_Param], key: str) -> torch.Tensor:
+    """Copy ``key``'s state of ``params`` into one new flat buffer; each value becomes a view
+    of it, placed like its parameter in a new entry of ``state`` (a new dict, not the old one
+    changed: ``OptimizerInBackward`` finds what a step replaced by comparing the entries)."""
     values = [p.state[key] for p in params]
     buffer = torch.cat([value.reshape(-1) for value in values])
     pieces = buffer.split([value.numel() for value in values])
     for p, value, piece in zip(params, values, pieces, strict=True):
         view = piece.view(value.shape)
         p.state[key] = view
-        p.entry[key] = _placed_like(view, p.param, p.weight)
+        state[p.param] = {**state[p.param], key: _placed_like(view, p.param, p.weight)}
     return buffer
 
 
@@ -557,10 +581,7 @@ class CompactAdamW(Optimizer):
                     )
 
     def _forget_packs(self) -> None:
-        # Flat state buffers by batch (the ids of its local weights), and each weight's batch.
-        # See [Note: packed state].
-        self._packs: dict[tuple[int, ...], _Packed] = {}
-        self._pack_of: dict[int, tuple[int, ...]] = {}
+        _PACKS.pop(self, None)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore state dtypes by key and convert AdamW entries. See [Note: state dtypes
@@ -617,15 +638,15 @@ class CompactAdamW(Optimizer):
             new = _new_state(local, correction)
             entry = self.state[param] = {k: _placed_like(v, param, local) for k, v in new.items()}
         elif correction and param.dtype == torch.bfloat16 and "weight_error" not in entry:
-            error = torch.zeros_like(local, dtype=torch.int8)
-            entry["weight_error"] = _placed_like(error, param, local)
+            error = _placed_like(torch.zeros_like(local, dtype=torch.int8), param, local)
+            entry = self.state[param] = {**entry, "weight_error": error}
         if type(param) is DTensor:
             if grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)
             return _Param(
-                param, local, grad._local_tensor, entry, {k: _local(v) for k, v in entry.items()}
+                param, local, grad._local_tensor, {k: _local(v) for k, v in entry.items()}
             )
-        return _Param(param, local, grad, entry, entry)
+        return _Param(param, local, grad, dict(entry))
 
     def _step_batch(self, params: list[_Param], grouped: bool, group: dict[str, Any]) -> None:
         correction = group["weight_correction"]
@@ -654,15 +675,18 @@ class CompactAdamW(Optimizer):
         laid out as consecutive views of one buffer. See [Note: packed state]."""
         weights = [p.weight for p in params]
         batch = tuple(map(id, weights))
-        packed = self._packs.get(batch)
+        cache = _PACKS.get(self)
+        if cache is None:
+            cache = _PACKS[self] = _PackCache()
+        packed = cache.packs.get(batch)
         if packed is None or not all(map(operator.is_, weights, packed.weights)):
             groups = _Groups([w.shape for w in weights]).to(weights[0].device) if grouped else None
-            packed = self._packs[batch] = _Packed(weights, groups)
+            packed = cache.packs[batch] = _Packed(weights, groups)
             for pid in batch:  # at most one batch per weight
-                previous = self._pack_of.get(pid)
+                previous = cache.batch_of.get(pid)
                 if previous is not None and previous != batch:
-                    self._packs.pop(previous, None)
-                self._pack_of[pid] = batch
+                    cache.packs.pop(previous, None)
+                cache.batch_of[pid] = batch
         for key in keys:
             values = [p.state[key] for p in params]
             cached = packed.values.get(key)
@@ -670,7 +694,7 @@ class CompactAdamW(Optimizer):
                 continue
             buffer = _consecutive(values)
             if buffer is None:
-                buffer = _repack(params, key)
+                buffer = _repack(self.state, params, key)
                 values = [p.state[key] for p in params]
             packed.values[key], packed.buffers[key] = values, buffer
         return packed

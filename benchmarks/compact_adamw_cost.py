@@ -1,0 +1,219 @@
+"""CPU cost of a CompactAdamW update against fused fp32 AdamW, on the optimizer-cost shards.
+
+For each shape of ``benchmarks/optimizer_cost.py`` (``benchmarks/_shapes.py``), the tensors are
+shaped like rank 0's local shards on ``--world`` ranks (FSDP2's dim-0 chunks), grouped by FSDP
+unit (each block one unit, the rest the root's) as the in-backward step sees them: one update
+call per unit. A step updates every unit; its cost is the main thread's CPU time:
+
+* ``adamw-fused``: ``torch._fused_adamw_`` per unit on float32 weights and moments, the call
+  ``OptimizerInBackward`` makes for AdamW (``[Note: the update without the class's
+  per-parameter loop]``);
+* ``compact``: ``CompactAdamW.step()`` per unit on bfloat16 weights and gradients (eager).
+
+Both run interleaved, ``--steps`` steps per round, ``--rounds`` rounds; reported: each round's
+median ms, the ratio of the medians, and the ratios' spread over the rounds. Then a profile of
+``compact`` (``torch.profiler``, self CPU time by op) says where its time goes. Single process,
+one thread::
+
+    python benchmarks/compact_adamw_cost.py                          # ~2 min
+    python benchmarks/compact_adamw_cost.py --shapes many-tiny --rounds 1 --out /tmp/cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks._shapes import SHAPES
+from fused_optim_dist.compact_adamw import CompactAdamW
+from fused_optim_dist_recipes.metrics import describe_machine, machine_summary
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SHAPES = ("many-tiny", "many-small", "few-large", "llama-12x256")
+MS_PER_S = 1e3
+KWARGS = dict(lr=1e-4, weight_decay=0.01)
+
+
+def _units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """Parameters by FSDP unit: each of ``model.layers``, then the rest (the root's)."""
+    blocks = [list(layer.parameters()) for layer in model.layers]
+    inside = {id(p) for block in blocks for p in block}
+    root = [p for p in model.parameters() if id(p) not in inside]
+    return [*blocks, root] if root else blocks
+
+
+def _shard(param: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor shaped like rank 0's FSDP2 shard of ``param``, random, with a gradient."""
+    shape = torch.empty(param.shape, device="meta").chunk(world)[0].shape
+    shard = torch.randn(shape).to(dtype)
+    shard.grad = torch.randn(shape).to(dtype)
+    return shard
+
+
+def _fused_adamw(units: list[list[torch.Tensor]]) -> Callable[[], None]:
+    lists = []
+    for shards in units:
+        optim = torch.optim.AdamW(shards, fused=True, **KWARGS)
+        optim.step()  # creates the state
+        state = [optim.state[s] for s in shards]
+        lists.append(
+            (
+                shards,
+                [s.grad for s in shards],
+                [e["exp_avg"] for e in state],
+                [e["exp_avg_sq"] for e in state],
+                [],
+                [e["step"] for e in state],
+            )
+        )
+
+    def step() -> None:
+        for tensors in lists:
+            torch._fused_adamw_(
+                *tensors,
+                amsgrad=False,
+                lr=KWARGS["lr"],
+                beta1=0.9,
+                beta2=0.999,
+                weight_decay=KWARGS["weight_decay"],
+                eps=1e-8,
+                maximize=False,
+            )
+
+    return step
+
+
+def _compact(units: list[list[torch.Tensor]]) -> Callable[[], None]:
+    optims = [CompactAdamW(shards, **KWARGS) for shards in units]
+    for optim in optims:
+        optim.step()
+    # The step without Optimizer's profiling and hook wrapper, as OptimizerInBackward runs it.
+    unwrapped = CompactAdamW.step.__wrapped__
+
+    def step() -> None:
+        for optim in optims:
+            unwrapped(optim)
+
+    return step
+
+
+def _cpu_ms(fn: Callable[[], None]) -> float:
+    start = time.thread_time()
+    fn()
+    return (time.thread_time() - start) * MS_PER_S
+
+
+def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = SHAPES[name].build()
+    units = _units(model)
+    methods = {
+        "adamw-fused": _fused_adamw([[_shard(p, world, torch.float32) for p in u] for u in units]),
+        "compact": _compact([[_shard(p, world, torch.bfloat16) for p in u] for u in units]),
+    }
+    out: dict[str, Any] = {
+        "tensors": sum(len(u) for u in units),
+        "local_elements": sum(
+            torch.empty(p.shape, device="meta").chunk(world)[0].numel() for u in units for p in u
+        ),
+        "rounds": [],
+    }
+    for _ in range(rounds):
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for index in range(steps):
+            order = list(methods) if index % 2 else list(reversed(methods))
+            for method in order:
+                times[method].append(_cpu_ms(methods[method]))
+        medians = {m: statistics.median(t) for m, t in times.items()}
+        quartiles = {m: statistics.quantiles(t, n=4) for m, t in times.items()}
+        out["rounds"].append(
+            {
+                "median_ms": medians,
+                "iqr_ms": {m: [q[0], q[2]] for m, q in quartiles.items()},
+                "ratio": medians["compact"] / medians["adamw-fused"],
+            }
+        )
+    ratios = [r["ratio"] for r in out["rounds"]]
+    out["ratio_median"] = statistics.median(ratios)
+    out["ratio_range"] = [min(ratios), max(ratios)]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            methods["compact"]()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    out["profile_top"] = [
+        {"op": e.key, "share": e.self_cpu_time_total / total, "calls_per_step": e.count / 5}
+        for e in events[:12]
+    ]
+    return out
+
+
+def markdown(results: dict[str, Any], args: argparse.Namespace, machine: str) -> str:
+    lines = [
+        f"# CompactAdamW update cost against fused fp32 AdamW ({machine}, 1 thread)",
+        "",
+        f"Rank 0's shards of {args.world} ranks, one call per FSDP unit; CPU ms per step, "
+        f"median [IQR] of {args.steps} steps, per round; ratio = compact / adamw-fused.",
+        "",
+        "| shape | tensors | elements | round | adamw-fused ms | compact ms | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        for index, rnd in enumerate(r["rounds"]):
+            cells = [
+                f"{rnd['median_ms'][m]:.3f} [{rnd['iqr_ms'][m][0]:.3f}, {rnd['iqr_ms'][m][1]:.3f}]"
+                for m in ("adamw-fused", "compact")
+            ]
+            lines.append(
+                f"| {name} | {r['tensors']} | {r['local_elements']:,} | {index + 1} | "
+                f"{cells[0]} | {cells[1]} | {rnd['ratio']:.2f} |"
+            )
+    lines += ["", "| shape | ratio, median of rounds | range over rounds |", "|---|---|---|"]
+    for name, r in results.items():
+        low, high = r["ratio_range"]
+        lines.append(f"| {name} | {r['ratio_median']:.2f} | {low:.2f} - {high:.2f} |")
+    lines += ["", "Where compact's time goes (self CPU time, all ops of 5 steps):", ""]
+    for name, r in results.items():
+        top = ", ".join(
+            f"{e['op']} {100 * e['share']:.0f}% ({e['calls_per_step']:.0f}/step)"
+            for e in r["profile_top"][:8]
+        )
+        lines.append(f"* {name}: {top}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=DEFAULT_SHAPES)
+    parser.add_argument("--world", type=int, default=2, help="ranks the shards are taken from")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {name: _measure(name, args.world, args.steps, args.rounds) for name in args.shapes}
+    machine = describe_machine()
+    payload = {"config": {k: str(v) for k, v in vars(args).items()}, "machine": machine}
+    payload["results"] = results
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compact_adamw_cost.json").write_text(json.dumps(payload, indent=1))
+    text = markdown(results, args, machine_summary(machine))
+    (args.out / "compact_adamw_cost.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
