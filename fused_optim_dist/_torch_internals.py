@@ -94,6 +94,7 @@ __all__ = [
     "fused_kernel_devices",
     "global_step_pre_hooks",
     "local_tensor",
+    "observes_only",
     "placed_alike",
     "queue_end_of_backward",
     "read_grads",
@@ -274,11 +275,17 @@ def before_teardown(callback: Callable[[], None]) -> None:
     _TEARDOWN.append(callback)
 
 
+def observes_only(hook: Callable[..., object]) -> bool:
+    """Whether ``hook`` is one of torch's memory trackers' (``torch.distributed._tools``):
+    they note the optimizer phase and change nothing."""
+    return getattr(hook, "__module__", "").startswith("torch.distributed._tools")
+
+
 def global_step_pre_hooks() -> bool:
-    """Whether a step pre-hook is registered for every optimizer."""
+    """Whether a step pre-hook (other than an observer's) is registered for every optimizer."""
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-    return bool(_global_optimizer_pre_hooks)
+    return not all(map(observes_only, _global_optimizer_pre_hooks.values()))
 
 
 def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:

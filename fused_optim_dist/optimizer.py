@@ -28,6 +28,7 @@ from fused_optim_dist._torch_internals import (
     ddp_wrapped,
     drop_grads,
     global_step_pre_hooks,
+    observes_only,
     read_grads,
     watch_ddp,
 )
@@ -276,17 +277,21 @@ class OptimizerInBackward(Optimizer):
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """Refused: a step pre-hook runs before the update, and here the updates happen in
         backward, before ``step()`` is called. Post-hooks (:meth:`register_step_post_hook`)
-        run at ``step()`` as for a plain optimizer.
+        run at ``step()`` as for a plain optimizer. The observers of torch's memory trackers
+        (``torch.distributed._tools``, e.g. ``FSDPMemTracker``), which only note that the
+        optimizer phase begins, are accepted.
 
         Raises:
-            RuntimeError: always.
+            RuntimeError: for any other hook.
         """
-        raise RuntimeError(
-            "OptimizerInBackward cannot run a step pre-hook: it updates each parameter in "
-            "backward, before step() is called, so the hook would see gradients that are "
-            "already stepped and freed. Do the hook's work before backward (on the loss, or "
-            "in a module backward hook) or use register_step_post_hook."
-        )
+        if not observes_only(hook):
+            raise RuntimeError(
+                "OptimizerInBackward cannot run a step pre-hook: it updates each parameter in "
+                "backward, before step() is called, so the hook would see gradients that are "
+                "already stepped and freed. Do the hook's work before backward (on the loss, "
+                "or in a module backward hook) or use register_step_post_hook."
+            )
+        return super().register_step_pre_hook(hook)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         stepper = self.__dict__.get("_stepper")
@@ -417,7 +422,7 @@ class OptimizerInBackward(Optimizer):
     def _check_first_backward(self) -> None:
         """Checks run when a backward (or ``step()``) starts stepping, before anything moves:
         what can have changed since construction."""
-        if self._optimizer_step_pre_hooks or global_step_pre_hooks():
+        if global_step_pre_hooks():
             raise RuntimeError(
                 "a step pre-hook is registered (register_step_pre_hook or "
                 "torch.optim.optimizer.register_optimizer_step_pre_hook), but OptimizerInBackward "

@@ -289,6 +289,7 @@ def _peak_body(use_spare: bool) -> int:
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
     x = torch.randn(8, DIM)
     model(x).square().mean().backward()  # creates the state
+    optim.step()
     tracker = FSDPMemTracker(model, optim)
     with tracker:
         model(x).square().mean().backward()

@@ -140,7 +140,8 @@ def prepare(accelerator: Accelerator, *args: Any) -> Any:
     """
     check_accelerator(accelerator)
     prepared = accelerator.prepare(*args)
-    for obj in prepared if isinstance(prepared, tuple) else (prepared,):
+    # One object back for one passed; else a tuple, or a list on the FSDP2 path.
+    for obj in prepared if len(args) > 1 else (prepared,):
         if isinstance(obj, Optimizer) and _wraps_in_backward(obj):
             hook_swapped_parameters(obj)
     return prepared
