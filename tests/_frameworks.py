@@ -7,6 +7,7 @@ fixed token ids, the tokenizer (for TRL) a word-level vocabulary made here.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,9 +106,10 @@ def accelerate_on_cpu() -> Iterator[None]:
     ...); on CPU it stays ``MULTI_CPU`` and the model is silently wrapped in DDP. FSDP2 itself
     runs on gloo, so after the original ``__init__`` this applies the same assignments for
     ``MULTI_CPU``. The installed package is not changed; the states accelerate shares between
-    instances are reset on entry and exit, so each body builds its own.
+    instances and the environment variables they set are reset on exit, so each body builds its
+    own.
     """
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType
 
     original = AcceleratorState.__init__
@@ -119,7 +121,12 @@ def accelerate_on_cpu() -> Iterator[None]:
             if self._mixed_precision != "no":
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
+            # As the original's last line: the partial state reports the same type.
+            PartialState._shared_state["distributed_type"] = self.distributed_type
 
+    # accelerate and Trainer record their configuration in environment variables
+    # (ACCELERATE_USE_FSDP, FSDP_*), which a later Accelerator in this process would read.
+    environ = dict(os.environ)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     AcceleratorState.__init__ = init
@@ -129,6 +136,8 @@ def accelerate_on_cpu() -> Iterator[None]:
         AcceleratorState.__init__ = original
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+        os.environ.clear()
+        os.environ.update(environ)
     # Not on an error: the other ranks may be blocked in a collective this one left.
     if dist.is_initialized():
         dist.barrier()

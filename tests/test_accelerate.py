@@ -1,0 +1,144 @@
+"""An accelerate loop stepping in backward, against the same loop on plain AdamW.
+
+The plain loop is accelerate's documented one (``accelerator.accumulate``,
+``accelerator.clip_grad_norm_``); ours uses ``fused_optim_dist.integrations.accelerate``
+(``prepare``, ``backward``, the optimizer's ``grad_norm()``). Parameters are compared at
+``PARITY_ATOL`` and each step's norm with plain's ``clip_grad_norm_``, on one process and on 2
+FSDP2 ranks; a clipped run is compared on a one-bucket model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _frameworks import (
+    NORM_RTOL,
+    PARITY_ATOL,
+    OneUnitLlama,
+    TokenDataset,
+    accelerate_on_cpu,
+    full_params,
+    max_difference,
+    tiny_llama,
+)
+
+accelerate = pytest.importorskip("accelerate")
+from fused_optim_dist import OptimizerInBackward  # noqa: E402
+from fused_optim_dist.integrations.accelerate import (  # noqa: E402
+    backward,
+    in_backward_optimizer,
+    prepare,
+)
+
+MICRO_BATCHES = 6
+LR = 1e-2
+CLIP = 0.05
+"""Below every gradient norm of these runs (checked), so each step is clipped."""
+
+
+def _plugin(fsdp: str | None) -> accelerate.FullyShardedDataParallelPlugin | None:
+    if fsdp is None:
+        return None
+    if fsdp == "one_unit":
+        return accelerate.FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="NO_WRAP")
+    return accelerate.FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+    )
+
+
+def _loop(in_backward: bool, accumulation: int, clip: float | None, fsdp: str | None) -> dict:
+    """``MICRO_BATCHES`` micro-batches, a step every ``accumulation``; parameters and norms.
+
+    ``fsdp``: ``None`` (one process, or DDP), ``"one_unit"`` (FSDP2 on the root of
+    ``OneUnitLlama`` only) or ``"per_layer"``.
+    """
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(
+            cpu=True, gradient_accumulation_steps=accumulation, fsdp_plugin=_plugin(fsdp)
+        )
+        model = OneUnitLlama() if fsdp == "one_unit" else tiny_llama()
+        loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=2)
+        if in_backward:
+            optim = OptimizerInBackward(
+                model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1, max_grad_norm=clip
+            )
+            model, optim, loader = prepare(accelerator, model, optim, loader)
+        else:
+            optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+            model, optim, loader = accelerator.prepare(model, optim, loader)
+        norms, in_backward_steps = [], []
+        for index, batch in enumerate(loader):
+            if index == MICRO_BATCHES:
+                break
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                if in_backward:
+                    backward(accelerator, loss, optim)
+                    if accelerator.sync_gradients:
+                        norms.append(in_backward_optimizer(optim).grad_norm().item())
+                        # Stepped in backward: no gradient is left for step().
+                        held = [p for p in model.parameters() if p.grad is not None]
+                        in_backward_steps.append(not held)
+                else:
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        max_norm = math.inf if clip is None else clip
+                        norms.append(
+                            accelerator.clip_grad_norm_(model.parameters(), max_norm).item()
+                        )
+                optim.step()
+                optim.zero_grad()
+        return {
+            "params": full_params(model),
+            "norms": norms,
+            "in_backward": in_backward_steps,
+        }
+
+
+def _parity(accumulation: int, clip: float | None, fsdp: str | None) -> float:
+    plain = _loop(False, accumulation, clip, fsdp)
+    ours = _loop(True, accumulation, clip, fsdp)
+    steps = MICRO_BATCHES // accumulation
+    difference = max_difference(ours["params"], plain["params"])
+    assert difference < PARITY_ATOL, difference
+    assert len(plain["norms"]) == steps, plain["norms"]
+    torch.testing.assert_close(ours["norms"], plain["norms"], rtol=NORM_RTOL, atol=0)
+    assert ours["in_backward"] == [True] * steps, ours["in_backward"]
+    if clip is not None:
+        assert min(plain["norms"]) > clip, plain["norms"]
+    return difference
+
+
+@pytest.mark.parametrize(("accumulation", "clip"), [(1, None), (2, CLIP)], ids=["ga1", "ga2-clip"])
+def test_accelerate_loop_matches_plain(accumulation, clip):
+    difference = _parity(accumulation, clip, None)
+    print(f"1 process, ga={accumulation}, clip={clip}: max parameter difference {difference:.2e}")
+
+
+def _fsdp2_body(accumulation: int, clip: float | None, fsdp: str) -> float:
+    return _parity(accumulation, clip, fsdp)
+
+
+@pytest.mark.parametrize(
+    ("clip", "fsdp"), [(CLIP, "one_unit"), (None, "per_layer")], ids=["one-unit-clip", "units"]
+)
+def test_accelerate_loop_fsdp2_matches_plain(worlds, clip, fsdp):
+    differences = worlds.run(2, _fsdp2_body, accumulation=2, clip=clip, fsdp=fsdp)
+    print(f"FSDP2 {fsdp}, ga=2, clip={clip}: max parameter difference {max(differences):.2e}")
+
+
+def _ddp_refused_body() -> None:
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = tiny_llama()
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+        with pytest.raises(ValueError, match=r"MULTI_CPU.*fsdp_version: 2.*replicate"):
+            prepare(accelerator, model, optim)
+
+
+def test_accelerate_ddp_is_refused_before_prepare(worlds):
+    worlds.run(2, _ddp_refused_body)
