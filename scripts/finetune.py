@@ -177,7 +177,7 @@ class JobConfig:
     eval_every: int = 50
     """Held-out loss every N steps and at the end; 0: at the end only."""
     # samples
-    sample_prompt: str = "def main():\n"
+    sample_prompt: str = "class Stack:\n    def push(self, "
     """Text the model continues before and after training (empty: the start of a document)."""
     sample_tokens: int = 200
     """Tokens generated per sample; 0: no samples."""
