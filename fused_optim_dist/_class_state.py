@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from fused_optim_dist._classes import ClassSteppers
 from fused_optim_dist._kinds import is_torch_optim_class
 
 __all__ = ["ClassState"]
@@ -85,36 +86,44 @@ class ClassState:
     """The group and instance state of one pass. See [Note: group and instance state].
 
     Args:
-        optimizer: the wrapped class's instance whose step runs per bucket.
+        steppers: the optimizer's steppers; a group's class is tracked when its stepper runs
+            the class's step on every rank for every bucket, which whole-tensor stepping does
+            not (each owner rank steps only its own parameters: a class declared
+            ``"whole_tensor"`` must keep its state in ``state[p]``).
         param_groups: the optimizer facade's groups, read at the start of the pass.
-        trackable: whether the class's step runs on every rank for every bucket. Not under
-            whole-tensor stepping, where each owner rank steps only its own parameters: a
-            class declared ``"whole_tensor"`` must keep its state in ``state[p]``.
     """
 
-    def __init__(
-        self, optimizer: Optimizer, param_groups: list[dict[str, Any]], *, trackable: bool
-    ) -> None:
-        self._optimizer = optimizer
+    def __init__(self, steppers: ClassSteppers, param_groups: list[dict[str, Any]]) -> None:
         self._groups = param_groups
-        self.tracked = trackable and not is_torch_optim_class(type(optimizer))
+        self._owners = [steppers.optimizer_of(g) for g in param_groups]
+        self._tracked = [
+            steppers.can_track(g) and not is_torch_optim_class(type(owner))
+            for g, owner in zip(param_groups, self._owners, strict=True)
+        ]
+        self.tracked = any(self._tracked)
         if not self.tracked:
             return
-        # The snapshot: each group without its params, and the instance's own attributes.
-        self._group_snapshot = [
-            copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in param_groups
-        ]
-        self._instance_snapshot = copy.deepcopy(self._instance_attrs())
-        # What the buckets changed: per group index, and on the instance (None: no bucket yet).
+        self._steppers = steppers
+        # The snapshot: each tracked group without its params, and each tracked class
+        # instance's own attributes (by id of the instance).
+        self._group_snapshot = {
+            i: copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+            for i, g in enumerate(param_groups)
+            if self._tracked[i]
+        }
+        self._instances = {
+            id(owner): owner for i, owner in enumerate(self._owners) if self._tracked[i]
+        }
+        self._instance_snapshot = {
+            key: copy.deepcopy(_instance_attrs(owner)) for key, owner in self._instances.items()
+        }
+        # What the buckets changed: per group index, and per instance.
         self._group_changes: dict[int, dict[str, Any]] = {}
-        self._instance_changes: dict[str, Any] | None = None
-
-    def _instance_attrs(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self._optimizer).items() if k not in _OPTIMIZER_ATTRS}
+        self._instance_changes: dict[int, dict[str, Any]] = {}
 
     def group(self, index: int) -> dict[str, Any]:
         """The group a bucket's step reads: the facade's, or a fresh copy of the snapshot."""
-        if not self.tracked:
+        if not self.tracked or not self._tracked[index]:
             return self._groups[index]
         return {
             **copy.deepcopy(self._group_snapshot[index]),
@@ -124,56 +133,62 @@ class ClassState:
     def run(
         self,
         indices: Sequence[int],
-        step: Callable[[], Sequence[dict[str, Any]] | None],
+        step: Callable[[], Sequence[dict[str, Any] | None] | None],
     ) -> None:
         """Run one bucket's ``step`` (over the groups ``indices``) from the snapshot; ``step``
-        returns the group dicts the class's step received, in order."""
-        if not self.tracked:
+        returns the group dicts the classes' steps received, in order."""
+        tracked = [i for i in indices if self.tracked and self._tracked[i]]
+        if not tracked:
             step()
             return
-        for key, value in copy.deepcopy(self._instance_snapshot).items():
-            setattr(self._optimizer, key, value)
+        instances = {id(self._owners[i]) for i in tracked}
+        for key in instances:
+            for name, value in copy.deepcopy(self._instance_snapshot[key]).items():
+                setattr(self._instances[key], name, value)
         handed = step()
-        if handed is None:
-            raise AssertionError("a tracked class must be stepped through its own step()")
+        assert handed is not None, "a tracked class is stepped through its own step()"
         for index, group in zip(indices, handed, strict=True):
-            after = {k: v for k, v in group.items() if k != "params"}
-            self._agree(self._group_changes, index, _changes(self._group_snapshot[index], after))
-        instance = _changes(self._instance_snapshot, self._instance_attrs())
-        if self._instance_changes is None:
-            self._instance_changes = instance
-        elif not _same(self._instance_changes, instance):
-            self._refuse("on the optimizer instance", self._instance_changes, instance)
+            if index in tracked:
+                assert group is not None
+                after = {k: v for k, v in group.items() if k != "params"}
+                changes = _changes(self._group_snapshot[index], after)
+                self._agree(self._group_changes, index, changes, f"in param group {index}")
+        for key in instances:
+            changes = _changes(self._instance_snapshot[key], _instance_attrs(self._instances[key]))
+            self._agree(self._instance_changes, key, changes, "on the optimizer instance")
 
-    def _agree(self, seen: dict[int, dict[str, Any]], index: int, changes: dict[str, Any]) -> None:
-        previous = seen.get(index)
+    def _agree(
+        self, seen: dict[int, dict[str, Any]], key: int, changes: dict[str, Any], where: str
+    ) -> None:
+        previous = seen.get(key)
         if previous is None:
-            seen[index] = changes
+            seen[key] = changes
         elif not _same(previous, changes):
-            self._refuse(f"in param group {index}", previous, changes)
+            raise RuntimeError(
+                f"the wrapped optimizer's step wrote different values {where} for different "
+                f"buckets of one backward ({sorted(previous)} vs {sorted(changes)}): it keeps "
+                "state there that depends on the parameters stepped, which stepping bucket by "
+                "bucket cannot reproduce. Keep per-parameter values in self.state[p] (as "
+                "torch.optim does), or use the plain optimizer."
+            )
 
-    def _refuse(self, where: str, first: dict[str, Any], other: dict[str, Any]) -> None:
-        name = type(self._optimizer).__name__
-        raise RuntimeError(
-            f"{name}.step wrote different values {where} for different buckets of one backward "
-            f"({sorted(first)} vs {sorted(other)}): it keeps state there that depends on the "
-            "parameters stepped, which stepping bucket by bucket cannot reproduce. Keep "
-            "per-parameter values in self.state[p] (as torch.optim does), or use the plain "
-            f"{name}."
-        )
-
-    def untouched(self) -> list[int]:
-        """Indices of the groups no bucket stepped in this pass."""
-        if not self.tracked:
-            return []
-        return [i for i in range(len(self._groups)) if i not in self._group_changes]
-
-    def commit(self) -> None:
-        """Write what the buckets changed back, once."""
+    def finish(self) -> None:
+        """Step the tracked groups no bucket stepped with no parameters (the plain optimizer's
+        ``step()`` visits them too), then write what the buckets changed back, once."""
         if not self.tracked:
             return
+        untouched = [
+            i for i in range(len(self._groups)) if self._tracked[i] and i not in self._group_changes
+        ]
+        if untouched:
+            groups = [self.group(i) for i in untouched]
+            self.run(untouched, lambda: self._steppers.step_without_params(groups))
         for index, changes in self._group_changes.items():
             self._groups[index].update(changes)
-        if self._instance_changes:
-            for key, value in self._instance_changes.items():
-                setattr(self._optimizer, key, value)
+        for key, changes in self._instance_changes.items():
+            for name, value in changes.items():
+                setattr(self._instances[key], name, value)
+
+
+def _instance_attrs(optimizer: Optimizer) -> dict[str, Any]:
+    return {k: v for k, v in vars(optimizer).items() if k not in _OPTIMIZER_ATTRS}

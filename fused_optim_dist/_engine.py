@@ -55,10 +55,11 @@ from typing import Any, NoReturn
 import torch
 
 from fused_optim_dist._class_state import ClassState
+from fused_optim_dist._classes import ClassSteppers
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
 from fused_optim_dist._protocol import PendingUpdates, describe
-from fused_optim_dist._stepping import Batch, Stepper, local_gradients
+from fused_optim_dist._stepping import Batch, local_gradients
 from fused_optim_dist._streams import StepEvents, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
     current_backward_id,
@@ -107,14 +108,13 @@ class BackwardPass:
         self,
         backward_id: int | None,
         plan: BucketPlan,
-        stepper: Stepper,
+        stepper: ClassSteppers,
         gradients: GradientProcessor,
         param_groups: list[dict[str, Any]],
         state: defaultdict[torch.Tensor, dict],
         pending: PendingUpdates,
         *,
         record: bool = True,
-        trackable: bool = True,
     ) -> None:
         # The graph task ids of this backward (nested reentrant ones adopted), and a weak
         # reference to the token its queued callbacks hold.
@@ -137,7 +137,7 @@ class BackwardPass:
         self._norms = BackwardNorms()
         self._events = StepEvents()
         # See [Note: group and instance state].
-        self._class_state = ClassState(stepper.optimizer, param_groups, trackable=trackable)
+        self._class_state = ClassState(stepper, param_groups)
 
     def queue_finish(self) -> None:
         """Finish this pass once its backward has finished (call in its first hook).
@@ -271,11 +271,7 @@ class BackwardPass:
             # Updates still in flight (whole-tensor stepping) are applied before anything
             # after this backward reads the parameters.
             self._stepper.flush()
-            untouched = self._class_state.untouched()
-            if untouched:
-                groups = [self._class_state.group(index) for index in untouched]
-                self._class_state.run(untouched, lambda: self._stepper.step_without_params(groups))
-            self._class_state.commit()
+            self._class_state.finish()
             self._events.wait()
             if self._record:
                 self._gradients.end_of_backward(self._norms)

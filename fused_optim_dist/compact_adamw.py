@@ -73,13 +73,11 @@ class it wraps), casts each back to its dtype by key. It also converts an AdamW 
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
-from weakref import WeakKeyDictionary
 
 import torch
-from torch._utils import _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -151,13 +149,16 @@ class _Groups:
             self.lengths = None
             self.count = self.numel // GROUP_SIZE
             return
-        pieces = []
-        for count, length in rows:
-            row = [GROUP_SIZE] * (length // GROUP_SIZE) + [length % GROUP_SIZE] * bool(
-                length % GROUP_SIZE
-            )
-            pieces.append(torch.tensor(row, dtype=torch.int32).repeat(count))
-        self.lengths = torch.cat(pieces)
+        # Every group is 32 long but the last of each row with a remainder: computed per row,
+        # with a handful of ops whatever the number of parameters.
+        counts = torch.tensor([count for count, _ in rows])
+        row_lengths = torch.tensor([length for _, length in rows]).repeat_interleave(counts)
+        row_groups = -(-row_lengths // GROUP_SIZE)
+        row_rest = row_lengths % GROUP_SIZE
+        lengths = torch.full((int(row_groups.sum()),), GROUP_SIZE, dtype=torch.int32)
+        short = row_rest > 0
+        lengths[(row_groups.cumsum(0) - 1)[short]] = row_rest[short].to(torch.int32)
+        self.lengths = lengths
         self.count = self.lengths.numel()
 
     def to(self, device: torch.device) -> _Groups:
@@ -366,68 +367,20 @@ def _update(
         )
 
 
-# ------------------------------------------------------------------------------ packed state
+# ------------------------------------------------------------------------------ flat state
 
 
-class _Packed:
-    """The state of one batch of parameters as flat buffers, each parameter's state tensors
-    views of them. See [Note: packed state].
-
-    ``values[key]``: the tensors the buffers were last checked against, in batch order.
-    """
-
-    __slots__ = ("buffers", "groups", "values", "weights")
-
-    def __init__(self, weights: list[torch.Tensor], groups: _Groups | None) -> None:
-        self.weights = weights
-        self.groups = groups
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.values: dict[str, list[torch.Tensor]] = {}
+def _gather_state(params: Sequence[_Param], keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Each of ``keys``' state of ``params``, flattened into one tensor (one copy per key).
+    See [Note: layout-independent arithmetic]."""
+    return {key: _flatten_dense_tensors([p.state[key] for p in params]) for key in keys}
 
 
-class _PackCache:
-    """An optimizer's ``_Packed`` by batch (the ids of its local weights), and each weight's
-    batch: at most one batch per weight, so that no buffer outlives its use."""
-
-    __slots__ = ("batch_of", "packs")
-
-    def __init__(self) -> None:
-        self.packs: dict[tuple[int, ...], _Packed] = {}
-        self.batch_of: dict[int, tuple[int, ...]] = {}
-
-
-_PACKS: WeakKeyDictionary[Optimizer, _PackCache] = WeakKeyDictionary()
-"""The cache of each CompactAdamW, kept off the instance. See [Note: packed state]."""
-
-
-def _consecutive(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The flat tensor whose consecutive pieces ``values`` are (in order, covering all of it),
-    or ``None``."""
-    if len(values) == 1:
-        return values[0].view(-1) if values[0].is_contiguous() else None
-    base = values[0]._base
-    if base is None or base.dim() != 1 or not base.is_contiguous():
-        return None
-    itemsize, offset = base.element_size(), base.data_ptr()
-    for value in values:
-        if value._base is not base or value.data_ptr() != offset or not value.is_contiguous():
-            return None
-        offset += value.numel() * itemsize
-    return base if offset == base.data_ptr() + base.numel() * itemsize else None
-
-
-def _repack(state: dict[torch.Tensor, dict], params: Sequence[_Param], key: str) -> torch.Tensor:
-    """Copy ``key``'s state of ``params`` into one new flat buffer; each value becomes a view
-    of it, placed like its parameter in a new entry of ``state`` (a new dict, not the old one
-    changed: ``OptimizerInBackward`` finds what a step replaced by comparing the entries)."""
-    values = [p.state[key] for p in params]
-    buffer = torch.cat([value.reshape(-1) for value in values])
-    pieces = buffer.split([value.numel() for value in values])
-    for p, value, piece in zip(params, values, pieces, strict=True):
-        view = piece.view(value.shape)
-        p.state[key] = view
-        state[p.param] = {**state[p.param], key: _placed_like(view, p.param, p.weight)}
-    return buffer
+def _scatter_state(params: Sequence[_Param], buffers: dict[str, torch.Tensor]) -> None:
+    """Copy the flat ``buffers`` back into each parameter's state tensors (one call per key)."""
+    for key, flat in buffers.items():
+        values = [p.state[key] for p in params]
+        torch._foreach_copy_(values, _unflatten_dense_tensors(flat, values))
 
 
 # ------------------------------------------------------------------------------ state
@@ -531,8 +484,7 @@ class CompactAdamW(Optimizer):
             ablations). Fixed for a run: the codes are read as they were written.
 
     ``state[p]`` holds ``step`` (a float32 CPU scalar, as AdamW's) and the tensors named in the
-    module's table, created at ``p``'s first step; the parameters stepped together hold their
-    state as views of shared buffers ([Note: packed state]). ``load_state_dict`` also takes a
+    module's table, created at ``p``'s first step. ``load_state_dict`` also takes a
     ``torch.optim.AdamW`` state dict (quantizing its moments); :func:`to_adamw_state_dict`
     converts the other way.
     """
@@ -563,7 +515,6 @@ class CompactAdamW(Optimizer):
             compand=compand,
         )
         super().__init__(params, defaults)
-        self._forget_packs()
         for group in self.param_groups:
             for param in group["params"]:
                 if param.dtype not in _WEIGHT_DTYPES:
@@ -580,14 +531,10 @@ class CompactAdamW(Optimizer):
                         "groups lie within rows"
                     )
 
-    def _forget_packs(self) -> None:
-        _PACKS.pop(self, None)
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore state dtypes by key and convert AdamW entries. See [Note: state dtypes
         across load_state_dict]."""
         super().__setstate__(state)
-        self._forget_packs()
         compand = {}
         for group in self.param_groups:
             group.setdefault("weight_correction", True)
@@ -653,8 +600,8 @@ class CompactAdamW(Optimizer):
         keys = _ROW_KEYS if grouped else _FLAT_KEYS
         if correction and params[0].weight.dtype == torch.bfloat16:
             keys = ("weight_error", *keys)
-        packed = self._packed(params, grouped, ("step", *keys))
-        steps = packed.buffers["step"]
+        buffers = _gather_state(params, ("step", *keys))
+        steps = buffers["step"]
         steps += 1
         beta1, beta2 = group["betas"]
         h = _Hyper(
@@ -666,38 +613,13 @@ class CompactAdamW(Optimizer):
             correction=correction,
             compand=group["compand"],
         )
+        groups = _Groups([p.weight.shape for p in params]) if grouped else None
+        if groups is not None:
+            groups.to(params[0].weight.device)
         # Host values of the step counts (CPU scalars): no device sync.
-        counts = steps.tolist()
-        _update(params, packed.buffers, packed.groups, h, _bias_corrections(params, counts, h))
-
-    def _packed(self, params: list[_Param], grouped: bool, keys: Sequence[str]) -> _Packed:
-        """The flat buffers of ``keys``' state of ``params``, repacked where the state is not
-        laid out as consecutive views of one buffer. See [Note: packed state]."""
-        weights = [p.weight for p in params]
-        batch = tuple(map(id, weights))
-        cache = _PACKS.get(self)
-        if cache is None:
-            cache = _PACKS[self] = _PackCache()
-        packed = cache.packs.get(batch)
-        if packed is None or not all(map(operator.is_, weights, packed.weights)):
-            groups = _Groups([w.shape for w in weights]).to(weights[0].device) if grouped else None
-            packed = cache.packs[batch] = _Packed(weights, groups)
-            for pid in batch:  # at most one batch per weight
-                previous = cache.batch_of.get(pid)
-                if previous is not None and previous != batch:
-                    cache.packs.pop(previous, None)
-                cache.batch_of[pid] = batch
-        for key in keys:
-            values = [p.state[key] for p in params]
-            cached = packed.values.get(key)
-            if cached is not None and all(map(operator.is_, values, cached)):
-                continue
-            buffer = _consecutive(values)
-            if buffer is None:
-                buffer = _repack(self.state, params, key)
-                values = [p.state[key] for p in params]
-            packed.values[key], packed.buffers[key] = values, buffer
-        return packed
+        corrections = _bias_corrections(params, steps.tolist(), h)
+        _update(params, buffers, groups, h, corrections)
+        _scatter_state(params, buffers)
 
 
 def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:

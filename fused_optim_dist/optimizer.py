@@ -6,6 +6,7 @@ import contextlib
 import copy
 import gc
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fused_optim_dist._classes import GROUP_CLASS_KEY, ClassSteppers, class_path
 from fused_optim_dist._engine import BackwardPass
 from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, stepping_of
@@ -85,6 +87,51 @@ def _held_by_a_module(params: Iterable[torch.Tensor]) -> bool:
         and any(id(p) in wanted for p in obj._parameters.values() if p is not None)
         for obj in gc.get_objects()
     )
+
+
+def _groups_by_class(
+    params: list[Any], default: type[Optimizer]
+) -> dict[type[Optimizer], list[Any]]:
+    """The user's groups by optimizer class, classes in order of first appearance (plain
+    tensors: all the default class's). See [Note: groups of several classes]."""
+    if not all(isinstance(p, dict) for p in params):
+        return {default: params}
+    by_class: dict[type[Optimizer], list[Any]] = {}
+    for group in params:
+        cls = resolve_optimizer_class(group.get(GROUP_CLASS_KEY, default))
+        by_class.setdefault(cls, []).append(group)
+    return by_class
+
+
+def _in_user_order(
+    params: list[Any], default: type[Optimizer], inners: dict[str | None, Optimizer]
+) -> list[dict[str, Any]]:
+    """The groups the classes built, in the order the user listed them."""
+    if not all(isinstance(p, dict) for p in params):
+        return inners[None].param_groups
+    built = {key: iter(inner.param_groups) for key, inner in inners.items()}
+    groups = []
+    for group in params:
+        cls = resolve_optimizer_class(group.get(GROUP_CLASS_KEY, default))
+        groups.append(next(built[None if cls is default else class_path(cls)]))
+    return groups
+
+
+def _steppers(
+    inners: dict[str | None, Optimizer], default: type[Optimizer], override: str | None
+) -> ClassSteppers:
+    """One stepper per class, stepping as the class is declared (``override``: the
+    default class's ``stepping`` option)."""
+    steppers: dict[str | None, Stepper] = {}
+    for key, inner in inners.items():
+        stepping = stepping_of(type(inner), override if key is None else None)
+        steppers[key] = (
+            WholeTensorStepper(inner)
+            if stepping is Stepping.WHOLE_TENSOR
+            else BucketStepper(inner, local_shards=stepping is Stepping.ELEMENTWISE)
+        )
+    trackable = {k: not isinstance(s, WholeTensorStepper) for k, s in steppers.items()}
+    return ClassSteppers(steppers, trackable)
 
 
 def _as_group(param_group: dict[str, Any]) -> dict[str, Any]:
@@ -162,34 +209,46 @@ class OptimizerInBackward(Optimizer):
         watch_ddp()
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
-        stepping = stepping_of(optimizer_cls, options.stepping)
         params = list(params)
         if not params:
             raise ValueError("OptimizerInBackward got an empty parameter list")
-        # Built on the user's parameters so that groups get exactly optimizer_cls's keys and
-        # defaults (and any state its constructor creates, as Adagrad's).
-        inner = optimizer_cls(params, **optimizer_kwargs)
-        check_param_groups(inner.param_groups)
+        # Each class built on its own groups (see [Note: groups of several classes]), so that
+        # groups get exactly its keys and defaults (and any state its constructor creates, as
+        # Adagrad's).
+        by_class = _groups_by_class(params, optimizer_cls)
+        inners: dict[str | None, Optimizer] = {}
+        for cls, groups in by_class.items():
+            key = None if cls is optimizer_cls else class_path(cls)
+            inners[key] = cls(
+                [{k: v for k, v in g.items() if k != GROUP_CLASS_KEY} for g in groups]
+                if key is not None or isinstance(groups[0], dict)
+                else groups,
+                **(optimizer_kwargs if key is None else {}),
+            )
+            if key is not None:
+                for group in inners[key].param_groups:
+                    group[GROUP_CLASS_KEY] = key
+        param_groups = _in_user_order(params, optimizer_cls, inners)
+        check_param_groups(param_groups)
         self._check_not_driven_elsewhere(
-            [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
+            [p for g in param_groups for p in g["params"] if p.requires_grad]
         )
+        state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+        for inner in inners.values():
+            state.update(inner.state)
+        first = inners.get(None, next(iter(inners.values())))
         # Optimizer.__setstate__ initialises the base class (hook dicts, profiled step) around
         # the wrapped optimizer's groups and state, without re-validating them.
         # (It also adds "differentiable" to the defaults it is given, which the wrapped class's
         # own defaults may lack: groups added later must get exactly the class's keys.)
-        defaults = dict(inner.defaults)
         super().__setstate__(
-            {"defaults": defaults, "state": inner.state, "param_groups": inner.param_groups}
+            {"defaults": dict(first.defaults), "state": state, "param_groups": param_groups}
         )
-        self.defaults = inner.defaults
+        self.defaults = first.defaults
         self.optimizer_cls = optimizer_cls
         self.options = options
-        # The wrapped class's step code, run on one bucket at a time.
-        self._stepper: Stepper = (
-            WholeTensorStepper(inner)
-            if stepping is Stepping.WHOLE_TENSOR
-            else BucketStepper(inner, local_shards=stepping is Stepping.ELEMENTWISE)
-        )
+        # Each class's step code, run on one bucket at a time.
+        self._stepper = _steppers(inners, optimizer_cls, options.stepping)
         # Norm, non-finite check and clipping, and their history across steps.
         self._gradients = GradientProcessor(options)
         # Whether a gradient ever reached this object's params (or they were found live).
@@ -258,7 +317,6 @@ class OptimizerInBackward(Optimizer):
             self.state,
             self._pending,
             record=record,
-            trackable=not isinstance(self._stepper, WholeTensorStepper),
         )
 
     # ------------------------------------------------------------------ torch.optim.Optimizer
@@ -271,7 +329,27 @@ class OptimizerInBackward(Optimizer):
         param_group = _as_group(param_group)
         check_param_groups([*self.param_groups, param_group])
         self._check_not_driven_elsewhere([p for p in param_group["params"] if p.requires_grad])
-        super().add_param_group(param_group)
+        key = param_group.pop(GROUP_CLASS_KEY, None)
+        if key is not None:
+            key = class_path(resolve_optimizer_class(key))
+            if key == class_path(self.optimizer_cls):
+                key = None
+        if key not in self._stepper.steppers:
+            raise ValueError(
+                f"add_param_group: optimizer_cls {key} is not one of this optimizer's classes; "
+                "name every class in the param groups given at construction"
+            )
+        if key is None:
+            super().add_param_group(param_group)
+        else:
+            # Filled with that class's defaults, by the class itself.
+            inner = self._stepper.steppers[key].optimizer
+            inner.add_param_group(param_group)
+            group = inner.param_groups.pop()
+            group[GROUP_CLASS_KEY] = key
+            self.state.update(inner.state)
+            inner.state = type(inner.state)()
+            self.param_groups.append(group)
         self._current_plan()
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
@@ -294,14 +372,34 @@ class OptimizerInBackward(Optimizer):
         return super().register_step_pre_hook(hook)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        stepper = self.__dict__.get("_stepper")
-        if stepper is not None:
-            # load_state_dict: let the wrapped class fill in group keys and convert state
-            # written by older releases, as its own __setstate__ does.
-            inner = stepper.optimizer
-            inner.__setstate__(dict(state))
-            state = {**state, "state": inner.state, "param_groups": inner.param_groups}
-            inner.state, inner.param_groups = type(inner.state)(), []
+        steppers = self.__dict__.get("_stepper")
+        if steppers is not None:
+            # load_state_dict: let each wrapped class fill in its groups' keys and convert
+            # state written by older releases, as its own __setstate__ does.
+            groups, entries = state["param_groups"], state["state"]
+            filled: dict[int, dict[str, Any]] = {}
+            merged: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+            for key, stepper in steppers.steppers.items():
+                mine = [i for i, g in enumerate(groups) if g.get(GROUP_CLASS_KEY) == key]
+                params = {p for i in mine for p in groups[i]["params"]}
+                inner = stepper.optimizer
+                inner.__setstate__(
+                    {
+                        **state,
+                        "param_groups": [groups[i] for i in mine],
+                        "state": defaultdict(
+                            dict, {p: v for p, v in entries.items() if p in params}
+                        ),
+                    }
+                )
+                filled.update(zip(mine, inner.param_groups, strict=True))
+                merged.update(inner.state)
+                inner.state, inner.param_groups = type(inner.state)(), []
+            state = {
+                **state,
+                "state": merged,
+                "param_groups": [filled[i] for i in range(len(groups))],
+            }
         super().__setstate__(state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizerInBackward:

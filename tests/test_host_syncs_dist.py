@@ -49,8 +49,9 @@ def _count_host_reads(optimizer: str, kwargs: dict) -> tuple[int, int]:
     optim = OptimizerInBackward(model.parameters(), getattr(torch.optim, optimizer), **kwargs)
     reads = _HostReads()
     # The update: the class's step, or the functional call it makes (cached lists).
+    stepper = optim._stepper.steppers[None]
     for name in ("_step", "_adam_update"):
-        setattr(optim._stepper, name, _uncounted(reads, getattr(optim._stepper, name)))
+        setattr(stepper, name, _uncounted(reads, getattr(stepper, name)))
     for step in range(4):
         x, y = batch(step)
         loss = loss_fn(model, rank_slice(x), rank_slice(y))

@@ -10,6 +10,7 @@ run on 2 (or 3) gloo ranks with FSDP2, uneven shards.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -513,3 +514,74 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _replicate_body)
     worlds.run(3, _replicate_body)
+
+
+# ------------------------------------- 10. one optimizer, several classes, one global norm
+
+
+def _muon_adamw(model: nn.Module, ours: bool, max_grad_norm: float | None, bucket_numel: int):
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and "layers" in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "layers" in n)]
+    if ours:
+        return OptimizerInBackward(
+            [{"params": matrices, "optimizer_cls": torch.optim.Muon, "lr": 0.02}, {"params": rest}],
+            torch.optim.AdamW,
+            options=InBackwardOptions(max_grad_norm=max_grad_norm, bucket_numel=bucket_numel),
+            **ADAMW,
+        )
+    return [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, **ADAMW)]
+
+
+def _mixed(sharded: bool, max_grad_norm: float | None, bucket_numel: int) -> None:
+    # The reference is unsharded, on the global batch: plain Muon on FSDP2's DTensors is not
+    # exact (DESIGN section 1).
+    model, reference = make_models()
+    if sharded:
+        shard(model)
+    optim = _muon_adamw(model, True, max_grad_norm, bucket_numel)
+    plain = _muon_adamw(reference, False, None, bucket_numel)
+    for step in range(3):
+        x, y = _x(step, sharded)
+        loss_fn(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, *_x(step)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), max_grad_norm if max_grad_norm else math.inf
+        )
+        torch.testing.assert_close(optim.grad_norm(), full(norm), rtol=1e-5, atol=1e-6)
+        for opt in plain:
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference, atol=1e-5)
+    # Each class's entries keep its plain format; the group names its class by path.
+    state = optim.state_dict()
+    assert state["param_groups"][0]["optimizer_cls"] == "torch.optim.Muon"
+    assert "optimizer_cls" not in state["param_groups"][1]
+    muon_state = plain[0].state_dict()["state"]
+    assert {k for e in muon_state.values() for k in e} == {"momentum_buffer"}
+    optim.detach()
+    again = _muon_adamw(model, True, max_grad_norm, bucket_numel)
+    again.load_state_dict(copy.deepcopy(state))
+    loaded = again.state_dict()["state"]
+    assert loaded.keys() == state["state"].keys()
+    for index, entry in state["state"].items():
+        assert loaded[index].keys() == entry.keys()
+        for key, value in entry.items():
+            torch.testing.assert_close(full(loaded[index][key]), full(value), rtol=0, atol=0)
+    assert again.param_groups[0]["lr"] == 0.02 and again.param_groups[0]["nesterov"]
+
+
+def test_muon_and_adamw_groups_one_norm_one_clipping():
+    """One OptimizerInBackward holding a Muon group and an AdamW group: grad_norm() is
+    clip_grad_norm_ over the whole model, and clipping is exact on a one-bucket module."""
+    _mixed(sharded=False, max_grad_norm=None, bucket_numel=20)
+    _mixed(sharded=False, max_grad_norm=0.5, bucket_numel=1 << 20)
+
+
+def _mixed_body() -> None:
+    _mixed(sharded=True, max_grad_norm=None, bucket_numel=20)
+
+
+def test_mixed_classes_on_fsdp2(worlds):
+    worlds.run(2, _mixed_body)

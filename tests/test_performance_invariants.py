@@ -166,13 +166,14 @@ def _steady_state_body() -> dict[str, dict[str, int]]:
     shard(chose)
     chose_optim = OptimizerInBackward(chose.parameters(), torch.optim.AdamW, lr=LR, foreach=True)
     class_steps = [0]
-    class_step = optim._stepper._step
+    stepper = optim._stepper.steppers[None]
+    class_step = stepper._step
 
     def counted(inner: torch.optim.Optimizer) -> None:
         class_steps[0] += 1
         class_step(inner)
 
-    optim._stepper._step = counted
+    stepper._step = counted
     counts = {"first": _range_counts(lambda: _train(model, optim, 0, sharded=True))}
     counts["first"]["class_step"] = class_steps[0]
     _train(model, optim, 1, sharded=True)

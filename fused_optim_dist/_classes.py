@@ -1,0 +1,92 @@
+"""Param groups of several optimizer classes in one ``OptimizerInBackward``.
+
+[Note: groups of several classes]
+Muon trains the matrices and AdamW the rest; as two optimizers, each would clip by the norm of
+its own parameters and report its own norm, and there would be no global one. So a param group
+may name its own class, ``{"params": matrices, "optimizer_cls": torch.optim.Muon, "lr": 0.02}``:
+one ``OptimizerInBackward`` then holds every group, computes one norm over all of them and clips
+once. Each class is instantiated on its own groups, with that group's keyword arguments (the
+constructor's keyword arguments go to the default class only), so every group gets exactly its
+class's keys and defaults and every ``state[p]`` keeps its class's plain format. A group of
+another class than the default keeps its class in ``"optimizer_cls"``, as a dotted import path,
+so that ``state_dict()`` stays a plain dict of strings and tensors. Each class has its own
+stepper (elementwise, whole tensor or DTensor, as the class is declared); a bucket's groups go
+to their classes' steppers in group order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from fused_optim_dist._stepping import Batch, Stepper
+
+__all__ = ["GROUP_CLASS_KEY", "ClassSteppers", "class_path"]
+
+GROUP_CLASS_KEY = "optimizer_cls"
+"""The param-group key naming the group's own optimizer class."""
+
+
+def class_path(cls: type[Optimizer]) -> str:
+    """The dotted import path of ``cls``, as ``resolve_optimizer_class`` takes it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class ClassSteppers:
+    """The steppers of every class of an optimizer's groups, as one ``Stepper``.
+
+    Args:
+        steppers: by the value of a group's ``"optimizer_cls"`` key (``None``: the default
+            class, whose groups have no such key).
+        trackable: whether each class's group and instance state can be tracked (see
+            [Note: group and instance state]), by the same key.
+    """
+
+    def __init__(self, steppers: dict[str | None, Stepper], trackable: dict[str | None, bool]):
+        self.steppers = steppers
+        self.trackable = trackable
+        self.optimizer = steppers[None].optimizer if None in steppers else None
+
+    def of(self, group: dict[str, Any]) -> Stepper:
+        return self.steppers[group.get(GROUP_CLASS_KEY)]
+
+    def takes_found_inf(self, batches: Sequence[Batch]) -> bool:
+        return all(self.of(batch.group).takes_found_inf([batch]) for batch in batches)
+
+    def step(
+        self,
+        batches: Sequence[Batch],
+        state: defaultdict[torch.Tensor, dict],
+        found_inf: torch.Tensor | None = None,
+    ) -> list[dict[str, Any] | None]:
+        by_class: dict[str | None, list[int]] = {}
+        for position, batch in enumerate(batches):
+            by_class.setdefault(batch.group.get(GROUP_CLASS_KEY), []).append(position)
+        handed: list[dict[str, Any] | None] = [None] * len(batches)
+        for key, positions in by_class.items():
+            out = self.steppers[key].step([batches[i] for i in positions], state, found_inf)
+            if out is not None:
+                for position, group in zip(positions, out, strict=True):
+                    handed[position] = group
+        return handed
+
+    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [self.of(group).step_without_params([group])[0] for group in groups]
+
+    def flush(self) -> None:
+        for stepper in self.steppers.values():
+            stepper.flush()
+
+    def optimizer_of(self, group: dict[str, Any]) -> Optimizer:
+        return self.of(group).optimizer
+
+    def can_track(self, group: dict[str, Any]) -> bool:
+        return self.trackable[group.get(GROUP_CLASS_KEY)]
+
+    def map(self, fn: Callable[[Stepper], Any]) -> None:
+        for stepper in self.steppers.values():
+            fn(stepper)
