@@ -136,9 +136,10 @@ def test_same_result_whatever_is_stepped_with_it():
         assert torch.equal(p.detach(), q.detach())
         for key, value in optim.state[p].items():
             assert torch.equal(o.state[q][key], value), key
-    # Stepped together, each kind's state values are views of one buffer per key.
-    matrices = [optim.state[p]["exp_avg_code"] for p in together if p.dim() == 2]
-    assert all(m._base is matrices[0]._base is not None for m in matrices)
+    # Each state tensor owns its memory: DCP's asynchronous staging fails on DTensors that
+    # share a storage (torch 2.13), so state is never packed into views of one buffer.
+    storages = [v.untyped_storage().data_ptr() for e in optim.state.values() for v in e.values()]
+    assert len(set(storages)) == len(storages)
 
 
 def test_first_step_equals_adamw_on_float32():
