@@ -32,12 +32,17 @@ value (bfloat16 and an int8 error, as the weights). Parameters sharded along ano
 
 [Note: 24-bit weights]
 A bfloat16 weight holds 8 significant bits; an AdamW update smaller than half its ULP is lost.
-``weight_error`` keeps the rounding error of the last update, ``x - bf16(x)``, in units of
-1/256 of the bf16 value's ULP (ULP of its binade, a power of two read from the exponent bits):
-``x = w + weight_error * ulp(w) / 256``, 16 significant bits. Each step decodes ``x``,
-updates it in float32 and rounds it again. Without the error (``weight_correction=False``) the
-weights are plain bfloat16 and small updates are lost, which the ablation in
-``benchmarks/results/compact_adamw.md`` shows.
+``weight_error`` keeps the rounding error of the last update in units of 1/256 of the weight's
+ULP, so that the pair holds 16 significant bits. It is computed on the float32 bit pattern: a
+bfloat16 is the upper half of a float32, so the weight is ``x``'s upper 16 bits rounded to
+nearest (add half of bit 16, shift), and the error is the rest of the pattern, ``bits(x) -
+bits(w) << 16``, in [-2**15, 2**15), rounded to a multiple of 2**8 and stored divided by it
+(-128..127). Decoding is ``bits(x) = bits(w) << 16 + error << 8``: exact integer arithmetic,
+the same on every device, within one 2**-16 of the weight's binade, which is within 1/512 of
+its ULP. Each step decodes ``x``, updates it in float32 and splits it again. Without the error
+(``weight_correction=False``) the weights are plain bfloat16 and small updates are lost
+(``tests/test_compact_adamw.py`` shows it; ``benchmarks/results/compact_adamw_quality.md``
+measures what it costs in training).
 
 [Note: 8-bit moments]
 The momentum of a group is divided by the group's largest magnitude (its scale), companded with
@@ -51,14 +56,23 @@ range of float32; their rounding is part of the encoding, codes are computed aga
 rounded scale).
 
 [Note: layout-independent arithmetic]
-A step gathers every parameter of a param group into one flat float32 buffer and updates it with
-whole-tensor ops, one call each for the whole group: per-parameter ops cost more in dispatch
-than in arithmetic for small tensors, and a third of a per-tensor implementation's time went to
-dtype conversions of each small tensor. For the results to be the same bit for bit whatever
-else is in the buffer (one FSDP unit in backward, every parameter after it, another number of
-ranks), only correctly rounded single ops are used (add, mul, div, sqrt, round, casts, maxima):
-fused forms (``addcmul``, ``lerp``, ``add`` with ``alpha``) may use an FMA in vectorised loops
-and not in their scalar remainders, so an element's result would depend on its offset.
+A step concatenates the parameters of a param group (of one kind, dtype and device: a batch)
+into flat buffers, weights and gradients converted to float32 as they are copied and each state
+key in one copy, updates them with whole-tensor ops, one call each for the whole batch, and
+copies weights and state back (one ``_foreach_copy_`` per key): per-parameter ops cost more in
+dispatch than in arithmetic for small tensors, and a third of a per-tensor implementation's time
+went to dtype conversions of each small tensor. The state tensors are not made views of one
+buffer, which would save the copies: DCP's asynchronous staging (torch 2.13) fails on DTensors
+that share a storage.
+
+For the results to be the same bit for bit whatever else is in the batch (one FSDP unit in
+backward, every parameter after it, another number of ranks), only correctly rounded single ops
+are used (add, mul, div, sqrt, round, casts, maxima, integer ops), and never a division by a
+scalar (which the CPU kernel turns into a multiplication by its reciprocal): the bias
+corrections are multiplied by, as float32 factors, one per element where the parameters of a
+batch have different step counts. Fused forms (``addcmul``, ``lerp``, ``add`` with ``alpha``,
+the fused AdamW kernel) may use an FMA in vectorised loops and not in their scalar remainders:
+measured, ``torch._fused_adamw_`` gives other bits for the same element at another offset.
 
 [Note: state dtypes across load_state_dict]
 ``torch.optim.Optimizer.load_state_dict`` casts every state tensor except ``step`` to its
