@@ -86,3 +86,20 @@ def _replicate_body(per_block: bool) -> float:
 def test_replicate_matches_plain_adamw(worlds, world_size, per_block):
     differences = worlds.run(world_size, _replicate_body, per_block=per_block)
     print(f"replicate, {world_size} ranks, per_block={per_block}: {max(differences):.2e}")
+
+
+def _data_parallel_benchmark_body() -> list[dict]:
+    from benchmarks.data_parallel import METHODS, Config, measure
+
+    config = Config(ranks=2, quick=True)
+    return [measure(config, method) for method in METHODS]
+
+
+def test_data_parallel_benchmark_counts_the_gradients_each_method_keeps(worlds):
+    """DDP and replicate with plain AdamW hold every gradient when backward returns; with
+    the optimizer in backward none is left (``benchmarks/data_parallel.py``, quick shape)."""
+    for rows in worlds.run(2, _data_parallel_benchmark_body):
+        held = {row["method"]: row["grad_bytes_after_backward"] for row in rows}
+        params = rows[0]["param_bytes"]
+        assert held == {"ddp": params, "replicate": params, "replicate+ours": 0}, held
+        assert all(row["state_bytes"] >= 2 * params for row in rows), rows
