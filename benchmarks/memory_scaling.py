@@ -27,7 +27,7 @@ import dataclasses
 import json
 import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,8 @@ def _markdown(payload: dict[str, Any]) -> str:
         f"# Simulated peak memory per GPU: {payload['config']['model']}",
         "",
         f"{payload['num_params'] / 1e9:.2f}B parameters. Estimates from a simulation on "
-        f"{payload['machine']['cpu']} ({payload['seconds']:.0f} s for the table); GiB per rank "
+        f"{payload['machine']['cpu']} ({payload['seconds']:.0f} s for the table"
+        f"{'' if payload['complete'] else ', incomplete: pending cases marked'}); GiB per rank "
         "(rank 0), tensors only: add the margin of `docs/memory_estimation.md` for the CUDA "
         "context, NCCL/cuBLAS workspaces and the caching allocator.",
         "",
@@ -85,8 +86,8 @@ def _markdown(payload: dict[str, Any]) -> str:
         "|---|---|---|---|" + "---|" * (2 * len(methods) - 1) + "---|---|---|",
     ]
     for row in payload["rows"]:
-        peaks = {r["method"]: r["peak_bytes"] for r in row["results"]}
-        where = {
+        peaks = dict.fromkeys(methods) | {r["method"]: r["peak_bytes"] for r in row["results"]}
+        where = dict.fromkeys(methods, "pending") | {
             r["method"]: f"{r['peak_phase']}, {r['peak_module']}"
             if r["skipped"] is None
             else f"not simulated: {r['skipped']}"
@@ -153,80 +154,91 @@ def _plot(payload: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _simulate(config: EstimateConfig) -> list[dict[str, Any]]:
-    return [r.as_dict() for r in estimate(config)]
+def _simulate(config: EstimateConfig) -> dict[str, Any]:
+    (result,) = estimate(config)
+    return result.as_dict()
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Simulate every case, write JSON, Markdown and PNG; return the payload."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512])
-    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
-    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
-    p.add_argument(
-        "--jobs", type=int, default=2, help="cases simulated at once, each in its own process"
-    )
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
-    started = time.perf_counter()
-    cases = [
-        (
-            scaling,
-            ac,
-            world,
-            _case(args.model, world, scaling, ac, args.seq_len, tuple(args.methods)),
-        )
-        for scaling in ("strong", "weak")
-        for ac in (False, True)
-        for world in args.world_sizes
-    ]
-    # Strong scaling at 64 ranks is weak scaling's case: simulated once. Each simulation runs
-    # in a fresh process (a fake process group per process).
-    unique = {repr(config): config for *_, config in cases}
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {key: pool.submit(_simulate, config) for key, config in unique.items()}
-        for key, future in futures.items():
-            results = future.result()
-            print(
-                f"{unique[key].describe()}: "
-                + ", ".join(
-                    f"{r['method']} "
-                    + (f"{r['peak_bytes'] / GIB:.2f} GiB" if r["skipped"] is None else "skipped")
-                    for r in results
-                )
-                + f" ({sum(r['seconds'] for r in results):.0f} s)",
-                flush=True,
-            )
-    rows = [
-        {
-            "scaling": scaling,
-            "world_size": world,
-            "ac": ac,
-            "tokens_per_rank": config.micro_batch * config.seq_len,
-            "config": {
-                k: str(v) if isinstance(v, Path) else v
-                for k, v in dataclasses.asdict(config).items()
-            },
-            "results": futures[repr(config)].result(),
-        }
-        for scaling, ac, world, config in cases
-    ]
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], seconds: float) -> None:
+    """Write the rows simulated so far; the plot once every case is done."""
+    complete = all(len(r["results"]) == len(args.methods) for r in rows)
+    done = next((r["results"][0] for r in rows if r["results"]), None)
     payload = {
         "machine": metrics.describe_machine("cpu"),
         "config": {"model": args.model, "methods": args.methods, "seq_len": args.seq_len},
-        "num_params": rows[0]["results"][0]["num_params"],
-        "seconds": time.perf_counter() - started,
+        "num_params": done and done["num_params"],
+        "seconds": seconds,
         "jobs": args.jobs,
+        "complete": complete,
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"memory_scaling_{args.model}"
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     stem.with_suffix(".md").write_text(_markdown(payload))
-    _plot(payload, stem.with_suffix(".png"))
-    print(f"wrote {stem}.{{json,md,png}} in {payload['seconds']:.0f} s")
-    return payload
+    if complete:
+        _plot(payload, stem.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Simulate every case; write JSON and Markdown as results come in, the PNG at the end."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512])
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    p.add_argument(
+        "--jobs", type=int, default=2, help="simulations at once, each in its own process"
+    )
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    rows = []
+    for scaling in ("weak", "strong"):
+        for ac in (True, False):
+            for world in args.world_sizes:
+                config = _case(args.model, world, scaling, ac, args.seq_len, tuple(args.methods))
+                rows.append(
+                    {
+                        "scaling": scaling,
+                        "world_size": world,
+                        "ac": ac,
+                        "tokens_per_rank": config.micro_batch * config.seq_len,
+                        "config": {
+                            k: str(v) if isinstance(v, Path) else v
+                            for k, v in dataclasses.asdict(config).items()
+                        },
+                        "results": [],
+                    }
+                )
+    # One simulation per (case, method), each in a fresh process (a fake process group per
+    # process). Strong scaling at 64 ranks is weak scaling's case: simulated once.
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_key.setdefault(repr(EstimateConfig(**row["config"])), []).append(row)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {
+            pool.submit(
+                _simulate, dataclasses.replace(EstimateConfig(**same[0]["config"]), methods=(m,))
+            ): (key, m)
+            for key, same in by_key.items()
+            for m in args.methods
+        }
+        for future in as_completed(futures):
+            key, method = futures[future]
+            result = future.result()
+            for row in by_key[key]:
+                row["results"].append(result)
+                row["results"].sort(key=lambda r: args.methods.index(r["method"]))
+            row = by_key[key][0]
+            peak = "skipped" if result["skipped"] else f"{result['peak_bytes'] / GIB:.2f} GiB"
+            print(
+                f"{row['scaling']} {row['world_size']} ranks AC {row['ac']}: {method} {peak} "
+                f"({result['seconds']:.0f} s)",
+                flush=True,
+            )
+            _write(args, rows, time.perf_counter() - started)
+    print(f"done in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
