@@ -200,8 +200,7 @@ def anchors() -> dict[str, Any]:
             for x in r["results"]
         )
         lines.append(
-            f"| {r['source']} | {r['published']} | {r['config']} | {peaks} | "
-            f"{r['assumptions']} |"
+            f"| {r['source']} | {r['published']} | {r['config']} | {peaks} | {r['assumptions']} |"
         )
     return {"rows": rows, "markdown": "\n".join(lines) + "\n"}
 
