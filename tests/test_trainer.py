@@ -10,6 +10,7 @@ there the test is that a resumed run equals the uninterrupted one, clipping hist
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,10 @@ from _frameworks import (
     max_difference,
     tiny_llama,
 )
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
-from fused_optim_dist import OptimizerInBackward  # noqa: E402
+from fused_optim_dist import OptimizerInBackward, in_backward  # noqa: E402
 from fused_optim_dist.integrations.transformers import (  # noqa: E402
     GRADIENT_STATE_NAME,
     InBackwardTrainerMixin,
@@ -91,16 +93,24 @@ def _train(
     out: Path,
     resume: str | None = None,
     one_unit: bool = False,
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
     **overrides: Any,
 ) -> dict:
-    """Train a fresh tiny Llama with ``trainer_cls``; its parameters, norms and probe."""
+    """Train a fresh tiny Llama with ``trainer_cls``; its parameters, norms and probe.
+
+    ``optimizer`` builds the optimizer passed in ``optimizers=`` from the model;
+    ``optimizer_cls_and_kwargs`` is passed as is."""
     with accelerate_on_cpu():
         probe = StepProbe()
+        model = OneUnitLlama() if one_unit else tiny_llama()
         trainer = trainer_cls(
-            model=OneUnitLlama() if one_unit else tiny_llama(),
+            model=model,
             args=_args(out, **overrides),
             train_dataset=TokenDataset(),
             callbacks=[probe],
+            optimizers=(None if optimizer is None else optimizer(model), None),
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         trainer.train(resume_from_checkpoint=resume)
         norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
@@ -140,6 +150,35 @@ def test_trainer_matches_plain(tmp_path, accumulation, clip):
     if clip:
         assert min(plain["norms"]) > clip, plain["norms"]
     print(f"ga={accumulation} clip={clip}: max parameter difference {difference:.2e}")
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _adamw_in_backward(model: nn.Module) -> torch.optim.Optimizer:
+    return OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, max_grad_norm=CLIP
+    )
+
+
+@pytest.mark.parametrize("given", ["optimizers", "optimizer_cls_and_kwargs"])
+def test_trainer_with_the_optimizer_given(tmp_path, given):
+    """Built by the user (``optimizers=``) or from ``optimizer_cls_and_kwargs`` with
+    ``in_backward(AdamW)`` (Trainer's two weight-decay groups): as plain AdamW given the same
+    way, with accumulation and clipping."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
+    if given == "optimizers":
+        plain_kwargs, ours_kwargs = dict(optimizer=_adamw), dict(optimizer=_adamw_in_backward)
+    else:
+        adamw = {"lr": 1e-2, "betas": (0.9, 0.99)}
+        plain_kwargs = dict(optimizer_cls_and_kwargs=(torch.optim.AdamW, adamw))
+        ours_kwargs = dict(optimizer_cls_and_kwargs=(in_backward(torch.optim.AdamW), adamw))
+    plain = _train(transformers.Trainer, tmp_path / "plain", **plain_kwargs, **kwargs)
+    ours = _train(
+        in_backward_trainer(transformers.Trainer), tmp_path / "ours", **ours_kwargs, **kwargs
+    )
+    print(f"given by {given}: {_assert_parity(ours, plain):.2e}")
 
 
 def test_trainer_resume_matches_uninterrupted_plain(tmp_path):
