@@ -18,10 +18,12 @@ rank (no sharding):
 
 Per method and rank, after one warm-up step (which creates the optimizer state): the bytes of
 gradients still held when backward returns (counted tensor by tensor: what ``step()`` will
-read), and the growth of the process's peak resident memory over one step above what it held
-before the step (``VmHWM`` reset through ``/proc/self/clear_refs``; with glibc's mmap threshold
-lowered, every large buffer is returned when freed, so the peak is not hidden by reuse). The
-second is machine-level: it also holds activations and the all-reduce buffers. Linux only.
+read), and the process's peak resident memory during one step (``VmHWM`` reset through
+``/proc/self/clear_refs``; with glibc's mmap threshold lowered, every large buffer is returned
+when freed, so the peak is not hidden by reuse), above what the rank held before the model was
+built (the method's whole footprint: parameters, state, gradients, the framework's buffers,
+activations) and above what it held when the step began (what the step allocates; buffers a
+method keeps between steps, like DDP's buckets, are not in it). Linux only.
 Results: ``data_parallel.json`` and ``data_parallel.md`` in ``--out`` (default
 ``benchmarks/results/``).
 """
@@ -122,8 +124,11 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 def measure(config: Config, method: str) -> dict[str, Any]:
     """One method on this rank: bytes of parameters, optimizer state, gradients held after
-    backward, and the step's peak resident-memory growth. Collective."""
+    backward, and the step's peak resident memory above the rank's before the model was built
+    and above its own start. Collective."""
     shape = get_shape(config.shape, quick=config.quick)
+    gc.collect()
+    start = _status_kib("VmRSS")
     torch.manual_seed(config.seed)
     model = _wrap(shape.build(), method)
     optim = _optimizer(model, method, config.lr)
@@ -133,7 +138,7 @@ def measure(config: Config, method: str) -> dict[str, Any]:
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     held = _step(model, optim, shape, config, 1)
-    peak_growth = (_status_kib("VmHWM") - before) * KIB
+    peak = _status_kib("VmHWM")
     state = [v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
         "method": method,
@@ -141,7 +146,8 @@ def measure(config: Config, method: str) -> dict[str, Any]:
         "param_bytes": _nbytes(list(model.parameters())),
         "state_bytes": _nbytes(state),
         "grad_bytes_after_backward": held,
-        "step_peak_growth_bytes": peak_growth,
+        "step_peak_bytes": (peak - start) * KIB,
+        "step_peak_growth_bytes": (peak - before) * KIB,
     }
 
 
@@ -162,18 +168,19 @@ def _markdown(config: Config, rows: list[dict[str, Any]]) -> str:
         f"{config.ranks} CPU ranks (gloo), AdamW",
         "",
         "Per rank, MiB. Gradients held after backward: what `step()` will read (DDP's are views "
-        "of its buckets). Step peak growth: peak resident memory during one step above what "
-        "the rank held before it (activations and all-reduce buffers included).",
+        "of its buckets). Step peak: peak resident memory during one step above the rank's "
+        "before the model was built (the whole footprint). Step growth: the same peak above "
+        "the rank's at the start of the step (buffers kept between steps are not in it).",
         "",
         "| method | rank | parameters | optimizer state | gradients held after backward "
-        "| step peak growth |",
-        "|---|---|---|---|---|---|",
+        "| step peak | step growth |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['method']} | {row['rank']} | {row['param_bytes'] / MIB:.1f} "
             f"| {row['state_bytes'] / MIB:.1f} | {row['grad_bytes_after_backward'] / MIB:.1f} "
-            f"| {row['step_peak_growth_bytes'] / MIB:.1f} |"
+            f"| {row['step_peak_bytes'] / MIB:.1f} | {row['step_peak_growth_bytes'] / MIB:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
