@@ -1,0 +1,57 @@
+"""Smoke tests of the CompactAdamW benchmarks: the analytic bytes per parameter against the
+state a step creates, the cost benchmark end to end at a tiny size, the quality summary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import compact_adamw_cost, compact_adamw_memory, compact_adamw_quality
+from fused_optim_dist.compact_adamw import CompactAdamW
+from fused_optim_dist_recipes.models import PRESETS, Llama
+
+
+def test_analytic_bytes_match_the_state_a_step_creates():
+    torch.manual_seed(0)
+    model = Llama(PRESETS["tiny"]).to(torch.bfloat16)
+    params = list(model.parameters())
+    optim = CompactAdamW(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optim.step()
+    held = sum(p.numel() * p.element_size() for p in params)
+    steps = 0
+    for entry in optim.state.values():
+        for key, value in entry.items():
+            if key == "step":
+                steps += value.numel() * value.element_size()
+            else:
+                held += value.numel() * value.element_size()
+    numel = sum(p.numel() for p in params)
+    analytic = compact_adamw_memory.analytic_bytes_per_param(model, "compact-in-backward")
+    assert held / numel == analytic
+    assert 5.125 <= analytic < 5.6  # the tiny preset's 32-wide rows and its norms
+
+
+def test_cost_benchmark_runs(tmp_path):
+    argv = ["--shapes", "many-tiny", "--steps", "3", "--rounds", "1", "--out", str(tmp_path)]
+    compact_adamw_cost.main(argv)
+    text = (tmp_path / "compact_adamw_cost.md").read_text()
+    assert "| many-tiny |" in text and "Where compact's time goes" in text
+
+
+def test_quality_summary_against_the_reference_spread():
+    runs = {
+        "adamw-fp32/0": [3.0, 2.0, 1.0],
+        "adamw-fp32/1": [3.0, 2.0, 1.2],
+        "compact/0": [3.0, 2.0, 1.1],
+        "compact/1": [3.0, 2.0, 1.5],
+    }
+    summary = compact_adamw_quality._summaries(runs)
+    assert summary["compact"]["final"] == [1.1, 1.5]
+    verdict = compact_adamw_quality._within(summary["compact"]["final"], [1.0, 1.2])
+    assert verdict == "1/2 seeds; mean outside"
