@@ -54,4 +54,4 @@ def test_quality_summary_against_the_reference_spread():
     summary = compact_adamw_quality._summaries(runs)
     assert summary["compact"]["final"] == [1.1, 1.5]
     verdict = compact_adamw_quality._within(summary["compact"]["final"], [1.0, 1.2])
-    assert verdict == "1/2 seeds; mean outside"
+    assert verdict == "1/2 inside, 0 below; mean above"
