@@ -46,12 +46,13 @@ __all__ = [
 ]
 
 DDP_REFUSAL = (
-    "OptimizerInBackward cannot run under DistributedDataParallel (accelerate's distributed "
-    "type {found}): DDP all-reduces gradients after the hooks that step them, so every rank "
-    "would step its own unreduced gradients and the replicas would drift apart. Use fsdp with "
-    "fsdp_version: 2 (FSDP2; accelerate config `fsdp_config: {{fsdp_version: 2}}`, Trainer "
-    "`fsdp='full_shard', fsdp_config={{'version': 2}}`), or, for plain data parallel, "
-    "torch.distributed._composable.replicate_with_fsdp.replicate on the model."
+    "OptimizerInBackward cannot step in backward under accelerate's distributed type {found}: "
+    "DistributedDataParallel (the multi-process default) all-reduces gradients after the hooks "
+    "that step them, so every rank would step its own unreduced gradients and the replicas "
+    "would drift apart (FSDP1 and DeepSpeed handle gradients in their own flat buffers). Use "
+    "fsdp with fsdp_version: 2 (FSDP2; accelerate config `fsdp_config: {{fsdp_version: 2}}`, "
+    "Trainer `fsdp=True, fsdp_config={{'version': 2}}`), or, for plain data parallel in your "
+    "own loop, torch.distributed._composable.replicate_with_fsdp.replicate on the model."
 )
 """The refusal of every multi-process type but FSDP2 (formatted with the type found)."""
 
