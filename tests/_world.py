@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,9 @@ START_TIMEOUT_S = 300
 FAILURE_GRACE_S = 30
 """After one rank fails, how long to wait for the others to report before tearing the world
 down: they are usually blocked in a collective the failed rank will never join."""
+POLL_S = 1.0
+"""How often a wait for results checks that every rank's process is still alive, so a rank
+that died (killed, or crashed outside a body) fails the test at once, not at the time-out."""
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -65,7 +69,13 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
         results.put((rank, False, traceback.format_exc()))
         return
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get()
+        except BaseException:
+            # The body could not be unpickled (its test module failed to import here): report
+            # it rather than die silently, and wait for the world to be torn down.
+            results.put((rank, False, traceback.format_exc()))
+            continue
         if task is None:
             break
         fn, kwargs = task
@@ -114,21 +124,36 @@ class World:
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         outcomes: dict[int, tuple[bool, Any]] = {}
-        try:
+        deadline = time.monotonic() + timeout
+        dead: list[str] = []
+        while len(outcomes) < self.world_size and not dead and time.monotonic() < deadline:
+            try:
+                rank, ok, out = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                dead = [
+                    f"rank {r} exited with code {proc.exitcode}"
+                    for r, proc in enumerate(self._procs)
+                    if r not in outcomes and not proc.is_alive()
+                ]
+                continue
+            outcomes[rank] = (ok, out)
+            if not ok:
+                # The others are likely blocked in a collective it will never join.
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        with contextlib.suppress(queue.Empty):  # what a rank sent before it exited
             while len(outcomes) < self.world_size:
-                rank, ok, out = self._results.get(timeout=timeout)
+                rank, ok, out = self._results.get_nowait()
                 outcomes[rank] = (ok, out)
-                if not ok:
-                    # The others are likely blocked in a collective it will never join.
-                    timeout = FAILURE_GRACE_S
-        except queue.Empty:
+        if len(outcomes) < self.world_size:
             self.close()
             missing = sorted(set(range(self.world_size)) - set(outcomes))
             failures = [out for ok, out in outcomes.values() if not ok]
             raise AssertionError(
-                f"{what}: ranks {missing} of {self.world_size} did not finish\n"
+                f"{what}: ranks {missing} of {self.world_size} did not finish"
+                + "".join(f"; {line}" for line in dead)
+                + "\n"
                 + "\n".join(failures)
-            ) from None
+            )
         failures = [
             f"--- rank {r} ---\n{out}" for r, (ok, out) in sorted(outcomes.items()) if not ok
         ]
