@@ -47,6 +47,7 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -70,7 +71,8 @@ class Config:
     ranks: int = 2
     """Processes (gloo, CPU), each holding the whole model."""
     shape: str = "llama-12x256"
-    """A key of ``benchmarks._shapes.SHAPES`` (activation checkpointing is not applied)."""
+    """A key of ``benchmarks._shapes.SHAPES``; its activation checkpointing is applied per
+    block (non-reentrant), as the scaling benchmark does."""
     quick: bool = False
     """The reduced shape of the same structure (a smoke run)."""
     lr: float = 1e-4
@@ -84,7 +86,12 @@ def _status_kib(field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1))
 
 
-def _wrap(model: nn.Module, method: str) -> nn.Module:
+def _wrap(model: nn.Module, method: str, shape: Shape) -> nn.Module:
+    if shape.checkpointing:
+        # As fused_optim_dist_recipes.models.apply_fsdp does it, before wrapping: without it
+        # the activations of the forward set every method's peak.
+        for layer in model.layers:
+            checkpoint(layer)
     if method == "ddp":
         return DistributedDataParallel(model, gradient_as_bucket_view=True)
     for layer in model.layers:
@@ -130,7 +137,7 @@ def measure(config: Config, method: str) -> dict[str, Any]:
     gc.collect()
     start = _status_kib("VmRSS")
     torch.manual_seed(config.seed)
-    model = _wrap(shape.build(), method)
+    model = _wrap(shape.build(), method, shape)
     optim = _optimizer(model, method, config.lr)
     _step(model, optim, shape, config, 0)  # creates the optimizer state
     gc.collect()
