@@ -101,22 +101,23 @@ class InBackwardTrainerMixin:
         super().__init__(*args, **kwargs)
         check_accelerator(self.accelerator)
         if self.optimizer is not None:
-            self._check_optimizer(self.optimizer)
+            self._in_backward_optimizer(self.optimizer)
         self.add_callback(_HookSwappedParameters())
 
+    # Names prefixed `_in_backward_`: the mixin shares the namespace of any Trainer subclass.
     @property
-    def _max_grad_norm(self) -> float | None:
+    def _in_backward_max_grad_norm(self) -> float | None:
         return _clip_norm(self.args.max_grad_norm)
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerInBackward:
+    def _in_backward_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerInBackward:
         """The in-backward optimizer of this Trainer, clipping at ``args.max_grad_norm``."""
         inner = in_backward_optimizer(optimizer)
-        if inner.max_grad_norm != self._max_grad_norm:
+        if inner.max_grad_norm != self._in_backward_max_grad_norm:
             raise ValueError(
                 f"TrainingArguments.max_grad_norm={self.args.max_grad_norm} but the "
                 f"OptimizerInBackward clips at max_grad_norm={inner.max_grad_norm}. Clipping "
                 "happens in backward with the optimizer's value, so give both the same value "
-                "(0 or None in the optimizer for no clipping)"
+                "(for no clipping: max_grad_norm=0 in the arguments, None in the optimizer)"
             )
         return inner
 
@@ -132,13 +133,13 @@ class InBackwardTrainerMixin:
             else:
                 given_cls, given_kwargs = given
             self.optimizer_cls_and_kwargs = _in_backward_cls_and_kwargs(
-                given_cls, given_kwargs, self._max_grad_norm
+                given_cls, given_kwargs, self._in_backward_max_grad_norm
             )
             try:
                 super().create_optimizer(model)
             finally:
                 self.optimizer_cls_and_kwargs = given
-        self._check_optimizer(self.optimizer)
+        self._in_backward_optimizer(self.optimizer)
         return self.optimizer
 
     def training_step(
@@ -152,26 +153,26 @@ class InBackwardTrainerMixin:
         accumulates its gradients."""
         if self.accelerator.sync_gradients:
             return super().training_step(model, inputs, num_items_in_batch)
-        with self._check_optimizer(self.optimizer).accumulate():
+        with self._in_backward_optimizer(self.optimizer).accumulate():
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         # Trainer clips here, after backward: the gradients were clipped with the same value
         # and freed in backward, so only the norm (before clipping) is left to report.
-        return self._check_optimizer(self.optimizer).grad_norm()
+        return self._in_backward_optimizer(self.optimizer).grad_norm()
 
     def _get_grad_norm(
         self, model: nn.Module, grad_norm: torch.Tensor | float | None = None
     ) -> torch.Tensor | float:
         # Without clipping Trainer takes the norm of the freed gradients here: report ours.
         if grad_norm is None:
-            return self._check_optimizer(self.optimizer).grad_norm()
+            return self._in_backward_optimizer(self.optimizer).grad_norm()
         return grad_norm
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         # The same on every rank; read back to the host on every rank, written by one.
-        gradient_state = self._check_optimizer(self.optimizer).gradient_state_dict()
+        gradient_state = self._in_backward_optimizer(self.optimizer).gradient_state_dict()
         if self.args.should_save:
             with open(os.path.join(output_dir, GRADIENT_STATE_NAME), "w") as f:
                 json.dump(gradient_state, f)
@@ -190,7 +191,7 @@ class InBackwardTrainerMixin:
             )
             return
         with open(path) as f:
-            self._check_optimizer(self.optimizer).load_gradient_state_dict(json.load(f))
+            self._in_backward_optimizer(self.optimizer).load_gradient_state_dict(json.load(f))
 
 
 def in_backward_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
