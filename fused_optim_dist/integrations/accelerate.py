@@ -10,7 +10,8 @@ The loop differs from the plain one in two places, both here::
     for batch in loader:
         with accelerator.accumulate(model):
             backward(accelerator, loss_fn(model(batch)), optim)  # steps when sync_gradients
-            grad_norm = in_backward_optimizer(optim).grad_norm()  # no clip_grad_norm_
+            if accelerator.sync_gradients:
+                grad_norm = in_backward_optimizer(optim).grad_norm()  # no clip_grad_norm_
             optim.step()
             optim.zero_grad()
 

@@ -22,7 +22,7 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
   ``fused_optim_dist/_gradients.py``.
 * Checkpoints hold the optimizer state as Trainer saves it and, beside it, the clipping history
   (:meth:`~fused_optim_dist.OptimizerInBackward.gradient_state_dict`); resuming restores both.
-* Data parallel: FSDP2 (``fsdp="full_shard"``, ``fsdp_config={"version": 2}``) is supported;
+* Data parallel: FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2}``) is supported;
   DistributedDataParallel, Trainer's default under ``torchrun``, is refused when the Trainer is
   built, before any update.
 """
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from fused_optim_dist._options import InBackwardOptions
+from fused_optim_dist import InBackwardOptions
 from fused_optim_dist.integrations.accelerate import (
     check_accelerator,
     hook_swapped_parameters,
