@@ -16,6 +16,14 @@ in ``state[p]``):
   advanced by one is the same in every bucket); a class whose buckets disagree writes something
   that depends on the parameters stepped, which stepping per bucket cannot reproduce, and is
   refused with an error at the first bucket that disagrees;
+* before a class's first real update: in the first backward that steps it, its buckets are
+  held (with their gradients, as a plain optimizer holds them) until the end of backward;
+  then their parameters are split in two halves and each half is stepped on copies
+  (parameters, gradients, state) from the snapshot. If the halves change the groups or the
+  instance differently, the class writes something that depends on the parameters stepped (a
+  norm, a count of parameters) and is refused with nothing moved; otherwise the held buckets
+  are stepped. One whose writes depend on gradient values in a way the halves do not show can
+  still disagree in a later backward, and is refused then;
 * groups no bucket stepped in this pass get the class's step with no parameters, as the plain
   optimizer's ``step()`` visits groups whose parameters have no gradient;
 * when the pass finishes, the changed values are written back once, into the optimizer's
@@ -26,13 +34,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.optim import Optimizer
 
 from fused_optim_dist._classes import ClassSteppers
 from fused_optim_dist._kinds import is_torch_optim_class
+from fused_optim_dist._stepping import Batch
 
 __all__ = ["ClassState"]
 
@@ -93,8 +102,14 @@ class ClassState:
         param_groups: the optimizer facade's groups, read at the start of the pass.
     """
 
-    def __init__(self, steppers: ClassSteppers, param_groups: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        steppers: ClassSteppers,
+        param_groups: list[dict[str, Any]],
+        state: dict[torch.Tensor, dict],
+    ) -> None:
         self._groups = param_groups
+        self._state = state
         self._owners = [steppers.optimizer_of(g) for g in param_groups]
         self._tracked = [
             steppers.can_track(g) and not is_torch_optim_class(type(owner))
@@ -142,11 +157,69 @@ class ClassState:
             step()
             return
         instances = {id(self._owners[i]) for i in tracked}
+        self._restore(instances)
+        handed = step()
+        assert handed is not None, "a tracked class is stepped through its own step()"
+        self._collect(indices, tracked, instances, handed)
+
+    def must_check(self, indices: Sequence[int]) -> bool:
+        """Whether a class of the groups ``indices`` is tracked and not yet checked."""
+        return self.tracked and any(
+            self._tracked[index]
+            and self._steppers.key_of(self._groups[index]) not in self._steppers.probed
+            for index in indices
+        )
+
+    def check(self, held: Sequence[tuple[Sequence[int], Sequence[Batch]]]) -> None:
+        """Check the classes of the ``held`` buckets (their groups and batches) before their
+        first real update: step two halves of their parameters on copies and refuse a class
+        that changes its groups or instance differently for each. See [Note: group and
+        instance state]."""
+        chosen = [
+            (index, batch)
+            for indices, batches in held
+            for index, batch in zip(indices, batches, strict=True)
+            if self._tracked[index]
+        ]
+        self._steppers.probed |= {self._steppers.key_of(batch.group) for _, batch in chosen}
+        # Each held batch, in two halves where it has two parameters or more: every piece must
+        # change the groups and the instance alike.
+        pieces = []
+        for index, batch in chosen:
+            n = len(batch.params)
+            cuts = [range(n)] if n < 2 else [range(n // 2), range(n // 2, n)]
+            pieces += [(index, batch, cut) for cut in cuts]
+        if len(pieces) < 2:
+            return
+        groups: dict[int, dict[str, Any]] = {}
+        objects: dict[int, dict[str, Any]] = {}
+        for index, batch, cut in pieces:
+            owner = id(self._owners[index])
+            self._restore({owner})
+            part = Batch(
+                self.group(index), [batch.params[i] for i in cut], [batch.grads[i] for i in cut]
+            )
+            (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
+            after = {k: v for k, v in group.items() if k != "params"}
+            changes = _changes(self._group_snapshot[index], after)
+            self._agree(groups, index, changes, f"in param group {index}")
+            changes = _changes(self._instance_snapshot[owner], _instance_attrs(self._owners[index]))
+            self._agree(objects, owner, changes, "on the optimizer instance")
+        self._restore(set(self._instances))
+
+    def _restore(self, instances: set[int]) -> None:
+        """Reset the attributes of the tracked instances ``instances`` to the snapshot."""
         for key in instances:
             for name, value in copy.deepcopy(self._instance_snapshot[key]).items():
                 setattr(self._instances[key], name, value)
-        handed = step()
-        assert handed is not None, "a tracked class is stepped through its own step()"
+
+    def _collect(
+        self,
+        indices: Sequence[int],
+        tracked: list[int],
+        instances: set[int],
+        handed: Sequence[dict[str, Any] | None],
+    ) -> None:
         for index, group in zip(indices, handed, strict=True):
             if index in tracked:
                 assert group is not None
@@ -164,13 +237,17 @@ class ClassState:
         if previous is None:
             seen[key] = changes
         elif not _same(previous, changes):
-            raise RuntimeError(
-                f"the wrapped optimizer's step wrote different values {where} for different "
-                f"buckets of one backward ({sorted(previous)} vs {sorted(changes)}): it keeps "
-                "state there that depends on the parameters stepped, which stepping bucket by "
-                "bucket cannot reproduce. Keep per-parameter values in self.state[p] (as "
-                "torch.optim does), or use the plain optimizer."
-            )
+            self._disagree(where, previous, changes)
+
+    @staticmethod
+    def _disagree(where: str, previous: dict[str, Any], changes: dict[str, Any]) -> NoReturn:
+        raise RuntimeError(
+            f"the wrapped optimizer's step wrote different values {where} for different "
+            f"buckets of one backward ({sorted(previous)} vs {sorted(changes)}): it keeps "
+            "state there that depends on the parameters stepped, which stepping bucket by "
+            "bucket cannot reproduce. Keep per-parameter values in self.state[p] (as "
+            "torch.optim does), or use the plain optimizer."
+        )
 
     def finish(self) -> None:
         """Step the tracked groups no bucket stepped with no parameters (the plain optimizer's

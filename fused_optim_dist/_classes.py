@@ -17,13 +17,13 @@ to their classes' steppers in group order.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from fused_optim_dist._stepping import Batch, Stepper
+from fused_optim_dist._stepping import Batch, BucketStepper, Stepper
 
 __all__ = ["GROUP_CLASS_KEY", "ClassSteppers", "class_path"]
 
@@ -49,6 +49,8 @@ class ClassSteppers:
     def __init__(self, steppers: dict[str | None, Stepper], trackable: dict[str | None, bool]):
         self.steppers = steppers
         self.trackable = trackable
+        # The classes whose group and instance state was checked before their first update.
+        self.probed: set[str | None] = set()
         self.optimizer = steppers[None].optimizer if None in steppers else None
 
     def of(self, group: dict[str, Any]) -> Stepper:
@@ -74,8 +76,15 @@ class ClassSteppers:
                     handed[position] = group
         return handed
 
+    def tracked(self, group: dict[str, Any]) -> BucketStepper:
+        """The stepper of ``group``'s class, one whose group and instance state is tracked:
+        it runs the class's own step on every rank (see ``ClassState``)."""
+        stepper = self.of(group)
+        assert isinstance(stepper, BucketStepper), "whole-tensor classes are not tracked"
+        return stepper
+
     def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [self.of(group).step_without_params([group])[0] for group in groups]
+        return [self.tracked(group).step_without_params([group])[0] for group in groups]
 
     def flush(self) -> None:
         for stepper in self.steppers.values():
@@ -87,6 +96,5 @@ class ClassSteppers:
     def can_track(self, group: dict[str, Any]) -> bool:
         return self.trackable[group.get(GROUP_CLASS_KEY)]
 
-    def map(self, fn: Callable[[Stepper], Any]) -> None:
-        for stepper in self.steppers.values():
-            fn(stepper)
+    def key_of(self, group: dict[str, Any]) -> str | None:
+        return group.get(GROUP_CLASS_KEY)

@@ -50,7 +50,7 @@ import enum
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -79,6 +79,14 @@ __all__ = ["BackwardPass", "Phase"]
 class Phase(enum.Enum):
     COLLECTING = enum.auto()
     FINISHED = enum.auto()
+
+
+class _Deferred(NamedTuple):
+    """A bucket held until its class is checked: the groups, batches and ``found_inf``."""
+
+    indices: list[int]
+    batches: list[Batch]
+    found_inf: torch.Tensor | None
 
 
 class _GraphTaskToken:
@@ -136,8 +144,10 @@ class BackwardPass:
         self._output_numel: dict[int, int] = {}
         self._norms = BackwardNorms()
         self._events = StepEvents()
+        # Buckets held until their class's group and instance state is checked.
+        self._deferred: list[_Deferred] = []
         # See [Note: group and instance state].
-        self._class_state = ClassState(stepper, param_groups)
+        self._class_state = ClassState(stepper, param_groups, state)
 
     def queue_finish(self) -> None:
         """Finish this pass once its backward has finished (call in its first hook).
@@ -268,6 +278,7 @@ class BackwardPass:
                 ]
                 if members:
                     self._step_bucket(bucket, members)
+            self._step_deferred()
             # Updates still in flight (whole-tensor stepping) are applied before anything
             # after this backward reads the parameters.
             self._stepper.flush()
@@ -305,13 +316,34 @@ class BackwardPass:
                             self._norms, bucket, params, grads, device_skip=device_skip
                         )
                 if verdict.step:
-                    found_inf = verdict.found_inf
-                    self._class_state.run(
-                        [index for index, _ in split],
-                        lambda: self._stepper.step(batches, self._state, found_inf),
-                    )
+                    indices = [index for index, _ in split]
+                    if self._class_state.must_check(indices):
+                        # Held, gradients and all, until the class is checked at the end of
+                        # this backward. See [Note: group and instance state].
+                        self._deferred.append(_Deferred(indices, batches, verdict.found_inf))
+                        self._stepped.update(map(id, params))
+                        params = ()
+                        return
+                    self._update(indices, batches, verdict.found_inf)
             finally:
                 self._release(params, grads)
+
+    def _update(
+        self, indices: list[int], batches: list[Batch], found_inf: torch.Tensor | None
+    ) -> None:
+        self._class_state.run(indices, lambda: self._stepper.step(batches, self._state, found_inf))
+
+    def _step_deferred(self) -> None:
+        """Check the classes whose first buckets were held, then step those buckets."""
+        deferred, self._deferred = self._deferred, []
+        if not deferred:
+            return
+        self._class_state.check([(d.indices, d.batches) for d in deferred])
+        for held in deferred:
+            self._update(held.indices, held.batches, held.found_inf)
+            params = [p for batch in held.batches for p in batch.params]
+            grads = [g for batch in held.batches for g in batch.grads]
+            self._release(params, grads)
 
     def _release(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None

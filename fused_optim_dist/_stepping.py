@@ -187,10 +187,6 @@ class Stepper(Protocol):
         received, one per batch (``None`` where it did not run: torch.optim's classes only)."""
         ...
 
-    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Run the class's ``step`` on ``groups`` with no parameters; the groups it received."""
-        ...
-
     def flush(self) -> None:
         """Apply every update still in flight (called when a backward or ``step()`` ends)."""
         ...
@@ -478,6 +474,25 @@ class BucketStepper:
     def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run the class's ``step`` on ``groups`` with no parameters; the groups it received."""
         return self._run([{**group, "params": []} for group in groups], defaultdict(dict), None)
+
+    @torch.no_grad()
+    def step_copies(self, batches: Sequence[Batch], state: dict) -> list[dict[str, Any]]:
+        """Run the class's ``step`` on copies of ``batches``' parameters (local shards, or the
+        DTensors), their gradients and their ``state`` entries, never the originals; the
+        groups it received. For checks made before a class's first real update."""
+        copies: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+        groups = []
+        for batch in batches:
+            params = []
+            for param, grad in zip(batch.params, batch.grads, strict=True):
+                source = local_tensor(param) if self.local_shards else param
+                clone = source.detach().clone()
+                clone.grad = (grad if self.local_shards else param.grad).clone()
+                if param in state:
+                    copies[clone] = copy.deepcopy(state[param])
+                params.append(clone)
+            groups.append({**batch.group, "params": params})
+        return self._run(groups, copies, None)
 
     @torch.no_grad()
     def step(

@@ -242,10 +242,6 @@ class WholeTensorStepper:
             owned = _Owned(params, groups, dim, state)
             self._pending = (self._launch_muon if self._muon else self._launch_class)(owned)
 
-    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Run the class's ``step`` on ``groups`` with no parameters; the groups it received."""
-        return self._whole.step_without_params(groups)
-
     def flush(self) -> None:
         """Complete the unit in flight, if any."""
         pending, self._pending = self._pending, None

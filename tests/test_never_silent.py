@@ -200,9 +200,11 @@ def test_instance_counter_trains_like_plain():
 def test_group_state_depending_on_parameters_is_refused():
     model, _ = make_models()
     _optim = OptimizerInBackward(model.parameters(), NormInGroup, lr=0.1, bucket_numel=20)
+    before = _snapshot(model)
     x, y = _x(0)
     with pytest.raises(RuntimeError, match="wrote different values in param group 0"):
         loss_fn(model, x, y).backward()
+    _assert_unchanged(model, before)  # refused by the check before the first update
 
 
 def _lamb_body() -> None:
