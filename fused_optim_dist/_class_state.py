@@ -6,7 +6,7 @@ there rather than per parameter: ``group["step"] += 1`` (timm's and apex's LAMB,
 optimizers) or ``self.t += 1``. In backward the class's step runs once per bucket, on a copy of
 each group, so such a counter would be lost (the copy) or advanced once per bucket (the
 instance). So, for every class that is not one of torch.optim's own (which keep all their state
-in ``state[p]``):
+in ``state[p]``, as this library's ``CompactAdamW`` does):
 
 * when a pass begins, the non-``params`` entries of every group and the instance's own
   attributes are copied (the *snapshot*);
@@ -40,7 +40,7 @@ import torch
 from torch.optim import Optimizer
 
 from fused_optim_dist._classes import ClassSteppers
-from fused_optim_dist._kinds import is_torch_optim_class
+from fused_optim_dist._kinds import keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
 
 __all__ = ["ClassState"]
@@ -112,7 +112,7 @@ class ClassState:
         self._state = state
         self._owners = [steppers.optimizer_of(g) for g in param_groups]
         self._tracked = [
-            steppers.can_track(g) and not is_torch_optim_class(type(owner))
+            steppers.can_track(g) and not keeps_state_per_parameter(type(owner))
             for g, owner in zip(param_groups, self._owners, strict=True)
         ]
         self.tracked = any(self._tracked)

@@ -29,7 +29,13 @@ from weakref import WeakKeyDictionary
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["Stepping", "declare_stepping", "is_torch_optim_class", "stepping_of"]
+__all__ = [
+    "Stepping",
+    "declare_stepping",
+    "keeps_state_per_parameter",
+    "per_parameter_state",
+    "stepping_of",
+]
 
 
 class Stepping(str, enum.Enum):
@@ -61,10 +67,22 @@ _KNOWN: dict[type[Optimizer], Stepping] = {
 """torch.optim classes whose update is elementwise, or needs each whole parameter."""
 
 
-def is_torch_optim_class(optimizer_cls: type[Optimizer]) -> bool:
-    """Whether ``optimizer_cls`` is exactly one of torch.optim's classes listed above, which
-    keep all their state in ``state[p]`` (not a subclass, which may keep more)."""
-    return optimizer_cls in _KNOWN
+_PER_PARAMETER_STATE: WeakKeyDictionary[type, bool] = WeakKeyDictionary()
+
+
+def per_parameter_state(cls: _Cls) -> _Cls:
+    """Class decorator for this library's own optimizers: ``cls`` keeps all its state in
+    ``state[p]``, never in its param groups or on itself, so its group and instance state need
+    no tracking (see [Note: group and instance state])."""
+    _PER_PARAMETER_STATE[cls] = True
+    return cls
+
+
+def keeps_state_per_parameter(optimizer_cls: type[Optimizer]) -> bool:
+    """Whether ``optimizer_cls`` is exactly one of torch.optim's classes listed above or a class
+    marked :func:`per_parameter_state`, which keep all their state in ``state[p]`` (not a
+    subclass, which may keep more)."""
+    return optimizer_cls in _KNOWN or optimizer_cls in _PER_PARAMETER_STATE
 
 
 _DECLARED: WeakKeyDictionary[type, Stepping] = WeakKeyDictionary()

@@ -95,7 +95,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from fused_optim_dist._kinds import declare_stepping
+from fused_optim_dist._kinds import declare_stepping, per_parameter_state
 from fused_optim_dist._stepping import _placed_like
 
 __all__ = ["GROUP_SIZE", "CompactAdamW", "master_weight", "to_adamw_state_dict"]
@@ -474,6 +474,7 @@ def _on_local(fn: Any, param: torch.Tensor, entry: dict[str, Any], *args: Any) -
     return {k: _placed_like(v, param, local_param) for k, v in out.items()}
 
 
+@per_parameter_state
 @declare_stepping("elementwise")
 class CompactAdamW(Optimizer):
     """AdamW with bfloat16 weights, an int8 error of their rounding and 8-bit moments.

@@ -32,7 +32,13 @@ from torch.optim import Optimizer
 from fused_optim_dist._validation import resolve_optimizer_class
 from fused_optim_dist.optimizer import OptimizerInBackward
 
-__all__ = ["accumulate_grads", "backward_micro_batches", "build_optimizer", "clip_grad_norm_"]
+__all__ = [
+    "accumulate_grads",
+    "backward_micro_batches",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "in_backward_of",
+]
 
 MicroBatch = TypeVar("MicroBatch")
 
@@ -57,14 +63,30 @@ def build_optimizer(
     return resolve_optimizer_class(optimizer_cls)(params, **optimizer_kwargs)
 
 
+def in_backward_of(optimizer: Optimizer) -> OptimizerInBackward | None:
+    """The ``OptimizerInBackward`` that ``optimizer`` is or wraps, else ``None``.
+
+    Wrappers keep the optimizer they wrap in ``.optimizer`` (accelerate's
+    ``AcceleratedOptimizer``) and forward ``step``/``zero_grad``, but not ``accumulate()`` or
+    ``grad_norm()``: looking through them keeps the calls below right for a wrapped one.
+    """
+    inner: Any = optimizer
+    while not isinstance(inner, OptimizerInBackward):
+        inner = getattr(inner, "optimizer", None)
+        if not isinstance(inner, Optimizer):
+            return None
+    return inner
+
+
 def accumulate_grads(optimizer: Optimizer) -> contextlib.AbstractContextManager[None]:
     """Context for the backward passes of all micro-batches but the last.
 
     A plain optimizer only steps when asked, so this does nothing for it; an
-    ``OptimizerInBackward`` would otherwise step in every backward.
+    ``OptimizerInBackward`` (or a wrapper of one) would otherwise step in every backward.
     """
-    if isinstance(optimizer, OptimizerInBackward):
-        return optimizer.accumulate()
+    in_backward = in_backward_of(optimizer)
+    if in_backward is not None:
+        return in_backward.accumulate()
     return contextlib.nullcontext()
 
 
@@ -117,15 +139,16 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
             clipping there is configured at construction, and silently using another value
             would clip by a norm the loop did not ask for.
     """
-    if isinstance(optimizer, OptimizerInBackward):
-        configured = optimizer.max_grad_norm
+    in_backward = in_backward_of(optimizer)
+    if in_backward is not None:
+        configured = in_backward.max_grad_norm
         if max_norm != configured:
             raise ValueError(
                 f"clip_grad_norm_(max_norm={max_norm}) on an OptimizerInBackward built with "
                 f"max_grad_norm={configured}: clipping happens in backward, so pass the same "
                 "value to the optimizer (e.g. build_optimizer(..., max_grad_norm=...))"
             )
-        return optimizer.grad_norm()
+        return in_backward.grad_norm()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -587,3 +587,33 @@ def _mixed_body() -> None:
 
 def test_mixed_classes_on_fsdp2(worlds):
     worlds.run(2, _mixed_body)
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """A wrapper keeping the optimizer in ``.optimizer``, as accelerate's does."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, closure=None):
+        return self.optimizer.step()
+
+
+def test_loop_helpers_see_through_a_wrapper():
+    """accumulate_grads and clip_grad_norm_ on a wrapped OptimizerInBackward act on it (not
+    as on a plain optimizer, which would step twice or return a norm of nothing)."""
+    from fused_optim_dist import accumulate_grads, clip_grad_norm_
+
+    model, reference = make_models()
+    optim = _Wrapper(OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1))
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = _x(0)
+    with accumulate_grads(optim):
+        (loss_fn(model, x[:4], y[:4]) / 2).backward()
+    (loss_fn(model, x[4:], y[4:]) / 2).backward()
+    norm = clip_grad_norm_(optim, None)
+    optim.step()
+    (loss_fn(reference, x[:4], y[:4]) / 2 + loss_fn(reference, x[4:], y[4:]) / 2).backward()
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+    plain.step()
+    assert_match(model, reference)

@@ -37,6 +37,7 @@ from accelerate.utils import DistributedType
 from torch.optim import Optimizer
 
 from fused_optim_dist.optimizer import OptimizerInBackward
+from fused_optim_dist.training import in_backward_of
 
 __all__ = [
     "backward",
@@ -66,16 +67,13 @@ def in_backward_optimizer(optimizer: Optimizer) -> OptimizerInBackward:
     Raises:
         TypeError: if ``optimizer`` neither is nor wraps an :class:`OptimizerInBackward`.
     """
-    inner: Any = optimizer
-    while not isinstance(inner, OptimizerInBackward):
-        wrapped = getattr(inner, "optimizer", None)
-        if not isinstance(wrapped, Optimizer):
-            raise TypeError(
-                f"expected an OptimizerInBackward (or accelerate's wrapper of one), got "
-                f"{type(optimizer).__name__}; build it with "
-                "OptimizerInBackward(model.parameters(), torch.optim.AdamW, ...)"
-            )
-        inner = wrapped
+    inner = in_backward_of(optimizer)
+    if inner is None:
+        raise TypeError(
+            f"expected an OptimizerInBackward (or accelerate's wrapper of one), got "
+            f"{type(optimizer).__name__}; build it with "
+            "OptimizerInBackward(model.parameters(), torch.optim.AdamW, ...)"
+        )
     return inner
 
 
