@@ -5,9 +5,13 @@ Every case is simulated on this CPU (fake tensors on a fake process group of the
 in-backward step (and every other method ``METHODS`` lists), with and without activation
 checkpointing, in strong and weak scaling. One command per model::
 
-    python benchmarks/memory_scaling.py --model llama3-8b     # about 10 minutes on 2 cores
-    python benchmarks/memory_scaling.py --model llama3-70b    # about 25 minutes on 2 cores
-    python benchmarks/memory_scaling.py --model small --world-sizes 2 4 --seq-len 128  # seconds
+    python benchmarks/memory_scaling.py --model llama3-8b --jobs 8
+    python benchmarks/memory_scaling.py --model llama3-70b --jobs 6
+    python benchmarks/memory_scaling.py --model tiny --world-sizes 2 --seq-len 64  # a smoke run
+
+Measured: the 8B table took 21 minutes with ``--jobs 8`` on a shared 2-core VM under a load
+average of 25-35 (one 8B simulation is about 20 s of CPU on an idle core, the 70B's about 2.5
+times that).
 
 Results: ``benchmarks/results/memory_scaling_<model>.{json,md,png}``.
 

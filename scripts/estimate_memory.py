@@ -6,7 +6,7 @@ in-backward one, and prints each peak per rank with its breakdown, where it sits
 whether it fits the GPU. The flags are those of ``scripts/finetune.py`` plus the target::
 
     python scripts/estimate_memory.py --model llama3-8b --world-size 8 --seq-len 2048 \\
-        --batch-size 8 --mixed-precision bf16 --activation-checkpointing      # ~30 s
+        --batch-size 8 --mixed-precision bf16 --activation-checkpointing  # ~20 s CPU per method
     python scripts/estimate_memory.py --model llama3-70b --world-size 64 --hsdp-replicas 8 \\
         --seq-len 2048 --batch-size 64 --mixed-precision bf16 --activation-checkpointing
     python scripts/estimate_memory.py --hf-model DIR --world-size 16 --json estimate.json
