@@ -2,6 +2,7 @@
 
 from fused_optim_dist._kinds import Stepping, declare_stepping
 from fused_optim_dist._options import InBackwardOptions
+from fused_optim_dist.compact_adamw import CompactAdamW
 from fused_optim_dist.optimizer import OptimizerInBackward, in_backward
 from fused_optim_dist.training import (
     accumulate_grads,
@@ -11,6 +12,7 @@ from fused_optim_dist.training import (
 )
 
 __all__ = [
+    "CompactAdamW",
     "InBackwardOptions",
     "OptimizerInBackward",
     "Stepping",
