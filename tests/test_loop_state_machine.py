@@ -197,12 +197,13 @@ class LoopMachine(RuleBasedStateMachine):
                 self._backward(ours_model, self.step + 1)
             for param, old in zip(ours_model.parameters(), before, strict=True):
                 assert torch.equal(param.detach(), old)
-            ours_model.zero_grad()
+        ours_model.zero_grad()
         self.ours.step()
         self.ours.zero_grad()
         self._backward(plain_model, self.step)
         self.plain.step()
-        self.plain.zero_grad()
+        # Both models drop every gradient, those of parameters outside the optimizers too.
+        plain_model.zero_grad()
         self.step += 2
 
     @precondition(lambda self: not self.pending)

@@ -8,6 +8,7 @@ do not grow at all and RSS not faster than a leak would make it.
 
 from __future__ import annotations
 
+import mmap
 import tempfile
 from pathlib import Path
 
@@ -54,10 +55,15 @@ def test_probes_see_what_is_alive():
     count_after, nbytes_after = soak.live_tensors()
     assert count_after == count + 2  # the view is a tensor of its own ...
     assert nbytes_after == nbytes + held.untyped_storage().nbytes()  # ... on the same storage
+    # 16 MiB of fresh pages, written, so resident. A tensor's memory could come from pages the
+    # allocator already holds from earlier tests (already resident): an anonymous mapping
+    # never does.
     rss = soak.rss_bytes()
-    touched = torch.ones(16 * MIB // 4)  # 16 MiB, written, so resident
+    touched = mmap.mmap(-1, 16 * MIB)
+    touched.write(b"\1" * (16 * MIB))
     assert soak.rss_bytes() - rss > 12 * MIB
-    del held, view, touched
+    touched.close()
+    del held, view
 
 
 def test_config_rejects_runs_without_enough_samples():
