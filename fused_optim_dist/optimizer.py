@@ -431,21 +431,26 @@ class OptimizerInBackward(Optimizer):
         )
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        """Step the parameters that still hold a gradient; usually there are none.
+        """Commit the updates made in backward, and step the parameters that still hold a
+        gradient (usually none).
 
-        In the usual loop every gradient was consumed during backward and this does nothing,
-        as a plain optimizer does for parameters that got no gradient. Parameters holding a
-        gradient (set by hand, accumulated under :meth:`accumulate`, or the zero gradients
-        ``torch.distributed.checkpoint`` sets to create state) are stepped, bucket by bucket,
-        and their gradients freed. A step with ``lr`` 0 in every group (what
-        ``torch.distributed.checkpoint`` runs to create state) leaves :meth:`grad_norm` and the
-        clipping history as they were.
+        In the usual loop every gradient was consumed during backward; ``step()`` then ends the
+        step: the updates are committed (see [Note: the step protocol]: until then a second
+        gradient to an updated parameter, or a ``zero_grad()``, raises), post-hooks run, and a
+        class that counts steps in its groups sees one step. Parameters holding a gradient (set
+        by hand, accumulated under :meth:`accumulate`, left by a backward that raised, or the
+        zero gradients ``torch.distributed.checkpoint`` sets to create state) are stepped,
+        bucket by bucket, and their gradients freed. Only DCP's state creation (no state, every
+        gradient exactly zero, lr 0 in every group) leaves :meth:`grad_norm` and the clipping
+        history as they were; any other step at lr 0 is an ordinary step.
 
         Raises:
             TypeError: if a closure is passed.
-            RuntimeError: if no gradient ever reached this optimizer and none of its
-                parameters is registered on a live module: it was built on parameters that
-                ``fully_shard`` replaced, so nothing would ever train.
+            RuntimeError: if ``torch.amp.GradScaler`` called it (the gradients were stepped
+                scaled, in backward); if a parameter holding a gradient was already updated in
+                backward since the last ``step()``; or if no gradient ever reached this
+                optimizer and none of its parameters is registered on a live module: it was
+                built on parameters that ``fully_shard`` replaced, so nothing would ever train.
         """
         if closure is not None:
             raise TypeError(
