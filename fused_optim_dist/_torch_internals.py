@@ -247,16 +247,17 @@ def ddp_wrapped(params: Sequence[torch.Tensor]) -> bool:
     return any(id(p) in wanted for module in list(_DDP_MODULES) for p in module.parameters())
 
 
-_TEARDOWN: list[Callable[[], None]] = []
+_TEARDOWN: list[Callable[[bool], None]] = []
 
 
-def _run_teardown() -> None:
+def _run_teardown(destroying: bool = False) -> None:
     for callback in _TEARDOWN:
-        callback()
+        callback(destroying)
 
 
-def before_teardown(callback: Callable[[], None]) -> None:
-    """Run ``callback`` before ``torch.distributed.destroy_process_group`` and at exit."""
+def before_teardown(callback: Callable[[bool], None]) -> None:
+    """Run ``callback(True)`` before ``torch.distributed.destroy_process_group``, on every rank
+    that calls it (so it may run collectives), and ``callback(False)`` at exit."""
     if not _TEARDOWN:
         import atexit
 
@@ -265,7 +266,7 @@ def before_teardown(callback: Callable[[], None]) -> None:
         original = distributed_c10d.destroy_process_group
 
         def destroy_process_group(*args: object, **kwargs: object) -> None:
-            _run_teardown()
+            _run_teardown(destroying=True)
             original(*args, **kwargs)
 
         destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -199,7 +200,7 @@ def _finisher() -> ThreadPoolExecutor:
     global _FINISHER
     if _FINISHER is None:
         _FINISHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
-        before_teardown(_finish_pending_locally)
+        before_teardown(_finish_pending)
     return _FINISHER
 
 
@@ -209,16 +210,22 @@ def _finisher() -> ThreadPoolExecutor:
 # So this rank's part of a pending save is completed first: before ``destroy_process_group``
 # tears down the groups its background write uses, and at interpreter exit. Waiting is local
 # (rank 0 commits once its own write completes, which DCP completes only after every rank
-# wrote). If the save failed, the error is logged and the process exits with status 1: a
+# wrote), and before ``destroy_process_group`` the ranks then meet in a barrier, so that no rank
+# tears down a group another rank's background write still uses. If the save failed, the error
+# is logged and the process exits with status 1: a
 # checkpoint that silently does not exist is never the outcome.
 
 
-def _finish_pending_locally() -> None:
+def _finish_pending(destroying: bool) -> None:
     pending = _PENDING
     if pending is None or pending._outcome is not None:
         return
     error = pending._finished.exception()
     if error is None:
+        if destroying and dist.is_initialized():
+            # Every rank's part is over before any rank tears down the groups the background
+            # writes used (one rank's write can complete before another's).
+            dist.barrier()
         return
     sys.stderr.write(
         f"fused_optim_dist.checkpoint: the asynchronous save of step {pending.step} into "
