@@ -51,7 +51,6 @@ class ClassSteppers:
         self.trackable = trackable
         # The classes whose group and instance state was checked before their first update.
         self.probed: set[str | None] = set()
-        self.optimizer = steppers[None].optimizer if None in steppers else None
 
     def of(self, group: dict[str, Any]) -> Stepper:
         return self.steppers[group.get(GROUP_CLASS_KEY)]
