@@ -92,6 +92,10 @@ def _entry(
         result = body(*args)
         if rank == 0:
             Path(out).write_bytes(pickle.dumps(result))
+        # destroy_process_group is not collective: a rank that tears its group down while a
+        # peer's last collective is still in flight on the same connection can abort the peer
+        # (gloo: "terminate called without an active exception"). Meet first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
