@@ -435,7 +435,10 @@ def test_options_apart_from_the_wrapped_class():
     optim = OptimizerInBackward(
         model.parameters(), _Lamb, max_grad_norm=2.0, options=InBackwardOptions(max_grad_norm=0.5)
     )
-    assert optim.max_grad_norm == 0.5 and optim._stepper.steppers[None].optimizer.own_max_grad_norm == 2.0
+    assert (
+        optim.max_grad_norm == 0.5
+        and optim._stepper.steppers[None].optimizer.own_max_grad_norm == 2.0
+    )
     with pytest.raises(ValueError, match="max_grad_norm must be a positive"):
         InBackwardOptions(max_grad_norm=-1.0)
 
@@ -449,9 +452,17 @@ def test_declared_subclass_steps_local_shards():
         pass
 
     model, _ = make_models()
-    assert OptimizerInBackward(model.parameters(), MyAdamW, lr=0.1)._stepper.steppers[None].local_shards
+    assert (
+        OptimizerInBackward(model.parameters(), MyAdamW, lr=0.1)
+        ._stepper.steppers[None]
+        .local_shards
+    )
     other, _ = make_models()
-    assert not OptimizerInBackward(other.parameters(), Undeclared, lr=0.1)._stepper.steppers[None].local_shards
+    assert (
+        not OptimizerInBackward(other.parameters(), Undeclared, lr=0.1)
+        ._stepper.steppers[None]
+        .local_shards
+    )
     with pytest.raises(ValueError, match="stepping must be one of"):
         declare_stepping("sideways")
 
