@@ -30,25 +30,10 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fused_optim_dist_recipes.memory_tracking import KINDS
+
 __all__ = ["KINDS", "StepTracker", "lower_bound"]
 
-KINDS: dict[str, tuple[_FSDPRefType, ...]] = {
-    "parameters": (
-        _FSDPRefType.SHARDED_PARAM,
-        _FSDPRefType.UNSHARDED_PARAM,
-        _FSDPRefType.ALL_GATHER,
-        _FSDPRefType.BUFFER,
-    ),
-    "gradients": (
-        _FSDPRefType.SHARDED_GRAD,
-        _FSDPRefType.UNSHARDED_GRAD,
-        _FSDPRefType.REDUCE_SCATTER,
-    ),
-    "optimizer_state": (_FSDPRefType.OPT,),
-    "activations": (_FSDPRefType.ACT, _FSDPRefType.INP),
-    "temporaries": (_FSDPRefType.TEMP,),
-}
-"""The reported kinds of memory, and the tracker's categories each one sums."""
 
 _TOTAL = "Total"
 
