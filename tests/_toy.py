@@ -24,22 +24,32 @@ PLAIN_ATOL = 1e-6
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
 class ToyModel(nn.Module):
-    def __init__(self, n_layers: int = 3) -> None:
+    """Input layer, residual blocks, head; the default sizes are the awkward ones above."""
+
+    def __init__(
+        self,
+        n_layers: int = 3,
+        *,
+        in_dim: int = IN_DIM,
+        dim: int = DIM,
+        hidden: int = HIDDEN,
+        out_dim: int = OUT_DIM,
+    ) -> None:
         super().__init__()
-        self.inp = nn.Linear(IN_DIM, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(n_layers))
-        self.head = nn.Linear(DIM, OUT_DIM)
+        self.inp = nn.Linear(in_dim, dim)
+        self.layers = nn.ModuleList(Block(dim, hidden) for _ in range(n_layers))
+        self.head = nn.Linear(dim, out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)

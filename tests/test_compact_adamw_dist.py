@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _toy import full, rank_slice
+from _toy import ToyModel, full, rank_slice
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -36,35 +36,15 @@ KWARGS = dict(lr=1e-2, weight_decay=0.1)
 SAVE_AT, TOTAL = 2, 5
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
+def _net() -> ToyModel:
+    """The toy model with rows long enough for several quantization groups of 32."""
+    return ToyModel(2, in_dim=IN, dim=DIM, hidden=HIDDEN, out_dim=OUT)
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(IN, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(DIM, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
-def _models(seed: int = 0) -> tuple[Net, Net]:
+def _models(seed: int = 0) -> tuple[ToyModel, ToyModel]:
     """A sharded bfloat16 model and a sharded copy with the same weights."""
     torch.manual_seed(seed)
-    model = Net().to(torch.bfloat16)
+    model = _net().to(torch.bfloat16)
     reference = copy.deepcopy(model)
     for m in (model, reference):
         for layer in m.layers:
@@ -314,7 +294,7 @@ def _adamw_interchange_body() -> None:
     shard, placed like the parameters) and exports back to AdamW's layout within the
     documented error."""
     torch.manual_seed(0)
-    fp32 = Net()
+    fp32 = _net()
     for layer in fp32.layers:
         fully_shard(layer)
     fully_shard(fp32)
