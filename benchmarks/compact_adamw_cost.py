@@ -8,12 +8,16 @@ call per unit. A step updates every unit; its cost is the main thread's CPU time
 * ``adamw-fused``: ``torch._fused_adamw_`` per unit on float32 weights and moments, the call
   ``OptimizerInBackward`` makes for AdamW (``[Note: the update without the class's
   per-parameter loop]``);
-* ``compact``: ``CompactAdamW.step()`` per unit on bfloat16 weights and gradients (eager).
+* ``compact-c``: ``CompactAdamW(kernel="c").step()`` per unit on bfloat16 weights and
+  gradients: the C kernel (``fused_optim_dist/csrc/compact_adamw.c``), what ``kernel="auto"``
+  takes on the CPU;
+* ``compact-eager``: ``CompactAdamW(kernel="eager").step()``, the fallback in whole-tensor
+  PyTorch ops (no compiler).
 
-Both run interleaved, ``--steps`` steps per round, ``--rounds`` rounds; reported: each round's
-median ms, the ratio of the medians, and the ratios' spread over the rounds. Then a profile of
-``compact`` (``torch.profiler``, self CPU time by op) says where its time goes. Single process,
-one thread::
+All run interleaved, ``--steps`` steps per round, ``--rounds`` rounds; reported: each round's
+median ms, the ratio of each compact method's median to fused AdamW's, and the ratios' spread
+over the rounds. Then a profile of each compact method (``torch.profiler``, self CPU time by
+op) says where its time goes. Single process, one thread::
 
     python benchmarks/compact_adamw_cost.py                          # ~2 min
     python benchmarks/compact_adamw_cost.py --shapes many-tiny --rounds 1 --out /tmp/cost
@@ -45,6 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SHAPES = ("many-tiny", "many-small", "few-large", "llama-12x256")
 MS_PER_S = 1e3
 KWARGS = dict(lr=1e-4, weight_decay=0.01)
+KERNELS = ("c", "eager")
+BASELINE = "adamw-fused"
+COMPACT = tuple(f"compact-{kernel}" for kernel in KERNELS)
 
 
 def _units(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -96,8 +103,8 @@ def _fused_adamw(units: list[list[torch.Tensor]]) -> Callable[[], None]:
     return step
 
 
-def _compact(units: list[list[torch.Tensor]]) -> Callable[[], None]:
-    optims = [CompactAdamW(shards, **KWARGS) for shards in units]
+def _compact(units: list[list[torch.Tensor]], kernel: str) -> Callable[[], None]:
+    optims = [CompactAdamW(shards, kernel=kernel, **KWARGS) for shards in units]
     for optim in optims:
         optim.step()
     # The step without Optimizer's profiling and hook wrapper, as OptimizerInBackward runs it.
@@ -122,7 +129,12 @@ def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
     units = _units(model)
     methods = {
         "adamw-fused": _fused_adamw([[_shard(p, world, torch.float32) for p in u] for u in units]),
-        "compact": _compact([[_shard(p, world, torch.bfloat16) for p in u] for u in units]),
+        **{
+            f"compact-{kernel}": _compact(
+                [[_shard(p, world, torch.bfloat16) for p in u] for u in units], kernel
+            )
+            for kernel in KERNELS
+        },
     }
     out: dict[str, Any] = {
         "tensors": sum(len(u) for u in units),
@@ -134,7 +146,7 @@ def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         times: dict[str, list[float]] = {m: [] for m in methods}
         for index in range(steps):
-            order = list(methods) if index % 2 else list(reversed(methods))
+            order = list(methods)[index % len(methods) :] + list(methods)[: index % len(methods)]
             for method in order:
                 times[method].append(_cpu_ms(methods[method]))
         medians = {m: statistics.median(t) for m, t in times.items()}
@@ -143,55 +155,66 @@ def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
             {
                 "median_ms": medians,
                 "iqr_ms": {m: [q[0], q[2]] for m, q in quartiles.items()},
-                "ratio": medians["compact"] / medians["adamw-fused"],
+                "ratio": {m: medians[m] / medians[BASELINE] for m in COMPACT},
             }
         )
-    ratios = [r["ratio"] for r in out["rounds"]]
-    out["ratio_median"] = statistics.median(ratios)
-    out["ratio_range"] = [min(ratios), max(ratios)]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            methods["compact"]()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events)
-    out["profile_top"] = [
-        {"op": e.key, "share": e.self_cpu_time_total / total, "calls_per_step": e.count / 5}
-        for e in events[:12]
-    ]
+    out["ratio_median"], out["ratio_range"], out["profile_top"] = {}, {}, {}
+    for method in COMPACT:
+        ratios = [r["ratio"][method] for r in out["rounds"]]
+        out["ratio_median"][method] = statistics.median(ratios)
+        out["ratio_range"][method] = [min(ratios), max(ratios)]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                methods[method]()
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        out["profile_top"][method] = [
+            {"op": e.key, "share": e.self_cpu_time_total / total, "calls_per_step": e.count / 5}
+            for e in events[:12]
+        ]
     return out
 
 
 def markdown(results: dict[str, Any], args: argparse.Namespace, machine: str) -> str:
+    methods = (BASELINE, *COMPACT)
     lines = [
         f"# CompactAdamW update cost against fused fp32 AdamW ({machine}, 1 thread)",
         "",
         f"Rank 0's shards of {args.world} ranks, one call per FSDP unit; CPU ms per step, "
-        f"median [IQR] of {args.steps} steps, per round; ratio = compact / adamw-fused.",
+        f"median [IQR] of {args.steps} steps, per round; ratio = compact / {BASELINE}.",
         "",
-        "| shape | tensors | elements | round | adamw-fused ms | compact ms | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | tensors | elements | round | "
+        + " | ".join(f"{m} ms" for m in methods)
+        + " | "
+        + " | ".join(f"{m} ratio" for m in COMPACT)
+        + " |",
+        "|---" * (4 + len(methods) + len(COMPACT)) + "|",
     ]
     for name, r in results.items():
         for index, rnd in enumerate(r["rounds"]):
             cells = [
                 f"{rnd['median_ms'][m]:.3f} [{rnd['iqr_ms'][m][0]:.3f}, {rnd['iqr_ms'][m][1]:.3f}]"
-                for m in ("adamw-fused", "compact")
-            ]
+                for m in methods
+            ] + [f"{rnd['ratio'][m]:.2f}" for m in COMPACT]
             lines.append(
                 f"| {name} | {r['tensors']} | {r['local_elements']:,} | {index + 1} | "
-                f"{cells[0]} | {cells[1]} | {rnd['ratio']:.2f} |"
+                + " | ".join(cells)
+                + " |"
             )
-    lines += ["", "| shape | ratio, median of rounds | range over rounds |", "|---|---|---|"]
+    lines += ["", "| shape | method | ratio, median of rounds | range over rounds |"]
+    lines += ["|---|---|---|---|"]
     for name, r in results.items():
-        low, high = r["ratio_range"]
-        lines.append(f"| {name} | {r['ratio_median']:.2f} | {low:.2f} - {high:.2f} |")
-    lines += ["", "Where compact's time goes (self CPU time, all ops of 5 steps):", ""]
+        for m in COMPACT:
+            low, high = r["ratio_range"][m]
+            lines.append(f"| {name} | {m} | {r['ratio_median'][m]:.2f} | {low:.2f} - {high:.2f} |")
+    lines += ["", "Where the time goes (self CPU time, all ops of 5 steps):", ""]
     for name, r in results.items():
-        top = ", ".join(
-            f"{e['op']} {100 * e['share']:.0f}% ({e['calls_per_step']:.0f}/step)"
-            for e in r["profile_top"][:8]
-        )
-        lines.append(f"* {name}: {top}")
+        for m in COMPACT:
+            top = ", ".join(
+                f"{e['op']} {100 * e['share']:.0f}% ({e['calls_per_step']:.0f}/step)"
+                for e in r["profile_top"][m][:8]
+            )
+            lines.append(f"* {name}, {m}: {top}")
     return "\n".join(lines) + "\n"
 
 

@@ -65,6 +65,8 @@ Everything else in the package uses public APIs. What this module relies on, for
   ten microseconds per range on the CPU); ``torch.autograd._profiler_enabled()`` tells whether
   a profiler is recording on this thread, and the autograd engine propagates that state to its
   device threads.
+* ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
+  memory estimator runs under), which has no values to read, from a real tensor.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
@@ -334,3 +337,8 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
 
     engine = Variable._execution_engine
     engine.queue_callback(lambda: engine.queue_callback(callback))
+
+
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has values that can be read (not a meta or fake tensor)."""
+    return not (tensor.is_meta or is_fake(tensor))

@@ -87,6 +87,7 @@ class it wraps), casts each back to its dtype by key. It also converts an AdamW 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -95,8 +96,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from fused_optim_dist import _compact_kernel
 from fused_optim_dist._kinds import declare_stepping, per_parameter_state
 from fused_optim_dist._stepping import _placed_like
+from fused_optim_dist._torch_internals import holds_values
 
 __all__ = ["GROUP_SIZE", "CompactAdamW", "master_weight", "to_adamw_state_dict"]
 
@@ -197,12 +200,16 @@ class _Groups:
         return per_group.repeat_interleave(self.lengths, output_size=self.numel)
 
 
-def _group_scale(magnitude: torch.Tensor, groups: _Groups, out: torch.Tensor) -> torch.Tensor:
-    """Each group's largest ``magnitude`` rounded into the bfloat16 ``out``; returns the float32
-    divisor codes are computed against, broadcastable (1 for an all-zero group)."""
+def _group_scale(
+    magnitude: torch.Tensor, groups: _Groups, out: torch.Tensor, numerator: float
+) -> torch.Tensor:
+    """Each group's largest ``magnitude`` rounded into the bfloat16 ``out``; returns
+    ``numerator`` divided by it (by 1 for an all-zero group), one float32 factor per group,
+    broadcastable: codes are computed against the rounded scale."""
     out.copy_(groups.amax(magnitude))
     divisor = out.float()
-    return groups.expand(divisor.masked_fill_(divisor == 0, 1.0))
+    divisor.masked_fill_(divisor == 0, 1.0)
+    return groups.expand(torch.full_like(divisor, numerator).div_(divisor))
 
 
 def _encode_momentum(
@@ -210,14 +217,11 @@ def _encode_momentum(
 ) -> None:
     """Write ``m`` (float32, as ``groups.view`` shapes it) into int8 ``code`` and bfloat16
     ``scale`` (flat). See [Note: 8-bit moments]."""
-    magnitude = m.abs()
-    divisor = _group_scale(magnitude, groups, scale)
-    if compand:
-        # 127 * 2y / (1 + |y|), y = m / scale.
-        level = m.div(divisor)
-        level = level.div_(magnitude.div_(divisor).add_(1.0)).mul_(2 * _MOMENTUM_LEVELS)
+    y = m.mul(_group_scale(m.abs(), groups, scale, 1.0))
+    if compand:  # 127 * 2y / (1 + |y|)
+        level = y.div(y.abs().add_(1.0)).mul_(2 * _MOMENTUM_LEVELS)
     else:
-        level = m.div(divisor).mul_(_MOMENTUM_LEVELS)
+        level = y.mul_(_MOMENTUM_LEVELS)
     level = level.round_().clamp_(-_MOMENTUM_LEVELS, _MOMENTUM_LEVELS)
     code.copy_(level.view(-1))
 
@@ -230,7 +234,7 @@ def _decode_momentum(
     if compand:
         value = value.div_(value.abs().neg_().add_(2 * _MOMENTUM_LEVELS))
     else:
-        value = value.div_(_MOMENTUM_LEVELS)
+        value = value.mul_(1 / _MOMENTUM_LEVELS)
     return value.mul_(groups.expand(scale.float()))
 
 
@@ -239,15 +243,14 @@ def _encode_root(
 ) -> None:
     """Write a non-negative ``root`` into uint8 ``code`` and bfloat16 ``scale``: nearest
     rounding, but at least 1 where ``root`` is positive."""
-    divisor = _group_scale(root, groups, scale)
-    level = root.div(divisor).mul_(_ROOT_LEVELS)
+    level = root.mul(_group_scale(root, groups, scale, _ROOT_LEVELS))
     floor_one = level.clamp(max=1.0).ceil_()
     level = level.round_().maximum(floor_one).clamp_(max=_ROOT_LEVELS)
     code.copy_(level.view(-1))
 
 
 def _decode_root(code: torch.Tensor, scale: torch.Tensor, groups: _Groups) -> torch.Tensor:
-    return groups.view(code.float()).mul_(groups.expand(scale.float().div_(_ROOT_LEVELS)))
+    return groups.view(code.float()).mul_(groups.expand(scale.float().mul_(1 / _ROOT_LEVELS)))
 
 
 # ------------------------------------------------------------------------------ the update
@@ -298,16 +301,30 @@ def _adamw(
     v: torch.Tensor,
     h: _Hyper,
     corrections: tuple[_Factor, _Factor],
-) -> None:
+) -> torch.Tensor:
     """AdamW on float32 weights ``x``, gradient ``g``, moments ``m``, ``v``, all in place; the
     arithmetic of ``torch.optim.AdamW`` in unfused ops, the bias corrections multiplied by
-    (:func:`_bias_corrections`). See [Note: layout-independent arithmetic]."""
+    (:func:`_bias_corrections`). Returns the square root of the new ``v``. See [Note:
+    layout-independent arithmetic]."""
     inverse_sqrt_correction2, step_size = corrections
     m.mul_(h.beta1).add_(g.mul(1 - h.beta1))
     v.mul_(h.beta2).add_(g.mul(g).mul_(1 - h.beta2))
-    denom = v.sqrt().mul_(inverse_sqrt_correction2).add_(h.eps)
+    root = _sqrt(v)
+    denom = root.mul(inverse_sqrt_correction2).add_(h.eps)
     x.mul_(1 - h.lr * h.weight_decay)
     x.sub_(m.div(denom).mul_(step_size))
+    return root
+
+
+def _sqrt(value: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of ``value``.
+
+    torch's float32 ``sqrt`` on the CPU is MKL's vectorised one, which is not correctly
+    rounded (measured: 4.3746367 for the root of 19.137444, where 4.3746362 is nearest), so the
+    C kernel's ``sqrtf`` could not give its bits. The float64 root rounded to float32 is
+    correctly rounded: the exact root of a float32 lies at least 2**-51 (relative) from every
+    float32 rounding boundary, farther than a float64 root's error."""
+    return value.double().sqrt_().float()
 
 
 class _Param(NamedTuple):
@@ -360,7 +377,7 @@ def _update(
         corrections = tuple(  # type: ignore[assignment]
             c if isinstance(c, float) else groups.view(c) for c in corrections
         )
-    _adamw(x, g, m, v, h, corrections)
+    root = _adamw(x, g, m, v, h, corrections)
     x = x.view(-1)
     if correction:
         high, error = _split24(x)
@@ -375,7 +392,6 @@ def _update(
             buffers[f"{key}_error"].copy_(error)
     else:
         _encode_momentum(m, groups, buffers["exp_avg_code"], buffers["exp_avg_scale"], h.compand)
-        root = v.sqrt_()
         _encode_root(
             root, groups, buffers["exp_avg_sq_root_code"], buffers["exp_avg_sq_root_scale"]
         )
@@ -436,7 +452,7 @@ def _from_adamw(weight: torch.Tensor, entry: dict[str, Any], compand: bool) -> d
         _encode_momentum(
             groups.view(m), groups, flat["exp_avg_code"], flat["exp_avg_scale"], compand
         )
-        root = groups.view(v.sqrt())
+        root = groups.view(_sqrt(v))
         _encode_root(root, groups, flat["exp_avg_sq_root_code"], flat["exp_avg_sq_root_scale"])
     else:
         for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
@@ -474,6 +490,95 @@ def _on_local(fn: Any, param: torch.Tensor, entry: dict[str, Any], *args: Any) -
     return {k: _placed_like(v, param, local_param) for k, v in out.items()}
 
 
+def _run_kernel(table: torch.Tensor, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
+    beta1, beta2 = group["betas"]
+    _compact_kernel.kernel()(  # type: ignore[misc]
+        table.data_ptr(),
+        table.shape[0],
+        float(group["lr"]),
+        beta1,
+        beta2,
+        group["eps"],
+        group["weight_decay"],
+        int(group["compand"]),
+    )
+    # Written through pointers: tell autograd the weights changed, as an in-place op does.
+    torch.autograd.graph.increment_version(weights)
+
+
+class _KernelPlan:
+    """A param group's C-kernel tables, reused at the next step while nothing they point to
+    has changed.
+
+    [Note: reused kernel tables]
+    Reading nine data pointers and checking eight tensors per parameter costs more in Python
+    than the kernel spends on a small tensor. A plan keeps each batch's table with every
+    pointer but the gradient's. It is reused while the group holds the same parameters at the
+    same addresses, every parameter's state entry is the same dict holding the same tensors
+    (``load_state_dict``, state created or converted, a tensor replaced in an entry: the
+    step takes the full path and makes a new plan), and every parameter has a contiguous CPU
+    gradient of the dtype its table row says; otherwise nothing is stepped through it. It
+    holds the tensors it points to, so none is freed while it is kept, and there is one plan
+    per parameter (``CompactAdamW._remember``).
+    """
+
+    __slots__ = ("addresses", "batches", "correction", "entries", "params", "tensors")
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        state: dict[torch.Tensor, dict[str, Any]],
+        tables: Sequence[tuple[list[int], torch.Tensor, list[_Param]]],
+        correction: bool,
+    ) -> None:
+        self.params = tuple(params)
+        self.correction = correction
+        self.addresses = [p.data_ptr() for p in params]
+        self.entries = tuple(state.get(p) for p in params)
+        self.tensors = self._tensors()
+        self.batches = [
+            (indices, table, [p.weight for p in batch], [p.grad.dtype for p in batch])
+            for indices, table, batch in tables
+        ]
+        if any(p.param is not p.weight for _, _, batch in tables for p in batch):
+            self.params = ()  # DTensors: their local tensors are not the group's tensors
+
+    def _tensors(self) -> tuple[Any, ...]:
+        return tuple(v for entry in self.entries for v in (entry or {}).values())
+
+    def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
+        """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
+        params = group["params"]
+        if group["weight_correction"] != self.correction:
+            return False
+        if not all(map(operator.is_, map(state.get, params), self.entries)):
+            return False
+        tensors = self._tensors()
+        if len(tensors) != len(self.tensors) or not all(map(operator.is_, tensors, self.tensors)):
+            return False
+        if [p.data_ptr() for p in params] != self.addresses:
+            return False
+        grads = [p.grad for p in params]
+        pointers = []
+        for indices, _, _, dtypes in self.batches:
+            batch = []
+            for index, dtype in zip(indices, dtypes, strict=True):
+                grad = grads[index]
+                if not (
+                    type(grad) is torch.Tensor
+                    and grad.dtype == dtype
+                    and grad.device.type == "cpu"
+                    and grad.is_contiguous()
+                ):
+                    return False
+                batch.append(grad.data_ptr())
+            pointers.append(batch)
+        for (_, table, weights, _), batch in zip(self.batches, pointers, strict=True):
+            table[:, 1] = torch.tensor(batch, dtype=torch.int64)
+            _run_kernel(table, weights, group)
+        return True
+
+
 @per_parameter_state
 @declare_stepping("elementwise")
 class CompactAdamW(Optimizer):
@@ -497,6 +602,11 @@ class CompactAdamW(Optimizer):
             starts from a zero error.
         compand: compand the momentum before quantizing (``False``: linear 8-bit, for
             ablations). Fixed for a run: the codes are read as they were written.
+        kernel: ``"auto"`` steps CPU tensors with the C kernel (built on first use, see
+            [Note: the C kernel] in ``_compact_kernel.py``) when it is available and takes
+            them, with the eager path otherwise; ``"c"`` requires the C kernel for CPU tensors
+            (raises here if it cannot be built); ``"eager"`` always takes the eager path. Both
+            give the same bits.
 
     ``state[p]`` holds ``step`` (a float32 CPU scalar, as AdamW's) and the tensors named in the
     module's table, created at ``p``'s first step. ``load_state_dict`` also takes a
@@ -514,7 +624,19 @@ class CompactAdamW(Optimizer):
         *,
         weight_correction: bool = True,
         compand: bool = True,
+        kernel: str = "auto",
     ) -> None:
+        if kernel not in _KERNELS:
+            raise ValueError(f"kernel must be one of {_KERNELS}, not {kernel!r}")
+        if kernel == "c" and _compact_kernel.kernel() is None:
+            raise RuntimeError(
+                f"CompactAdamW(kernel='c'): the C kernel is unavailable: "
+                f"{_compact_kernel.unavailable_reason()}; use kernel='auto' to fall back to "
+                "the eager path"
+            )
+        self.kernel = kernel
+        self._plans: dict[tuple[int, ...], _KernelPlan] = {}
+        self._plan_of: dict[int, tuple[int, ...]] = {}
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if eps < 0.0:
@@ -550,6 +672,8 @@ class CompactAdamW(Optimizer):
         """Restore state dtypes by key and convert AdamW entries. See [Note: state dtypes
         across load_state_dict]."""
         super().__setstate__(state)
+        self.__dict__.setdefault("kernel", "auto")
+        self._plans, self._plan_of = {}, {}
         compand = {}
         for group in self.param_groups:
             group.setdefault("weight_correction", True)
@@ -580,8 +704,14 @@ class CompactAdamW(Optimizer):
         if closure is not None:
             raise TypeError("CompactAdamW.step takes no closure")
         for group in self.param_groups:
+            params = group["params"]
+            if self.kernel != "eager":
+                plan = self._plans.get(tuple(map(id, params)))
+                if plan is not None and plan.step(self.state, group):
+                    continue
             batches: dict[tuple[bool, torch.dtype, torch.device], list[_Param]] = {}
-            for param in group["params"]:
+            indices: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
+            for index, param in enumerate(params):
                 grad = param.grad
                 if grad is None:
                     continue
@@ -589,8 +719,59 @@ class CompactAdamW(Optimizer):
                 weight = item.weight
                 kind = (weight.dim() >= 2, weight.dtype, weight.device)
                 batches.setdefault(kind, []).append(item)
-            for (grouped, _, _), params in batches.items():
-                self._step_batch(params, grouped, group)
+                indices.setdefault(kind, []).append(index)
+            tables = []
+            for kind, batch in batches.items():
+                grouped, _, device = kind
+                if self.kernel != "eager" and device.type == "cpu":
+                    table = self._step_with_kernel(batch, grouped, group)
+                    if table is not None:
+                        tables.append((indices[kind], table, batch))
+                        continue
+                self._step_batch(batch, grouped, group)
+            if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
+                plan = _KernelPlan(params, self.state, tables, group["weight_correction"])
+                self._remember(plan)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "kernel": self.kernel}
+
+    def _remember(self, plan: _KernelPlan) -> None:
+        """Keep ``plan``, dropping any other plan of one of its parameters (one per parameter,
+        so plans of parameter sets no longer stepped do not keep their tensors alive)."""
+        if not plan.params:
+            return
+        key = tuple(map(id, plan.params))
+        stale = {self._plan_of.get(id(param)) for param in plan.params} - {None, key}
+        for other_key in stale:
+            for other in self._plans.pop(other_key).params:
+                self._plan_of.pop(id(other), None)
+        for param in plan.params:
+            self._plan_of[id(param)] = key
+        self._plans[key] = plan
+
+    def _step_with_kernel(
+        self, params: list[_Param], grouped: bool, group: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """Step a batch of CPU tensors with the C kernel; returns its table, or ``None``
+        (nothing done) where the kernel cannot take it. See [Note: the C kernel] in
+        ``_compact_kernel.py``."""
+        kernel = _compact_kernel.kernel()
+        keys = _ROW_KEYS if grouped else _FLAT_KEYS
+        correction = group["weight_correction"] and params[0].weight.dtype == torch.bfloat16
+        if correction:
+            keys = ("weight_error", *keys)
+        table = _kernel_table(params, keys, grouped, correction) if kernel else None
+        if table is None:
+            if self.kernel == "c":
+                raise RuntimeError(
+                    "CompactAdamW(kernel='c') cannot step these tensors with the C kernel "
+                    f"({_compact_kernel.unavailable_reason() or _KERNEL_LAYOUT}); use "
+                    "kernel='auto' to fall back to the eager path"
+                )
+            return None
+        _run_kernel(table, [p.weight for p in params], group)
+        return table
 
     def _param(self, param: torch.Tensor, grad: torch.Tensor, correction: bool) -> _Param:
         """``param`` with its local tensors and state, the state created if missing."""
@@ -631,10 +812,57 @@ class CompactAdamW(Optimizer):
         groups = _Groups([p.weight.shape for p in params]) if grouped else None
         if groups is not None:
             groups.to(params[0].weight.device)
-        # Host values of the step counts (CPU scalars): no device sync.
-        corrections = _bias_corrections(params, steps.tolist(), h)
+        corrections = _bias_corrections(params, _step_counts(steps), h)
         _update(params, buffers, groups, h, corrections)
         _scatter_state(params, buffers)
+
+
+def _step_counts(steps: torch.Tensor) -> list[float]:
+    """Host values of the step counts (CPU scalars, read without a device sync).
+
+    Under ``FakeTensorMode`` (the memory estimator) there are no values to read; memory does
+    not depend on them, so every count is taken as 1."""
+    if not holds_values(steps):
+        return [1.0] * steps.numel()
+    return steps.tolist()
+
+
+_KERNELS = ("auto", "c", "eager")
+_KERNEL_LAYOUT = (
+    "it takes contiguous CPU tensors, bfloat16 or float32 gradients and float32 CPU step counters"
+)
+
+
+def _kernel_table(
+    params: Sequence[_Param], keys: Sequence[str], grouped: bool, correction: bool
+) -> torch.Tensor | None:
+    """The C kernel's table of ``params`` (``_compact_kernel.FIELDS`` int64 per parameter),
+    or ``None`` if it cannot take one of them."""
+    fields: list[int] = []
+    for p in params:
+        weight, grad, step = p.weight, p.grad, p.state["step"]
+        state = [p.state[k] for k in keys]
+        if not (
+            grad.dtype in _WEIGHT_DTYPES
+            and step.dtype == torch.float32
+            and step.device.type == "cpu"
+            and holds_values(weight)
+            and _compact_kernel.takes([weight, grad, *state])
+        ):
+            return None
+        flags = _compact_kernel.FLAG_GROUPED if grouped else 0
+        if weight.dtype == torch.bfloat16:
+            flags |= _compact_kernel.FLAG_WEIGHT_BF16
+        if grad.dtype == torch.bfloat16:
+            flags |= _compact_kernel.FLAG_GRAD_BF16
+        rows = len(weight) if grouped else 1
+        length = weight.numel() // max(rows, 1) if grouped else weight.numel()
+        pointers = [t.data_ptr() for t in state]
+        if not correction:
+            pointers.insert(0, 0)
+        fields += [weight.data_ptr(), grad.data_ptr(), *pointers, step.data_ptr()]
+        fields += [rows, length, flags]
+    return torch.tensor(fields, dtype=torch.int64).view(-1, _compact_kernel.FIELDS)
 
 
 def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:

@@ -1,0 +1,151 @@
+"""CompactAdamW's C kernel against its eager path: the same bits on every layout, the fallback
+where the kernel cannot run, and what ``kernel="c"`` refuses. The kernel is built from
+``fused_optim_dist/csrc/`` with the machine's C compiler; without one these tests fail (CI has
+one), except the fallback test, which hides it."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from fused_optim_dist import _compact_kernel
+from fused_optim_dist.compact_adamw import CompactAdamW
+
+SHAPES = [(64, 96), (10, 70), (3, 33), (0, 64), (128,), (5,), (2, 3, 16), ()]
+"""Rows of whole groups, rows ending in a short group, an empty local shard, vectors, a 3-dim
+tensor (rows of 48), a scalar."""
+
+
+def _train(kernel: str, weight_dtype, grad_dtype, correction: bool, compand: bool):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s).to(weight_dtype)) for s in SHAPES]
+    optim = CompactAdamW(
+        [{"params": params[:4]}, {"params": params[4:], "lr": 3e-3, "weight_decay": 0.0}],
+        lr=1e-2,
+        weight_decay=0.1,
+        weight_correction=correction,
+        compand=compand,
+        kernel=kernel,
+    )
+    for step in range(6):
+        for index, p in enumerate(params):
+            p.grad_dtype = None
+            # Gradients from tiny to huge (the codes' whole range), some missing at step 2 so
+            # that step counts differ within a batch from then on.
+            scale = 10.0 ** (step - 3)
+            missing = step == 2 and index % 3 == 1
+            p.grad = None if missing else (torch.randn(p.shape) * scale).to(grad_dtype)
+        optim.step()
+    return params, optim
+
+
+@pytest.mark.parametrize(
+    "weight_dtype,grad_dtype,correction,compand",
+    [
+        (w, g, c, k)
+        for w, g, c, k in itertools.product(
+            (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float32), (True, False),
+            (True, False),
+        )
+        if not (w == torch.float32 and not c)  # float32 weights take no correction either way
+    ],
+)  # fmt: skip
+def test_same_bits_as_eager(weight_dtype, grad_dtype, correction, compand):
+    args = (weight_dtype, grad_dtype, correction, compand)
+    c_params, c_optim = _train("c", *args)
+    eager_params, eager_optim = _train("eager", *args)
+    for p, q in zip(c_params, eager_params, strict=True):
+        assert torch.equal(p.detach(), q.detach()), p.shape
+        c_state, eager_state = c_optim.state[p], eager_optim.state[q]
+        assert c_state.keys() == eager_state.keys()
+        for key, value in c_state.items():
+            assert value.dtype == eager_state[key].dtype, key
+            assert torch.equal(value, eager_state[key]), (p.shape, key)
+
+
+def test_auto_takes_the_kernel_and_tells_autograd():
+    """``kernel="auto"`` steps CPU tensors with the kernel, and bumps each weight's version
+    counter as an in-place op would: autograd then refuses a backward through a graph that
+    saved the old weight."""
+    calls = []
+    kernel = _compact_kernel.kernel()
+    assert kernel is not None, _compact_kernel.unavailable_reason()
+    weight = nn.Parameter(torch.randn(4, 32, dtype=torch.bfloat16))
+    optim = CompactAdamW([weight])
+    x = torch.randn(2, 4, dtype=torch.bfloat16, requires_grad=True)
+    loss = (x @ weight).sum()
+    weight.grad = torch.ones_like(weight)
+    version = weight._version
+    original, _compact_kernel._loaded = _compact_kernel._loaded, lambda *a: calls.append(a)
+    try:
+        optim.step()
+    finally:
+        _compact_kernel._loaded = original
+    assert len(calls) == 1 and weight._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_falls_back_to_eager_where_it_cannot_run(monkeypatch):
+    """No compiler: ``"auto"`` takes the eager path (the same bits), ``"c"`` refuses at
+    construction. A non-contiguous gradient: ``"auto"`` takes the eager path for that batch,
+    ``"c"`` refuses at the step, before anything moves."""
+    reference, _ = _train("eager", torch.bfloat16, torch.bfloat16, True, True)
+    monkeypatch.setattr(_compact_kernel, "_loaded", None)
+    monkeypatch.setattr(_compact_kernel, "_reason", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("FUSED_OPTIM_DIST_CACHE", "/nonexistent-cache")
+    params, _ = _train("auto", torch.bfloat16, torch.bfloat16, True, True)
+    assert "failed" in _compact_kernel.unavailable_reason()
+    for p, q in zip(params, reference, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+    with pytest.raises(RuntimeError, match=r"C kernel is unavailable.*kernel='auto'"):
+        CompactAdamW([nn.Parameter(torch.zeros(3))], kernel="c")
+    monkeypatch.undo()
+
+    weight = nn.Parameter(torch.randn(8, 32, dtype=torch.bfloat16))
+    transposed = torch.randn(32, 8, dtype=torch.bfloat16).t()
+    optim = CompactAdamW([weight], kernel="c")
+    weight.grad = transposed
+    before = weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"contiguous CPU tensors.*kernel='auto'"):
+        optim.step()
+    assert torch.equal(weight.detach(), before) and not optim.state[weight]["step"]
+    auto, eager = (nn.Parameter(before.clone()) for _ in range(2))
+    for p, kernel in ((auto, "auto"), (eager, "eager")):
+        p.grad = transposed
+        CompactAdamW([p], kernel=kernel).step()
+    assert torch.equal(auto.detach(), eager.detach())
+
+
+def test_reused_tables_follow_replaced_state():
+    """The kernel's tables are reused from step to step ([Note: reused kernel tables]) only
+    while they point at the group's current tensors: a state tensor replaced in its entry, a
+    state dict loaded, a parameter set changed all give what the eager path gives."""
+    runs = {}
+    for kernel in ("c", "eager"):
+        params, optim = _train(kernel, torch.bfloat16, torch.bfloat16, True, True)
+        first = params[0]
+        entry = optim.state[first]
+        entry["exp_avg_code"] = entry["exp_avg_code"].clone()
+        first.grad = torch.randn(first.shape, dtype=torch.bfloat16)
+        optim.step()
+        optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+        optim.step()
+        optim.param_groups[0]["params"] = optim.param_groups[0]["params"][1:]
+        optim.step()
+        runs[kernel] = params, optim
+    (c_params, c_optim), (eager_params, eager_optim) = runs["c"], runs["eager"]
+    for p, q in zip(c_params, eager_params, strict=True):
+        assert torch.equal(p.detach(), q.detach()), p.shape
+        for key, value in c_optim.state[p].items():
+            assert torch.equal(value, eager_optim.state[q][key]), (p.shape, key)
+
+
+def test_refuses_an_unknown_kernel():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        CompactAdamW([nn.Parameter(torch.zeros(3))], kernel="triton")
