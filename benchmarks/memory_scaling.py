@@ -13,7 +13,9 @@ Measured: the 8B table took 21 minutes with ``--jobs 8`` on a shared 2-core VM u
 average of 25-35 (one 8B simulation is about 20 s of CPU on an idle core, the 70B's about 2.5
 times that).
 
-Results: ``benchmarks/results/memory_scaling_<model>.{json,md,png}``.
+Results: ``benchmarks/results/memory_scaling_<model>.{json,md,png}``. A rerun keeps the
+(case, method) results already in that JSON and simulates only the missing ones (a method
+added to ``METHODS``); ``--fresh`` simulates every one again.
 
 Assumptions, shared by every case: fp32 weights, FSDP2 mixed precision (bf16 compute, fp32
 gradient reduction), AdamW (foreach kernels, CUDA's default), clipping at 1.0 as the
@@ -184,6 +186,23 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], seconds: float)
         _plot(payload, stem.with_suffix(".png"))
 
 
+def _earlier_results(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
+    """The results of an earlier run of the same model and sequence length, by case (the
+    ``repr`` of its ``EstimateConfig`` with ``methods`` cleared) and method."""
+    path = args.out / f"memory_scaling_{args.model}.json"
+    if not path.exists():
+        return {}
+    payload = json.loads(path.read_text())
+    if payload["config"]["seq_len"] != args.seq_len:
+        return {}
+    done: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in payload["rows"]:
+        config = dataclasses.replace(EstimateConfig(**row["config"]), methods=tuple(args.methods))
+        for result in row["results"]:
+            done.setdefault(repr(config), {})[result["method"]] = result
+    return done
+
+
 def main(argv: list[str] | None = None) -> None:
     """Simulate every case; write JSON and Markdown as results come in, the PNG at the end."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -195,8 +214,10 @@ def main(argv: list[str] | None = None) -> None:
         "--jobs", type=int, default=2, help="simulations at once, each in its own process"
     )
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--fresh", action="store_true", help="ignore the results already written")
     args = p.parse_args(argv)
     started = time.perf_counter()
+    done = {} if args.fresh else _earlier_results(args)
     rows = []
     for scaling in ("weak", "strong"):
         for ac in (True, False):
@@ -215,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                         "results": [],
                     }
                 )
+                earlier = done.get(repr(config), {})
+                rows[-1]["results"] = [earlier[m] for m in args.methods if m in earlier]
     # One simulation per (case, method), each in a fresh process (a fake process group per
     # process). Strong scaling at 64 ranks is weak scaling's case: simulated once.
     by_key: dict[str, list[dict[str, Any]]] = {}
@@ -227,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             ): (key, m)
             for key, same in by_key.items()
             for m in args.methods
+            if m not in {r["method"] for r in same[0]["results"]}
         }
         for future in as_completed(futures):
             key, method = futures[future]
