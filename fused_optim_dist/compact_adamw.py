@@ -37,9 +37,10 @@ ULP, so that the pair holds 16 significant bits. It is computed on the float32 b
 bfloat16 is the upper half of a float32, so the weight is ``x``'s upper 16 bits rounded to
 nearest (add half of bit 16, shift), and the error is the rest of the pattern, ``bits(x) -
 bits(w) << 16``, in [-2**15, 2**15), rounded to a multiple of 2**8 and stored divided by it
-(-128..127). Decoding is ``bits(x) = bits(w) << 16 + error << 8``: exact integer arithmetic,
-the same on every device, within one 2**-16 of the weight's binade, which is within 1/512 of
-its ULP. Each step decodes ``x``, updates it in float32 and splits it again. Without the error
+(-128..128; a +128, the rest just below half a ULP, is stored as -128 on the next bfloat16 up,
+which joins to the same bits). Decoding is ``bits(x) = bits(w) << 16 + error << 8``: exact
+integer arithmetic, the same on every device, within half of 2**8 float32 ULPs of ``x``, which
+is 1/512 of the weight's bfloat16 ULP. Each step decodes ``x``, updates it in float32 and splits it again. Without the error
 (``weight_correction=False``) the weights are plain bfloat16 and small updates are lost
 (``tests/test_compact_adamw.py`` shows it; ``benchmarks/results/compact_adamw_quality.md``
 measures what it costs in training).
@@ -101,16 +102,22 @@ from fused_optim_dist._kinds import declare_stepping, per_parameter_state
 from fused_optim_dist._stepping import _placed_like
 from fused_optim_dist._torch_internals import holds_values
 
-__all__ = ["GROUP_SIZE", "CompactAdamW", "master_weight", "to_adamw_state_dict"]
+__all__ = [
+    "GROUP_SIZE",
+    "CompactAdamW",
+    "load_master_weight",
+    "master_weight",
+    "to_adamw_state_dict",
+]
 
 GROUP_SIZE = 32
 """Elements per quantization group (within one row)."""
 
 _MOMENTUM_LEVELS = 127  # int8 codes -127..127
 _ROOT_LEVELS = 255  # uint8 codes 0..255
-_ERROR_LEVELS = 127  # int8 weight (or 1-dim moment) errors: -128..127 of 1/256 ULP
 _HALF_BF16_BIT = 0x8000  # float32 bits: half of the lowest bit a bfloat16 keeps
 _HALF_ERROR_BIT = 0x80  # half of the lowest bit the error keeps (bit 8 of the float32)
+_ERROR_CARRY = 128  # an error rounded to +1/2 bfloat16 ULP: -1/2 on the next bfloat16 up
 
 _CODE_DTYPES = {
     "weight_error": torch.int8,
@@ -140,12 +147,16 @@ def _join24(high: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
 
 
 def _split24(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``value`` (float32) rounded to bfloat16, and the int8 error of that rounding."""
+    """``value`` (float32) rounded to bfloat16, and the int8 error of that rounding. An error
+    that rounds to +128 (just below half a ULP) is -128 on the next bfloat16 up: the same
+    bits once joined."""
     bits = value.view(torch.int32)
     high = bits.add(_HALF_BF16_BIT).bitwise_right_shift_(16)
     error = bits.sub(high.bitwise_left_shift(16)).add_(_HALF_ERROR_BIT).bitwise_right_shift_(8)
-    error = error.clamp_(max=_ERROR_LEVELS).to(torch.int8)
-    return high.to(torch.int16).view(torch.bfloat16), error
+    carry = error.eq(_ERROR_CARRY).to(torch.int32)  # the error is in -128..128
+    high += carry
+    error -= carry.bitwise_left_shift_(8)
+    return high.to(torch.int16).view(torch.bfloat16), error.to(torch.int8)
 
 
 class _Groups:
@@ -777,9 +788,10 @@ class CompactAdamW(Optimizer):
         """``param`` with its local tensors and state, the state created if missing."""
         local = _local(param)
         entry = self.state.get(param)
-        if not entry:
+        if not entry or "step" not in entry:  # no state yet, or only a loaded weight error
             new = _new_state(local, correction)
-            entry = self.state[param] = {k: _placed_like(v, param, local) for k, v in new.items()}
+            new = {k: _placed_like(v, param, local) for k, v in new.items()}
+            entry = self.state[param] = {**new, **(entry or {})}
         elif correction and param.dtype == torch.bfloat16 and "weight_error" not in entry:
             error = _placed_like(torch.zeros_like(local, dtype=torch.int8), param, local)
             entry = self.state[param] = {**entry, "weight_error": error}
@@ -873,6 +885,31 @@ def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
     local = _local(param).detach()
     value = _join24(local.reshape(-1), _local(entry["weight_error"]).reshape(-1))
     return _placed_like(value.view(local.shape), param, local)
+
+
+@torch.no_grad()
+def load_master_weight(optimizer: Optimizer, param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``param`` from the float32 weights ``value`` (a float32 run's, e.g. next to a
+    ``torch.optim.AdamW`` state dict loaded with ``load_state_dict``), keeping 16 significant
+    bits: the bfloat16 weight and its ``weight_error`` in ``optimizer.state[param]``, the
+    inverse of :func:`master_weight` to within 1/512 of a bfloat16 ULP. A plain copy for a
+    float32 ``param``.
+
+    ``optimizer``: ``CompactAdamW``, or ``OptimizerInBackward`` wrapping it; ``value``: the
+    shape of ``param``, placed like it if a DTensor. Call it before the step that should start
+    from these weights, outside backward.
+    """
+    if param.dtype != torch.bfloat16:
+        param.copy_(value)
+        return
+    local = _local(param)
+    high, error = _split24(_local(value).to(torch.float32).reshape(-1).contiguous())
+    local.copy_(high.view(local.shape))
+    entry = optimizer.state[param]
+    if "weight_error" in entry:
+        _local(entry["weight_error"]).copy_(error.view(local.shape))
+    else:
+        entry["weight_error"] = _placed_like(error.view(local.shape), param, local)
 
 
 def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:

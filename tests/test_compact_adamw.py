@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fused_optim_dist import _kinds
+from fused_optim_dist import OptimizerInBackward, _kinds
 from fused_optim_dist.compact_adamw import (
     GROUP_SIZE,
     CompactAdamW,
@@ -21,6 +21,7 @@ from fused_optim_dist.compact_adamw import (
     _Groups,
     _join24,
     _split24,
+    load_master_weight,
     master_weight,
     to_adamw_state_dict,
 )
@@ -257,6 +258,46 @@ def test_adamw_state_in_and_out():
             relative = (actual - expected).norm() / expected.norm()
             assert relative < (2**-14 if p.dim() < 2 else 0.02), (index, key, relative)
     torch.optim.AdamW(params, **KWARGS).load_state_dict(exported)
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_fp32_run_imported_with_24_bit_weights(in_backward):
+    """A float32 AdamW run continues in CompactAdamW on a bfloat16 copy of the model: its state
+    dict quantized by ``load_state_dict``, its weights by ``load_master_weight`` to 16
+    significant bits (plain bfloat16 would keep 8), then trained on alongside the float32
+    run, directly or through ``OptimizerInBackward``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    adamw = torch.optim.AdamW(model.parameters(), **KWARGS)
+    batches = [torch.randn(16, 64) for _ in range(6)]
+    for x in batches[:3]:
+        model(x).square().mean().backward()
+        adamw.step()
+        adamw.zero_grad()
+    compact_model = copy.deepcopy(model).to(torch.bfloat16)
+    params = list(compact_model.parameters())
+    if in_backward:
+        optim = OptimizerInBackward(params, CompactAdamW, **KWARGS)
+    else:
+        optim = CompactAdamW(params, **KWARGS)
+    optim.load_state_dict(adamw.state_dict())
+    for p, q in zip(params, model.parameters(), strict=True):
+        load_master_weight(optim, p, q.detach())
+        master = master_weight(p, optim.state[p])
+        ulp = 2.0 ** (torch.frexp(q.detach())[1] - 8)  # a bfloat16 ULP of each weight
+        assert ((master - q.detach()).abs() <= ulp / 512).all()
+        # The bfloat16 weight is the nearest, or the next one up where the error carries.
+        assert ((p.detach().float() - q.detach()).abs() <= ulp * (1 / 2 + 1 / 512)).all()
+    for x in batches[3:]:
+        model(x).square().mean().backward()
+        adamw.step()
+        adamw.zero_grad()
+        compact_model(x.bfloat16()).float().square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+    for p, q in zip(params, model.parameters(), strict=True):
+        error = (master_weight(p, optim.state[p]) - q.detach()).abs().max()
+        assert error < 2e-3, error  # bf16 compute and 8-bit moments over 3 steps of lr 1e-2
 
 
 def test_refusals():

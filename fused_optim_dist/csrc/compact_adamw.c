@@ -69,9 +69,10 @@ static inline float join24(uint16_t high, int8_t error) {
 static inline void split24(float value, uint16_t *high, int8_t *error) {
     uint32_t u = float_to_bits(value);
     uint32_t h = (u + 0x8000u) >> 16;
-    int32_t e = ((int32_t)(u - (h << 16)) + 0x80) >> 8;
-    *high = (uint16_t)h;
-    *error = (int8_t)(e > 127 ? 127 : e);
+    int32_t e = ((int32_t)(u - (h << 16)) + 0x80) >> 8; /* -128..128 */
+    int32_t carry = e == 128;                            /* +128: -128 on the next high */
+    *high = (uint16_t)(h + (uint32_t)carry);
+    *error = (int8_t)(e - (carry << 8));
 }
 
 /* The elements of a block as float32: weights, gradients, moments. */
