@@ -40,8 +40,9 @@ bits(w) << 16``, in [-2**15, 2**15), rounded to a multiple of 2**8 and stored di
 (-128..128; a +128, the rest just below half a ULP, is stored as -128 on the next bfloat16 up,
 which joins to the same bits). Decoding is ``bits(x) = bits(w) << 16 + error << 8``: exact
 integer arithmetic, the same on every device, within half of 2**8 float32 ULPs of ``x``, which
-is 1/512 of the weight's bfloat16 ULP. Each step decodes ``x``, updates it in float32 and splits it again. Without the error
-(``weight_correction=False``) the weights are plain bfloat16 and small updates are lost
+is 1/512 of the weight's bfloat16 ULP. Each step decodes ``x``, updates it in float32 and
+splits it again. Without the error (``weight_correction=False``) the weights are plain
+bfloat16 and small updates are lost
 (``tests/test_compact_adamw.py`` shows it; ``benchmarks/results/compact_adamw_quality.md``
 measures what it costs in training).
 
