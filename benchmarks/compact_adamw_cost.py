@@ -42,6 +42,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks._shapes import SHAPES
+from fused_optim_dist import _compact_kernel
 from fused_optim_dist.compact_adamw import CompactAdamW
 from fused_optim_dist_recipes.metrics import describe_machine, machine_summary
 
@@ -123,6 +124,26 @@ def _cpu_ms(fn: Callable[[], None]) -> float:
     return (time.thread_time() - start) * MS_PER_S
 
 
+def _kernel_share(step: Callable[[], None], steps: int = 5) -> float:
+    """The share of ``step``'s CPU time spent inside the C kernel (the rest is Python: the
+    batches, the tables' checks, the gradients' pointers)."""
+    kernel = _compact_kernel.kernel()
+    inside = 0.0
+
+    def timed(*args: Any) -> None:
+        nonlocal inside
+        start = time.thread_time()
+        kernel(*args)
+        inside += time.thread_time() - start
+
+    _compact_kernel._loaded = timed
+    try:
+        total = sum(_cpu_ms(step) for _ in range(steps)) / MS_PER_S
+    finally:
+        _compact_kernel._loaded = kernel
+    return inside / total
+
+
 def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = SHAPES[name].build()
@@ -163,6 +184,8 @@ def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
         ratios = [r["ratio"][method] for r in out["rounds"]]
         out["ratio_median"][method] = statistics.median(ratios)
         out["ratio_range"][method] = [min(ratios), max(ratios)]
+        if method == "compact-c":
+            out["kernel_share"] = _kernel_share(methods[method])
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 methods[method]()
@@ -207,6 +230,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace, machine: str) ->
         for m in COMPACT:
             low, high = r["ratio_range"][m]
             lines.append(f"| {name} | {m} | {r['ratio_median'][m]:.2f} | {low:.2f} - {high:.2f} |")
+    lines += ["", "Share of compact-c's CPU time inside the C kernel (the rest is Python):", ""]
+    lines += [f"* {name}: {100 * r['kernel_share']:.0f}%" for name, r in results.items()]
     lines += ["", "Where the time goes (self CPU time, all ops of 5 steps):", ""]
     for name, r in results.items():
         for m in COMPACT:
