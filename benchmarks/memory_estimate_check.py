@@ -58,7 +58,7 @@ def _validation_configs(world_size: int) -> list[tuple[str, EstimateConfig]]:
         )
         for workload, (batch, seq) in WORKLOADS.items()
         for ac in (False, True)
-        for method in ("plain", "in-backward")
+        for method in ("plain", "in-backward", "compact")
     ]
 
 
