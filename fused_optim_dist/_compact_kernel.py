@@ -42,10 +42,13 @@ instructions; it changes no value."""
 FIELDS = 11
 """int64 fields per parameter in the table the kernel reads (``PARAM_FIELDS`` in the source)."""
 
+FIELD_GRAD = 1
+"""The gradient's pointer in a parameter's fields (``PARAM_GRAD``)."""
+
 FLAG_WEIGHT_BF16, FLAG_GRAD_BF16, FLAG_GROUPED = 1, 2, 4
 
 _ARGTYPES = (
-    ctypes.c_void_p,  # the table
+    ctypes.POINTER(ctypes.c_int64),  # the table
     ctypes.c_int64,  # parameters
     *(ctypes.c_double,) * 5,  # lr, beta1, beta2, eps, weight_decay
     ctypes.c_int,  # compand

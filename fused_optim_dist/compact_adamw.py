@@ -88,6 +88,7 @@ class it wraps), casts each back to its dtype by key. It also converts an AdamW 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import operator
 from collections.abc import Iterable, Sequence
@@ -502,11 +503,11 @@ def _on_local(fn: Any, param: torch.Tensor, entry: dict[str, Any], *args: Any) -
     return {k: _placed_like(v, param, local_param) for k, v in out.items()}
 
 
-def _run_kernel(table: torch.Tensor, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
+def _run_kernel(table: ctypes.Array, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
     beta1, beta2 = group["betas"]
     _compact_kernel.kernel()(  # type: ignore[misc]
-        table.data_ptr(),
-        table.shape[0],
+        table,
+        len(weights),
         float(group["lr"]),
         beta1,
         beta2,
@@ -540,7 +541,7 @@ class _KernelPlan:
         self,
         params: Sequence[torch.Tensor],
         state: dict[torch.Tensor, dict[str, Any]],
-        tables: Sequence[tuple[list[int], torch.Tensor, list[_Param]]],
+        tables: Sequence[tuple[list[int], ctypes.Array, list[_Param]]],
         correction: bool,
     ) -> None:
         self.params = tuple(params)
@@ -571,22 +572,21 @@ class _KernelPlan:
         if [p.data_ptr() for p in params] != self.addresses:
             return False
         grads = [p.grad for p in params]
-        pointers = []
         for indices, _, _, dtypes in self.batches:
-            batch = []
             for index, dtype in zip(indices, dtypes, strict=True):
                 grad = grads[index]
                 if not (
                     type(grad) is torch.Tensor
-                    and grad.dtype == dtype
-                    and grad.device.type == "cpu"
+                    and grad.dtype is dtype
+                    and grad.is_cpu
                     and grad.is_contiguous()
                 ):
                     return False
-                batch.append(grad.data_ptr())
-            pointers.append(batch)
-        for (_, table, weights, _), batch in zip(self.batches, pointers, strict=True):
-            table[:, 1] = torch.tensor(batch, dtype=torch.int64)
+        for indices, table, weights, _ in self.batches:
+            for row, index in enumerate(indices):
+                table[row * _compact_kernel.FIELDS + _compact_kernel.FIELD_GRAD] = grads[
+                    index
+                ].data_ptr()
             _run_kernel(table, weights, group)
         return True
 
@@ -764,7 +764,7 @@ class CompactAdamW(Optimizer):
 
     def _step_with_kernel(
         self, params: list[_Param], grouped: bool, group: dict[str, Any]
-    ) -> torch.Tensor | None:
+    ) -> ctypes.Array | None:
         """Step a batch of CPU tensors with the C kernel; returns its table, or ``None``
         (nothing done) where the kernel cannot take it. See [Note: the C kernel] in
         ``_compact_kernel.py``."""
@@ -848,7 +848,7 @@ _KERNEL_LAYOUT = (
 
 def _kernel_table(
     params: Sequence[_Param], keys: Sequence[str], grouped: bool, correction: bool
-) -> torch.Tensor | None:
+) -> ctypes.Array | None:
     """The C kernel's table of ``params`` (``_compact_kernel.FIELDS`` int64 per parameter),
     or ``None`` if it cannot take one of them."""
     fields: list[int] = []
@@ -875,7 +875,7 @@ def _kernel_table(
             pointers.insert(0, 0)
         fields += [weight.data_ptr(), grad.data_ptr(), *pointers, step.data_ptr()]
         fields += [rows, length, flags]
-    return torch.tensor(fields, dtype=torch.int64).view(-1, _compact_kernel.FIELDS)
+    return (ctypes.c_int64 * len(fields))(*fields)
 
 
 def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
