@@ -79,7 +79,8 @@ def _markdown(payload: dict[str, Any]) -> str:
         f"# Simulated peak memory per GPU: {payload['config']['model']}",
         "",
         f"{payload['num_params'] / 1e9:.2f}B parameters. Estimates from a simulation on "
-        f"{payload['machine']['cpu']} ({payload['seconds']:.0f} s for the table"
+        f"{payload['machine']['cpu']} ({payload['seconds']:.0f} s of wall-clock time for the "
+        "simulations of the last run; `sim s`: each case's own simulation time"
         f"{'' if payload['complete'] else ', incomplete: pending cases marked'}); GiB per rank "
         "(rank 0), tensors only: add the margin of `docs/memory_estimation.md` for the CUDA "
         "context, NCCL/cuBLAS workspaces and the caching allocator.",
