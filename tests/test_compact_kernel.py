@@ -90,7 +90,7 @@ def test_auto_takes_the_kernel_and_tells_autograd():
         loss.backward()
 
 
-def test_falls_back_to_eager_where_it_cannot_run(monkeypatch):
+def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
     """No compiler: ``"auto"`` takes the eager path (the same bits), ``"c"`` refuses at
     construction. A non-contiguous gradient: ``"auto"`` takes the eager path for that batch,
     ``"c"`` refuses at the step, before anything moves."""
@@ -98,7 +98,7 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(_compact_kernel, "_loaded", None)
     monkeypatch.setattr(_compact_kernel, "_reason", None)
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv("FUSED_OPTIM_DIST_CACHE", "/nonexistent-cache")
+    monkeypatch.setenv("FUSED_OPTIM_DIST_CACHE", str(tmp_path))  # nothing built there yet
     params, _ = _train("auto", torch.bfloat16, torch.bfloat16, True, True)
     assert "failed" in _compact_kernel.unavailable_reason()
     for p, q in zip(params, reference, strict=True):
