@@ -50,8 +50,7 @@ def test_cost_benchmark_runs(tmp_path):
         medians = round_["median_ms"]
         assert round_["ratio"][method] == medians[method] / medians["adamw-fused"]
         assert result["ratio_median"][method] == round_["ratio"][method]
-        assert result["profile_top"][method]
-    assert 0 < result["kernel_share"] < 1
+    assert result["profile_top"] and 0 < result["kernel_share"] < 1
 
 
 def test_quality_summary_against_the_reference_spread():
