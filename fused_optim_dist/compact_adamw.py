@@ -597,7 +597,8 @@ class CompactAdamW(Optimizer):
     """AdamW with bfloat16 weights, an int8 error of their rounding and 8-bit moments.
 
     About 5.1 bytes of persistent state per parameter (weights included) instead of 12, on
-    CPU and CUDA with eager PyTorch ops. See the module's notes for the layout. The update is
+    CPU (a C kernel, see ``kernel``) and CUDA (eager PyTorch ops). See the module's notes for
+    the layout. The update is
     ``torch.optim.AdamW``'s (decoupled weight decay, bias corrections) on the decoded values.
 
     Works alone on plain tensors and on DTensors sharded along dim 0 (it steps their local
