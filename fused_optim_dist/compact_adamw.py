@@ -598,8 +598,8 @@ class CompactAdamW(Optimizer):
 
     About 5.1 bytes of persistent state per parameter (weights included) instead of 12, on
     CPU (a C kernel, see ``kernel``) and CUDA (eager PyTorch ops). See the module's notes for
-    the layout. The update is
-    ``torch.optim.AdamW``'s (decoupled weight decay, bias corrections) on the decoded values.
+    the layout. The update is ``torch.optim.AdamW``'s (decoupled weight decay, bias
+    corrections) on the decoded values.
 
     Works alone on plain tensors and on DTensors sharded along dim 0 (it steps their local
     shards), and as the class ``OptimizerInBackward`` steps on FSDP2's local shards: it is
