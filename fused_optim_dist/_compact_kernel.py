@@ -3,10 +3,11 @@
 [Note: the C kernel]
 The eager update is about fifty whole-tensor ops, each a pass over memory; the fused fp32
 AdamW kernel makes one. ``csrc/compact_adamw.c`` decodes, updates and encodes each group of 32
-elements while it is in registers: one pass, no temporaries, no gather of a unit's tensors
-into flat buffers. It is plain C99 (no torch headers, no Python API), compiled with the
-system's C compiler in about a second the first time a process needs it, cached by source,
-flags and CPU, and called through ``ctypes`` once per batch with a table of data pointers.
+elements while it is in registers (see [Note: the kernel's loops] in the source): one pass,
+no temporaries, no gather of a unit's tensors into flat buffers. It is plain C99 (no torch
+headers, no Python API), compiled with the system's C compiler in about a second the first
+time a process needs it, cached by source, flags and CPU, and called through ``ctypes`` once
+per batch with a table of data pointers.
 
 Its arithmetic is eager's, op for op, in correctly rounded float32 operations and exact
 integer ones, so the bits are the same (``tests/test_compact_kernel.py`` checks it on every
@@ -39,16 +40,15 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC"
 once where eager rounds twice. ``-fno-math-errno`` lets ``sqrtf`` and ``rintf`` be single
 instructions; it changes no value."""
 
-FIELDS = 11
-"""int64 fields per parameter in the table the kernel reads (``PARAM_FIELDS`` in the source)."""
-
-FIELD_GRAD = 1
-"""The gradient's pointer in a parameter's fields (``PARAM_GRAD``)."""
+FIELDS = 10
+"""int64 fields per parameter in the table the kernel reads (``PARAM_FIELDS`` in the source);
+the gradients' addresses are a second array, one per parameter."""
 
 FLAG_WEIGHT_BF16, FLAG_GRAD_BF16, FLAG_GROUPED = 1, 2, 4
 
 _ARGTYPES = (
     ctypes.POINTER(ctypes.c_int64),  # the table
+    ctypes.POINTER(ctypes.c_int64),  # the gradients' addresses
     ctypes.c_int64,  # parameters
     *(ctypes.c_double,) * 5,  # lr, beta1, beta2, eps, weight_decay
     ctypes.c_int,  # compand

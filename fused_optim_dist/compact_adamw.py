@@ -92,6 +92,7 @@ import ctypes
 import math
 import operator
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -503,20 +504,35 @@ def _on_local(fn: Any, param: torch.Tensor, entry: dict[str, Any], *args: Any) -
     return {k: _placed_like(v, param, local_param) for k, v in out.items()}
 
 
-def _run_kernel(table: ctypes.Array, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
-    beta1, beta2 = group["betas"]
-    _compact_kernel.kernel()(  # type: ignore[misc]
-        table,
-        len(weights),
-        float(group["lr"]),
-        beta1,
-        beta2,
-        group["eps"],
-        group["weight_decay"],
-        int(group["compand"]),
-    )
-    # Written through pointers: tell autograd the weights changed, as an in-place op does.
-    torch.autograd.graph.increment_version(weights)
+class _KernelTable(NamedTuple):
+    """A batch's arguments to the C kernel: ``_compact_kernel.FIELDS`` int64 per parameter
+    (its tensors' addresses, shape and flags) and its gradients' addresses."""
+
+    fields: ctypes.Array
+    grads: ctypes.Array
+
+    def run(self, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        _compact_kernel.kernel()(  # type: ignore[misc]
+            self.fields,
+            self.grads,
+            len(self.grads),
+            float(group["lr"]),
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            int(group["compand"]),
+        )
+        # Written through pointers: tell autograd the weights changed, as an in-place op does.
+        torch.autograd.graph.increment_version(weights)
+
+
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_grad = operator.attrgetter("grad")
+_dtype = operator.attrgetter("dtype")
+_is_cpu = operator.attrgetter("is_cpu")
 
 
 class _KernelPlan:
@@ -524,15 +540,16 @@ class _KernelPlan:
     has changed.
 
     [Note: reused kernel tables]
-    Reading nine data pointers and checking eight tensors per parameter costs more in Python
-    than the kernel spends on a small tensor. A plan keeps each batch's table with every
-    pointer but the gradient's. It is reused while the group holds the same parameters at the
-    same addresses, every parameter's state entry is the same dict holding the same tensors
-    (``load_state_dict``, state created or converted, a tensor replaced in an entry: the
-    step takes the full path and makes a new plan), and every parameter has a contiguous CPU
-    gradient of the dtype its table row says; otherwise nothing is stepped through it. It
-    holds the tensors it points to, so none is freed while it is kept, and there is one plan
-    per parameter (``CompactAdamW._remember``).
+    Reading eight data pointers and checking eight tensors per parameter costs more in Python
+    than the kernel spends on a small tensor. A plan keeps each batch's table; only the
+    gradients' addresses are written at each step. It is reused while the group holds the
+    same parameters at the same addresses, every parameter's state entry is the same dict
+    holding the same tensors (``load_state_dict``, state created or converted, a tensor
+    replaced in an entry: the step takes the full path and makes a new plan), and every
+    parameter has a contiguous CPU gradient of the dtype its table row says; otherwise nothing
+    is stepped through it. The checks are C-level ``map``s over the parameters (a Python loop
+    per parameter cost about 3 us each). A plan holds the tensors it points to, so none is
+    freed while it is kept, and there is one plan per parameter (``CompactAdamW._remember``).
     """
 
     __slots__ = ("addresses", "batches", "correction", "entries", "params", "tensors")
@@ -541,14 +558,14 @@ class _KernelPlan:
         self,
         params: Sequence[torch.Tensor],
         state: dict[torch.Tensor, dict[str, Any]],
-        tables: Sequence[tuple[list[int], ctypes.Array, list[_Param]]],
+        tables: Sequence[tuple[list[int], _KernelTable, list[_Param]]],
         correction: bool,
     ) -> None:
         self.params = tuple(params)
         self.correction = correction
-        self.addresses = [p.data_ptr() for p in params]
-        self.entries = tuple(state.get(p) for p in params)
-        self.tensors = self._tensors()
+        self.addresses = list(map(_data_ptr, params))
+        self.entries = tuple(map(state.__getitem__, params))
+        self.tensors = self._tensors(self.entries)
         self.batches = [
             (indices, table, [p.weight for p in batch], [p.grad.dtype for p in batch])
             for indices, table, batch in tables
@@ -556,38 +573,39 @@ class _KernelPlan:
         if any(p.param is not p.weight for _, _, batch in tables for p in batch):
             self.params = ()  # DTensors: their local tensors are not the group's tensors
 
-    def _tensors(self) -> tuple[Any, ...]:
-        return tuple(v for entry in self.entries for v in (entry or {}).values())
+    @staticmethod
+    def _tensors(entries: Iterable[dict[str, Any]]) -> list[Any]:
+        return list(chain.from_iterable(map(dict.values, entries)))
 
     def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
         """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
         params = group["params"]
-        if group["weight_correction"] != self.correction:
+        if group["weight_correction"] != self.correction or len(params) != len(self.entries):
             return False
-        if not all(map(operator.is_, map(state.get, params), self.entries)):
+        entries = list(map(state.get, params))
+        if not all(map(operator.is_, entries, self.entries)):
             return False
-        tensors = self._tensors()
+        tensors = self._tensors(entries)
         if len(tensors) != len(self.tensors) or not all(map(operator.is_, tensors, self.tensors)):
             return False
-        if [p.data_ptr() for p in params] != self.addresses:
+        if list(map(_data_ptr, params)) != self.addresses:
             return False
-        grads = [p.grad for p in params]
-        for indices, _, _, dtypes in self.batches:
-            for index, dtype in zip(indices, dtypes, strict=True):
-                grad = grads[index]
-                if not (
-                    type(grad) is torch.Tensor
-                    and grad.dtype is dtype
-                    and grad.is_cpu
-                    and grad.is_contiguous()
-                ):
-                    return False
-        for indices, table, weights, _ in self.batches:
-            for row, index in enumerate(indices):
-                table[row * _compact_kernel.FIELDS + _compact_kernel.FIELD_GRAD] = grads[
-                    index
-                ].data_ptr()
-            _run_kernel(table, weights, group)
+        grads = list(map(_grad, params))
+        if not all(map(operator.is_, map(type, grads), repeat(torch.Tensor))):
+            return False  # a gradient missing, or a subclass
+        batches = []
+        for indices, table, weights, dtypes in self.batches:
+            batch = list(map(grads.__getitem__, indices))
+            if not (
+                all(map(operator.is_, map(_dtype, batch), dtypes))
+                and all(map(_is_cpu, batch))
+                and all(map(_is_contiguous, batch))
+            ):
+                return False
+            batches.append((batch, table, weights))
+        for batch, table, weights in batches:
+            table.grads[:] = list(map(_data_ptr, batch))
+            table.run(weights, group)
         return True
 
 
@@ -765,7 +783,7 @@ class CompactAdamW(Optimizer):
 
     def _step_with_kernel(
         self, params: list[_Param], grouped: bool, group: dict[str, Any]
-    ) -> ctypes.Array | None:
+    ) -> _KernelTable | None:
         """Step a batch of CPU tensors with the C kernel; returns its table, or ``None``
         (nothing done) where the kernel cannot take it. See [Note: the C kernel] in
         ``_compact_kernel.py``."""
@@ -783,7 +801,7 @@ class CompactAdamW(Optimizer):
                     "kernel='auto' to fall back to the eager path"
                 )
             return None
-        _run_kernel(table, [p.weight for p in params], group)
+        table.run([p.weight for p in params], group)
         return table
 
     def _param(self, param: torch.Tensor, grad: torch.Tensor, correction: bool) -> _Param:
@@ -849,9 +867,8 @@ _KERNEL_LAYOUT = (
 
 def _kernel_table(
     params: Sequence[_Param], keys: Sequence[str], grouped: bool, correction: bool
-) -> ctypes.Array | None:
-    """The C kernel's table of ``params`` (``_compact_kernel.FIELDS`` int64 per parameter),
-    or ``None`` if it cannot take one of them."""
+) -> _KernelTable | None:
+    """The C kernel's table of ``params``, or ``None`` if it cannot take one of them."""
     fields: list[int] = []
     for p in params:
         weight, grad, step = p.weight, p.grad, p.state["step"]
@@ -874,9 +891,11 @@ def _kernel_table(
         pointers = [t.data_ptr() for t in state]
         if not correction:
             pointers.insert(0, 0)
-        fields += [weight.data_ptr(), grad.data_ptr(), *pointers, step.data_ptr()]
-        fields += [rows, length, flags]
-    return (ctypes.c_int64 * len(fields))(*fields)
+        fields += [weight.data_ptr(), *pointers, step.data_ptr(), rows, length, flags]
+    grads = [p.grad.data_ptr() for p in params]
+    return _KernelTable(
+        (ctypes.c_int64 * len(fields))(*fields), (ctypes.c_int64 * len(grads))(*grads)
+    )
 
 
 def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:

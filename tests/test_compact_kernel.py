@@ -15,9 +15,10 @@ from torch import nn
 from fused_optim_dist import _compact_kernel
 from fused_optim_dist.compact_adamw import CompactAdamW
 
-SHAPES = [(64, 96), (10, 70), (3, 33), (0, 64), (128,), (5,), (2, 3, 16), ()]
+SHAPES = [(64, 96), (10, 70), (3, 33), (0, 64), (128,), (5,), (2, 3, 16), (), (3, 1100), (2, 2048)]
 """Rows of whole groups, rows ending in a short group, an empty local shard, vectors, a 3-dim
-tensor (rows of 48), a scalar."""
+tensor (rows of 48), a scalar, rows longer than the kernel's span of 32 groups (1,024
+elements) ending in a short span and a short group, and rows of whole spans."""
 
 
 def _train(kernel: str, weight_dtype, grad_dtype, correction: bool, compand: bool):

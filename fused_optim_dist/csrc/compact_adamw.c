@@ -5,23 +5,37 @@
  * same as eager's: that is what the tests check. It must be compiled without contracting
  * a * b + c into an FMA (-ffp-contract=off) and without -ffast-math; see _compact_kernel.py.
  *
- * One call steps a batch of parameters, each described by a row of int64 fields (PARAM_*),
- * read from contiguous tensors on the CPU. Each parameter's step counter (a float32 scalar)
- * is incremented here and its bias corrections computed from it in double, as Python does.
+ * One call steps a batch of parameters, each described by a row of int64 fields (PARAM_*)
+ * and its gradient's address (in an array of their own: the one field that changes from step
+ * to step), read from contiguous tensors on the CPU. Each parameter's step counter (a float32
+ * scalar) is incremented here and its bias corrections computed from it in double, as Python
+ * does.
+ *
+ * [Note: the kernel's loops]
+ * The work goes one quantization group (32 elements) at a time, in loops of constant length
+ * that the compiler unrolls and vectorises, each element decoded, updated and its weight
+ * written back while in registers. A group's codes need the group's largest magnitude, known
+ * only once all of its elements are updated, so the new momentum and root wait in a buffer of
+ * SPAN groups; those groups' scales are then rounded and inverted together, in one loop across
+ * groups (per group, the horizontal work and a scalar division cost as much as the group's
+ * elements), and the buffered values encoded. A parameter's layout (weight and gradient
+ * dtypes, weight error or not, companding or not) selects one of twelve specialised copies of
+ * the loops (`Layout`'s fields are constants where `step_param` is inlined): no branch per
+ * element. IVDEP tells the compiler that the tensors do not overlap, which it cannot prove:
+ * without it, it checks before every loop or does not vectorise.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 enum {
-    PARAM_WEIGHT,      /* bfloat16 or float32 */
-    PARAM_GRAD,        /* bfloat16 or float32 */
+    PARAM_WEIGHT,       /* bfloat16 or float32 */
     PARAM_WEIGHT_ERROR, /* int8, or 0: no error (float32 weights, or no correction) */
-    PARAM_A,           /* grouped: exp_avg_code (int8); flat: exp_avg (bfloat16) */
-    PARAM_B,           /* grouped: exp_avg_scale (bfloat16); flat: exp_avg_error (int8) */
-    PARAM_C,           /* grouped: exp_avg_sq_root_code (uint8); flat: exp_avg_sq (bfloat16) */
-    PARAM_D,           /* grouped: exp_avg_sq_root_scale (bfloat16); flat: exp_avg_sq_error */
-    PARAM_STEP,        /* float32 step counter */
+    PARAM_A,            /* grouped: exp_avg_code (int8); flat: exp_avg (bfloat16) */
+    PARAM_B,            /* grouped: exp_avg_scale (bfloat16); flat: exp_avg_error (int8) */
+    PARAM_C,            /* grouped: exp_avg_sq_root_code (uint8); flat: exp_avg_sq (bfloat16) */
+    PARAM_D,            /* grouped: exp_avg_sq_root_scale (bfloat16); flat: exp_avg_sq_error */
+    PARAM_STEP,         /* float32 step counter */
     PARAM_ROWS,
     PARAM_ROW_LENGTH,
     PARAM_FLAGS,
@@ -31,248 +45,264 @@ enum {
 enum { FLAG_WEIGHT_BF16 = 1, FLAG_GRAD_BF16 = 2, FLAG_GROUPED = 4 };
 
 #define GROUP_SIZE 32
-#define BLOCK 1024 /* elements decoded, updated and encoded together: a multiple of GROUP_SIZE */
+#define SPAN 32 /* groups whose scales are rounded together */
 #define MOMENTUM_LEVELS 127.0f
 #define ROOT_LEVELS 255.0f
 
+#define INLINE static inline __attribute__((always_inline))
+#if defined(__clang__)
+#define IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define IVDEP _Pragma("GCC ivdep")
+#else
+#define IVDEP
+#endif
+
 typedef struct {
-    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay;
-    int compand;
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, ic2, step_size;
 } Hyper;
 
-static inline float bits_to_float(uint32_t u) {
+/* What selects a specialised copy of the loops. */
+typedef struct {
+    int weight_bf16, weight_error, grad_bf16, compand;
+} Layout;
+
+/* A parameter's tensors (the moments' meaning depends on the kind: see PARAM_A..PARAM_D). */
+typedef struct {
+    void *weight;
+    int8_t *weight_error;
+    const void *grad;
+    void *a, *b, *c, *d;
+} Tensors;
+
+INLINE float bits_to_float(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-static inline uint32_t float_to_bits(float f) {
+INLINE uint32_t float_to_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
 }
 
-static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+INLINE float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 
 /* Round to nearest even, as c10::BFloat16. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u = float_to_bits(f);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+INLINE uint16_t float_to_bf16(float f) {
+    const uint32_t u = float_to_bits(f);
+    return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* [Note: 24-bit weights] of compact_adamw.py: bits(x) = bits(high) << 16 + error << 8. */
-static inline float join24(uint16_t high, int8_t error) {
+INLINE float join24(uint16_t high, int8_t error) {
     return bits_to_float(((uint32_t)high << 16) + ((uint32_t)(int32_t)error << 8));
 }
 
-static inline void split24(float value, uint16_t *high, int8_t *error) {
-    uint32_t u = float_to_bits(value);
-    uint32_t h = (u + 0x8000u) >> 16;
-    int32_t e = ((int32_t)(u - (h << 16)) + 0x80) >> 8; /* -128..128 */
-    int32_t carry = e == 128;                            /* +128: -128 on the next high */
+INLINE void split24(float value, uint16_t *high, int8_t *error) {
+    const uint32_t u = float_to_bits(value);
+    const uint32_t h = (u + 0x8000u) >> 16;
+    const int32_t e = ((int32_t)(u - (h << 16)) + 0x80) >> 8; /* -128..128 */
+    const int32_t carry = e == 128;                            /* +128: -128 on the next high */
     *high = (uint16_t)(h + (uint32_t)carry);
     *error = (int8_t)(e - (carry << 8));
 }
 
-/* The elements of a block as float32: weights, gradients, moments. */
-typedef struct {
-    float x[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK], root[BLOCK];
-} Block;
-
-static void load_weights(Block *b, const void *weight, const int8_t *error, int bf16,
-                         int64_t at, int n) {
-    if (error) {
-        const uint16_t *w = (const uint16_t *)weight + at;
-        for (int j = 0; j < n; j++) b->x[j] = join24(w[j], error[at + j]);
-    } else if (bf16) {
-        const uint16_t *w = (const uint16_t *)weight + at;
-        for (int j = 0; j < n; j++) b->x[j] = bf16_to_float(w[j]);
-    } else {
-        memcpy(b->x, (const float *)weight + at, n * sizeof(float));
-    }
-}
-
-static void store_weights(const Block *b, void *weight, int8_t *error, int bf16, int64_t at,
-                          int n) {
-    if (error) {
-        uint16_t *w = (uint16_t *)weight + at;
-        for (int j = 0; j < n; j++) split24(b->x[j], &w[j], &error[at + j]);
-    } else if (bf16) {
-        uint16_t *w = (uint16_t *)weight + at;
-        for (int j = 0; j < n; j++) w[j] = float_to_bf16(b->x[j]);
-    } else {
-        memcpy((float *)weight + at, b->x, n * sizeof(float));
-    }
-}
-
-static void load_grads(Block *b, const void *grad, int bf16, int64_t at, int n) {
-    if (bf16) {
-        const uint16_t *g = (const uint16_t *)grad + at;
-        for (int j = 0; j < n; j++) b->g[j] = bf16_to_float(g[j]);
-    } else {
-        memcpy(b->g, (const float *)grad + at, n * sizeof(float));
-    }
-}
-
-/* AdamW on a block, in eager's order of single ops; root = sqrt(v), correctly rounded. */
-static void adamw(Block *b, int n, const Hyper *h, float ic2, float step_size) {
-    for (int j = 0; j < n; j++) {
-        const float g = b->g[j];
-        const float m = b->m[j] * h->beta1 + g * h->one_minus_beta1;
-        const float v = b->v[j] * h->beta2 + (g * g) * h->one_minus_beta2;
-        const float root = sqrtf(v);
-        const float denom = root * ic2 + h->eps;
-        const float x = b->x[j] * h->decay;
-        b->x[j] = x - (m / denom) * step_size;
-        b->m[j] = m;
-        b->v[j] = v;
-        b->root[j] = root;
-    }
-}
-
-/* The largest of n non-negative floats (NaN above everything): a max of their bit patterns. */
-static inline float largest(const float *values, int n) {
-    uint32_t most = 0;
-    for (int j = 0; j < n; j++) {
-        const uint32_t u = float_to_bits(values[j]) & 0x7FFFFFFFu;
-        most = u > most ? u : most;
-    }
-    return bits_to_float(most);
-}
-
 /* Plain comparisons: fminf/fmaxf are library calls, these are single instructions. A NaN
  * comes out as `high` (its code is unspecified in eager too). */
-static inline float smaller(float a, float b) { return a < b ? a : b; }
-static inline float larger(float a, float b) { return a > b ? a : b; }
-static inline float clamp(float value, float low, float high) {
+INLINE float smaller(float a, float b) { return a < b ? a : b; }
+INLINE float larger(float a, float b) { return a > b ? a : b; }
+INLINE float clamp(float value, float low, float high) {
     return smaller(larger(value, low), high);
 }
 
-/* Decode a group's 8-bit moments into b->m and b->v. */
-static inline void decode_group(Block *restrict b, const int8_t *restrict m_code,
-                                const uint8_t *restrict r_code, uint16_t m_scale,
-                                uint16_t r_scale, int first, int size, int compand) {
-    const float m_factor = bf16_to_float(m_scale);
-    const float r_factor = bf16_to_float(r_scale) * (float)(1.0 / 255.0);
-    float *restrict m = b->m + first, *restrict v = b->v + first;
-    if (compand) {
-        for (int j = 0; j < size; j++) {
-            const float c = (float)m_code[j];
-            m[j] = c / (-fabsf(c) + 2.0f * MOMENTUM_LEVELS) * m_factor;
-        }
+/* A magnitude's bits: non-negative floats (NaN above everything) order as their bits do. */
+INLINE uint32_t magnitude_bits(float f) { return float_to_bits(f) & 0x7FFFFFFFu; }
+
+INLINE float load_weight(Tensors t, int64_t i, Layout l) {
+    if (l.weight_error) return join24(((const uint16_t *)t.weight)[i], t.weight_error[i]);
+    if (l.weight_bf16) return bf16_to_float(((const uint16_t *)t.weight)[i]);
+    return ((const float *)t.weight)[i];
+}
+
+INLINE void store_weight(Tensors t, int64_t i, float x, Layout l) {
+    if (l.weight_error) {
+        split24(x, &((uint16_t *)t.weight)[i], &t.weight_error[i]);
+    } else if (l.weight_bf16) {
+        ((uint16_t *)t.weight)[i] = float_to_bf16(x);
     } else {
-        for (int j = 0; j < size; j++) {
-            m[j] = (float)m_code[j] * (float)(1.0 / 127.0) * m_factor;
-        }
-    }
-    for (int j = 0; j < size; j++) {
-        const float root = (float)r_code[j] * r_factor;
-        v[j] = root * root;
+        ((float *)t.weight)[i] = x;
     }
 }
 
-/* Encode a group's b->m and b->root against their new scales, rounded to bfloat16 (1 for an
- * all-zero group). */
-static inline void encode_group(const Block *restrict b, int8_t *restrict m_code,
-                                uint8_t *restrict r_code, uint16_t m_scale, uint16_t r_scale,
-                                int first, int size, int compand) {
-    const float m_factor = 1.0f / (m_scale ? bf16_to_float(m_scale) : 1.0f);
-    const float r_factor = ROOT_LEVELS / (r_scale ? bf16_to_float(r_scale) : 1.0f);
-    const float *restrict m = b->m + first, *restrict root = b->root + first;
-    if (compand) {
-        for (int j = 0; j < size; j++) {
-            const float y = m[j] * m_factor;
-            const float level = rintf(y / (fabsf(y) + 1.0f) * (2.0f * MOMENTUM_LEVELS));
-            m_code[j] = (int8_t)(int)clamp(level, -MOMENTUM_LEVELS, MOMENTUM_LEVELS);
-        }
-    } else {
-        for (int j = 0; j < size; j++) {
-            const float level = rintf(m[j] * m_factor * MOMENTUM_LEVELS);
-            m_code[j] = (int8_t)(int)clamp(level, -MOMENTUM_LEVELS, MOMENTUM_LEVELS);
-        }
+INLINE float load_grad(Tensors t, int64_t i, Layout l) {
+    return l.grad_bf16 ? bf16_to_float(((const uint16_t *)t.grad)[i])
+                       : ((const float *)t.grad)[i];
+}
+
+/* AdamW on one element, in eager's order of single ops: updates m and v, sets root =
+ * sqrt(v) (correctly rounded), returns the new weight. */
+INLINE float adamw(float x, float g, float *m, float *v, float *root, Hyper h) {
+    *m = *m * h.beta1 + g * h.one_minus_beta1;
+    *v = *v * h.beta2 + (g * g) * h.one_minus_beta2;
+    *root = sqrtf(*v);
+    const float denom = *root * h.ic2 + h.eps;
+    return x * h.decay - (*m / denom) * h.step_size;
+}
+
+/* Decode, update and write back the `size` weights of the group at element `at`; the new
+ * momentum and root go to m_out and root_out, their largest magnitudes to *m_max, *r_max. */
+INLINE void update_group(Tensors t, int64_t at, int size, uint16_t m_scale,
+                         uint16_t r_scale, Hyper h, Layout l, float *m_out, float *root_out,
+                         float *m_max, float *r_max) {
+    const int8_t *m_code = (const int8_t *)t.a;
+    const uint8_t *r_code = (const uint8_t *)t.c;
+    const float m_factor = bf16_to_float(m_scale);
+    const float r_factor = bf16_to_float(r_scale) * (float)(1.0 / 255.0);
+    uint32_t m_most = 0, r_most = 0;
+    IVDEP
+    for (int j = 0; j < size; j++) {
+        const float c = (float)m_code[at + j];
+        float m = l.compand ? c / (-fabsf(c) + 2.0f * MOMENTUM_LEVELS) * m_factor
+                            : c * (float)(1.0 / 127.0) * m_factor;
+        const float old_root = (float)r_code[at + j] * r_factor;
+        float v = old_root * old_root, root;
+        const float x = load_weight(t, at + j, l), g = load_grad(t, at + j, l);
+        store_weight(t, at + j, adamw(x, g, &m, &v, &root, h), l);
+        m_out[j] = m;
+        root_out[j] = root;
+        const uint32_t m_bits = magnitude_bits(m), r_bits = magnitude_bits(root);
+        m_most = m_bits > m_most ? m_bits : m_most;
+        r_most = r_bits > r_most ? r_bits : r_most;
+    }
+    *m_max = bits_to_float(m_most);
+    *r_max = bits_to_float(r_most);
+}
+
+/* Encode a group's buffered momentum and root with its scales' factors. */
+INLINE void encode_group(Tensors t, int64_t at, int size, float m_factor, float r_factor,
+                         Layout l, const float *m, const float *root) {
+    int8_t *m_code = (int8_t *)t.a;
+    uint8_t *r_code = (uint8_t *)t.c;
+    IVDEP
+    for (int j = 0; j < size; j++) {
+        const float y = m[j] * m_factor;
+        const float level = l.compand ? rintf(y / (fabsf(y) + 1.0f) * (2.0f * MOMENTUM_LEVELS))
+                                      : rintf(y * MOMENTUM_LEVELS);
+        m_code[at + j] = (int8_t)(int)clamp(level, -MOMENTUM_LEVELS, MOMENTUM_LEVELS);
     }
     /* Nearest, but at least 1 for a positive root (see [Note: 8-bit moments]): eager's
      * ceil(min(level, 1)) of a non-negative level, written so that it vectorises. */
+    IVDEP
     for (int j = 0; j < size; j++) {
         const float level = root[j] * r_factor;
         const float rounded = larger(rintf(level), level > 0.0f ? 1.0f : 0.0f);
-        r_code[j] = (uint8_t)(int)smaller(rounded, ROOT_LEVELS);
+        r_code[at + j] = (uint8_t)(int)smaller(rounded, ROOT_LEVELS);
     }
 }
 
-static void step_grouped(const int64_t *p, const Hyper *h, float ic2, float step_size, Block *b) {
-    const int flags = (int)p[PARAM_FLAGS];
-    void *weight = (void *)p[PARAM_WEIGHT];
-    const void *grad = (const void *)p[PARAM_GRAD];
-    int8_t *weight_error = (int8_t *)p[PARAM_WEIGHT_ERROR];
-    int8_t *m_code = (int8_t *)p[PARAM_A];
-    uint16_t *m_scale = (uint16_t *)p[PARAM_B];
-    uint8_t *r_code = (uint8_t *)p[PARAM_C];
-    uint16_t *r_scale = (uint16_t *)p[PARAM_D];
-    const int64_t rows = p[PARAM_ROWS], row_length = p[PARAM_ROW_LENGTH];
+/* Round `count` groups' largest magnitudes into their bfloat16 scales, and the factors their
+ * codes are computed with: against the rounded scale, 1 for an all-zero group. */
+INLINE void round_scales(const float *m_max, const float *r_max, uint16_t *m_scale,
+                         uint16_t *r_scale, float *m_factor, float *r_factor, int count) {
+    IVDEP
+    for (int k = 0; k < count; k++) {
+        const uint16_t ms = float_to_bf16(m_max[k]), rs = float_to_bf16(r_max[k]);
+        m_scale[k] = ms;
+        r_scale[k] = rs;
+        m_factor[k] = 1.0f / (ms ? bf16_to_float(ms) : 1.0f);
+        r_factor[k] = ROOT_LEVELS / (rs ? bf16_to_float(rs) : 1.0f);
+    }
+}
+
+/* A parameter of two or more dims: rows of groups, SPAN groups of a row at a time (the last
+ * group of a row is short where the row length is not a multiple of 32). */
+INLINE void step_rows(Tensors t, int64_t rows, int64_t row_length, Hyper h, Layout l) {
     const int64_t groups_per_row = (row_length + GROUP_SIZE - 1) / GROUP_SIZE;
-
+    float m[SPAN * GROUP_SIZE], root[SPAN * GROUP_SIZE];
+    float m_max[SPAN], r_max[SPAN], m_factor[SPAN], r_factor[SPAN];
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t column = 0; column < row_length; column += BLOCK) {
-            const int64_t at = r * row_length + column;
-            const int n = row_length - column < BLOCK ? (int)(row_length - column) : BLOCK;
-            const int groups = (n + GROUP_SIZE - 1) / GROUP_SIZE;
-            uint16_t *ms = m_scale + r * groups_per_row + column / GROUP_SIZE;
-            uint16_t *rs = r_scale + r * groups_per_row + column / GROUP_SIZE;
-            load_weights(b, weight, weight_error, flags & FLAG_WEIGHT_BF16, at, n);
-            load_grads(b, grad, flags & FLAG_GRAD_BF16, at, n);
-            for (int k = 0; k < groups; k++) {
-                const int first = k * GROUP_SIZE;
-                const int size = n - first < GROUP_SIZE ? n - first : GROUP_SIZE;
-                decode_group(b, m_code + at + first, r_code + at + first, ms[k], rs[k], first,
-                             size, h->compand);
+        uint16_t *m_scale = (uint16_t *)t.b + r * groups_per_row;
+        uint16_t *r_scale = (uint16_t *)t.d + r * groups_per_row;
+        for (int64_t first = 0; first < groups_per_row; first += SPAN) {
+            const int64_t at = r * row_length + first * GROUP_SIZE;
+            const int64_t left = row_length - first * GROUP_SIZE; /* elements */
+            const int full = left >= SPAN * GROUP_SIZE ? SPAN : (int)(left / GROUP_SIZE);
+            const int rest = full == SPAN ? 0 : (int)(left % GROUP_SIZE); /* a short group */
+            for (int k = 0; k < full; k++) {
+                const int o = k * GROUP_SIZE;
+                update_group(t, at + o, GROUP_SIZE, m_scale[first + k], r_scale[first + k], h,
+                             l, m + o, root + o, &m_max[k], &r_max[k]);
             }
-            adamw(b, n, h, ic2, step_size);
-            store_weights(b, weight, weight_error, flags & FLAG_WEIGHT_BF16, at, n);
-            for (int k = 0; k < groups; k++) {
-                const int first = k * GROUP_SIZE;
-                const int size = n - first < GROUP_SIZE ? n - first : GROUP_SIZE;
-                ms[k] = float_to_bf16(largest(b->m + first, size));
-                rs[k] = float_to_bf16(largest(b->root + first, size));
-                encode_group(b, m_code + at + first, r_code + at + first, ms[k], rs[k], first,
-                             size, h->compand);
+            if (rest) {
+                const int o = full * GROUP_SIZE;
+                update_group(t, at + o, rest, m_scale[first + full], r_scale[first + full], h,
+                             l, m + o, root + o, &m_max[full], &r_max[full]);
+            }
+            round_scales(m_max, r_max, m_scale + first, r_scale + first, m_factor, r_factor,
+                         full + (rest > 0));
+            for (int k = 0; k < full; k++) {
+                const int o = k * GROUP_SIZE;
+                encode_group(t, at + o, GROUP_SIZE, m_factor[k], r_factor[k], l, m + o,
+                             root + o);
+            }
+            if (rest) {
+                const int o = full * GROUP_SIZE;
+                encode_group(t, at + o, rest, m_factor[full], r_factor[full], l, m + o,
+                             root + o);
             }
         }
     }
 }
 
-static void step_flat(const int64_t *p, const Hyper *h, float ic2, float step_size, Block *b) {
-    const int flags = (int)p[PARAM_FLAGS];
-    void *weight = (void *)p[PARAM_WEIGHT];
-    const void *grad = (const void *)p[PARAM_GRAD];
-    int8_t *weight_error = (int8_t *)p[PARAM_WEIGHT_ERROR];
-    uint16_t *m_high = (uint16_t *)p[PARAM_A];
-    int8_t *m_error = (int8_t *)p[PARAM_B];
-    uint16_t *v_high = (uint16_t *)p[PARAM_C];
-    int8_t *v_error = (int8_t *)p[PARAM_D];
-    const int64_t numel = p[PARAM_ROWS] * p[PARAM_ROW_LENGTH];
-    for (int64_t at = 0; at < numel; at += BLOCK) {
-        const int n = numel - at < BLOCK ? (int)(numel - at) : BLOCK;
-        load_weights(b, weight, weight_error, flags & FLAG_WEIGHT_BF16, at, n);
-        load_grads(b, grad, flags & FLAG_GRAD_BF16, at, n);
-        for (int j = 0; j < n; j++) {
-            b->m[j] = join24(m_high[at + j], m_error[at + j]);
-            b->v[j] = join24(v_high[at + j], v_error[at + j]);
-        }
-        adamw(b, n, h, ic2, step_size);
-        store_weights(b, weight, weight_error, flags & FLAG_WEIGHT_BF16, at, n);
-        for (int j = 0; j < n; j++) {
-            split24(b->m[j], &m_high[at + j], &m_error[at + j]);
-            split24(b->v[j], &v_high[at + j], &v_error[at + j]);
-        }
+/* A parameter of at most one dim: each moment a 24-bit value (bfloat16 and an int8 error). */
+INLINE void step_flat(Tensors t, int64_t numel, Hyper h, Layout l) {
+    uint16_t *m_high = (uint16_t *)t.a, *v_high = (uint16_t *)t.c;
+    int8_t *m_error = (int8_t *)t.b, *v_error = (int8_t *)t.d;
+    IVDEP
+    for (int64_t i = 0; i < numel; i++) {
+        float m = join24(m_high[i], m_error[i]), v = join24(v_high[i], v_error[i]), root;
+        const float x = load_weight(t, i, l), g = load_grad(t, i, l);
+        store_weight(t, i, adamw(x, g, &m, &v, &root, h), l);
+        split24(m, &m_high[i], &m_error[i]);
+        split24(v, &v_high[i], &v_error[i]);
     }
 }
 
-/* Steps `count` parameters described by `params` (count rows of PARAM_FIELDS int64). */
-void compact_adamw_step(const int64_t *params, int64_t count, double lr, double beta1,
-                        double beta2, double eps, double weight_decay, int compand) {
-    Block block;
+INLINE void step_param(Tensors t, const int64_t *p, Hyper h, Layout l) {
+    if (p[PARAM_FLAGS] & FLAG_GROUPED) {
+        step_rows(t, p[PARAM_ROWS], p[PARAM_ROW_LENGTH], h, l);
+    } else {
+        step_flat(t, p[PARAM_ROWS] * p[PARAM_ROW_LENGTH], h, l);
+    }
+}
+
+/* step_param with the layout's fields as constants: one specialised copy per layout (an
+ * error is only read with bfloat16 weights). */
+static void step_specialised(Tensors t, const int64_t *p, Hyper h, int compand) {
+    const int64_t flags = p[PARAM_FLAGS];
+    const int weight_bf16 = (flags & FLAG_WEIGHT_BF16) != 0;
+    const int weight_error = weight_bf16 && t.weight_error != 0;
+    const int grad_bf16 = (flags & FLAG_GRAD_BF16) != 0;
+    const int key = weight_bf16 << 3 | weight_error << 2 | grad_bf16 << 1 | (compand != 0);
+#define LAYOUT(w, e, g, c)                                                                   \
+    case (w << 3 | e << 2 | g << 1 | c):                                                     \
+        step_param(t, p, h, (Layout){w, e, g, c});                                           \
+        break;
+    switch (key) {
+        LAYOUT(1, 1, 1, 1) LAYOUT(1, 1, 1, 0) LAYOUT(1, 1, 0, 1) LAYOUT(1, 1, 0, 0)
+        LAYOUT(1, 0, 1, 1) LAYOUT(1, 0, 1, 0) LAYOUT(1, 0, 0, 1) LAYOUT(1, 0, 0, 0)
+        LAYOUT(0, 0, 1, 1) LAYOUT(0, 0, 1, 0) LAYOUT(0, 0, 0, 1) LAYOUT(0, 0, 0, 0)
+    }
+#undef LAYOUT
+}
+
+/* Steps `count` parameters: `params` holds PARAM_FIELDS int64 per parameter, `grads` the
+ * address of each one's gradient. */
+void compact_adamw_step(const int64_t *params, const int64_t *grads, int64_t count, double lr,
+                        double beta1, double beta2, double eps, double weight_decay,
+                        int compand) {
     Hyper h;
     h.beta1 = (float)beta1;
     h.one_minus_beta1 = (float)(1.0 - beta1);
@@ -280,18 +310,17 @@ void compact_adamw_step(const int64_t *params, int64_t count, double lr, double 
     h.one_minus_beta2 = (float)(1.0 - beta2);
     h.eps = (float)eps;
     h.decay = (float)(1.0 - lr * weight_decay);
-    h.compand = compand;
     for (int64_t k = 0; k < count; k++) {
         const int64_t *p = params + k * PARAM_FIELDS;
+        const Tensors t = {(void *)p[PARAM_WEIGHT], (int8_t *)p[PARAM_WEIGHT_ERROR],
+                           (const void *)grads[k],  (void *)p[PARAM_A],
+                           (void *)p[PARAM_B],      (void *)p[PARAM_C],
+                           (void *)p[PARAM_D]};
         float *step = (float *)p[PARAM_STEP];
         *step = *step + 1.0f;
-        const double t = (double)*step;
-        const float ic2 = (float)(1.0 / sqrt(1.0 - pow(beta2, t)));
-        const float step_size = (float)(lr / (1.0 - pow(beta1, t)));
-        if (p[PARAM_FLAGS] & FLAG_GROUPED) {
-            step_grouped(p, &h, ic2, step_size, &block);
-        } else {
-            step_flat(p, &h, ic2, step_size, &block);
-        }
+        const double s = (double)*step;
+        h.ic2 = (float)(1.0 / sqrt(1.0 - pow(beta2, s)));
+        h.step_size = (float)(lr / (1.0 - pow(beta1, s)));
+        step_specialised(t, p, h, compand);
     }
 }
