@@ -536,23 +536,33 @@ _is_cpu = operator.attrgetter("is_cpu")
 
 
 class _KernelPlan:
-    """A param group's C-kernel tables, reused at the next step while nothing they point to
-    has changed.
+    """A param group's C-kernel table, reused at the next step while nothing it points to has
+    changed.
 
     [Note: reused kernel tables]
     Reading eight data pointers and checking eight tensors per parameter costs more in Python
-    than the kernel spends on a small tensor. A plan keeps each batch's table; only the
-    gradients' addresses are written at each step. It is reused while the group holds the
-    same parameters at the same addresses, every parameter's state entry is the same dict
-    holding the same tensors (``load_state_dict``, state created or converted, a tensor
-    replaced in an entry: the step takes the full path and makes a new plan), and every
-    parameter has a contiguous CPU gradient of the dtype its table row says; otherwise nothing
-    is stepped through it. The checks are C-level ``map``s over the parameters (a Python loop
-    per parameter cost about 3 us each). A plan holds the tensors it points to, so none is
-    freed while it is kept, and there is one plan per parameter (``CompactAdamW._remember``).
+    than the kernel spends on a small tensor. A plan keeps one table for the whole group (the
+    kernel takes every layout in one call), in the group's order; only the gradients'
+    addresses are written at each step. It is reused while the group holds the same
+    parameters at the same addresses, every parameter's state entry is the same dict holding
+    the same tensors (``load_state_dict``, state created or converted, a tensor replaced in an
+    entry: the step takes the full path and makes a new plan), and every parameter has a
+    contiguous CPU gradient of the dtype its table row says; otherwise nothing is stepped
+    through it. The checks are C-level ``map``s over the parameters (a Python loop cost about
+    3 us per parameter). A plan holds the tensors it points to, so none is freed while it is
+    kept, and there is one plan per parameter (``CompactAdamW._remember``).
     """
 
-    __slots__ = ("addresses", "batches", "correction", "entries", "params", "tensors")
+    __slots__ = (
+        "addresses",
+        "correction",
+        "dtypes",
+        "entries",
+        "params",
+        "table",
+        "tensors",
+        "weights",
+    )
 
     def __init__(
         self,
@@ -566,11 +576,24 @@ class _KernelPlan:
         self.addresses = list(map(_data_ptr, params))
         self.entries = tuple(map(state.__getitem__, params))
         self.tensors = self._tensors(self.entries)
-        self.batches = [
-            (indices, table, [p.weight for p in batch], [p.grad.dtype for p in batch])
-            for indices, table, batch in tables
-        ]
-        if any(p.param is not p.weight for _, _, batch in tables for p in batch):
+        # The batches' rows, back in the group's order.
+        width = _compact_kernel.FIELDS
+        rows = sorted(
+            (
+                (index, table.fields[row * width : (row + 1) * width], item)
+                for indices, table, batch in tables
+                for row, (index, item) in enumerate(zip(indices, batch, strict=True))
+            ),
+            key=operator.itemgetter(0),
+        )
+        fields = [field for _, row, _ in rows for field in row]
+        self.table = _KernelTable(
+            (ctypes.c_int64 * len(fields))(*fields), (ctypes.c_int64 * len(rows))()
+        )
+        items = [item for _, _, item in rows]
+        self.weights = [item.weight for item in items]
+        self.dtypes = [item.grad.dtype for item in items]
+        if any(item.param is not item.weight for item in items):
             self.params = ()  # DTensors: their local tensors are not the group's tensors
 
     @staticmethod
@@ -591,21 +614,15 @@ class _KernelPlan:
         if list(map(_data_ptr, params)) != self.addresses:
             return False
         grads = list(map(_grad, params))
-        if not all(map(operator.is_, map(type, grads), repeat(torch.Tensor))):
-            return False  # a gradient missing, or a subclass
-        batches = []
-        for indices, table, weights, dtypes in self.batches:
-            batch = list(map(grads.__getitem__, indices))
-            if not (
-                all(map(operator.is_, map(_dtype, batch), dtypes))
-                and all(map(_is_cpu, batch))
-                and all(map(_is_contiguous, batch))
-            ):
-                return False
-            batches.append((batch, table, weights))
-        for batch, table, weights in batches:
-            table.grads[:] = list(map(_data_ptr, batch))
-            table.run(weights, group)
+        if not (
+            all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))  # none missing
+            and all(map(operator.is_, map(_dtype, grads), self.dtypes))
+            and all(map(_is_cpu, grads))
+            and all(map(_is_contiguous, grads))
+        ):
+            return False
+        self.table.grads[:] = list(map(_data_ptr, grads))
+        self.table.run(self.weights, group)
         return True
 
 

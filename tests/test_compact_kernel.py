@@ -126,7 +126,8 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
 def test_reused_tables_follow_replaced_state():
     """The kernel's tables are reused from step to step ([Note: reused kernel tables]) only
     while they point at the group's current tensors: a state tensor replaced in its entry, a
-    state dict loaded, a parameter set changed all give what the eager path gives."""
+    state dict loaded, a parameter set changed, a gradient of another dtype all give what the
+    eager path gives."""
     runs = {}
     for kernel in ("c", "eager"):
         params, optim = _train(kernel, torch.bfloat16, torch.bfloat16, True, True)
@@ -138,6 +139,8 @@ def test_reused_tables_follow_replaced_state():
         optim.load_state_dict(copy.deepcopy(optim.state_dict()))
         optim.step()
         optim.param_groups[0]["params"] = optim.param_groups[0]["params"][1:]
+        optim.step()
+        params[2].grad = torch.randn(params[2].shape)  # float32, where the table says bfloat16
         optim.step()
         runs[kernel] = params, optim
     (c_params, c_optim), (eager_params, eager_optim) = runs["c"], runs["eager"]
