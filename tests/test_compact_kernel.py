@@ -68,6 +68,25 @@ def test_same_bits_as_eager(weight_dtype, grad_dtype, correction, compand):
             assert torch.equal(value, eager_state[key]), (p.shape, key)
 
 
+def test_same_codes_as_eager_where_a_scale_is_below_float32s_range():
+    """A group whose largest momentum is below 2**-128 has a scale whose inverse is infinite:
+    its values scale to infinities, which eager clamps to the extreme codes (linear momentum;
+    companded, inf / inf is NaN, whose code is unspecified). The kernel gives the same codes
+    without converting an infinite float to an integer."""
+    results = []
+    for kernel in ("c", "eager"):
+        weight = nn.Parameter(torch.ones(2, 32, dtype=torch.bfloat16))
+        signs = torch.tensor([1.0, -1.0]).repeat(32)
+        weight.grad = (signs * 1e-38).view(2, 32).to(torch.bfloat16)  # momentum 1e-39
+        optim = CompactAdamW([weight], compand=False, kernel=kernel)
+        optim.step()
+        results.append(optim.state[weight])
+    c_state, eager_state = results
+    assert c_state["exp_avg_code"].abs().eq(127).all()
+    for key, value in c_state.items():
+        assert torch.equal(value, eager_state[key]), key
+
+
 def test_auto_takes_the_kernel_and_tells_autograd():
     """``kernel="auto"`` steps CPU tensors with the kernel, and bumps each weight's version
     counter as an in-place op would: autograd then refuses a backward through a graph that

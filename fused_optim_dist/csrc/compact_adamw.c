@@ -109,12 +109,22 @@ INLINE void split24(float value, uint16_t *high, int8_t *error) {
     *error = (int8_t)(e - (carry << 8));
 }
 
-/* Plain comparisons: fminf/fmaxf are library calls, these are single instructions. A NaN
- * comes out as `high` (its code is unspecified in eager too). */
-INLINE float smaller(float a, float b) { return a < b ? a : b; }
+/* A plain comparison: fmaxf is a library call, this a single instruction. */
 INLINE float larger(float a, float b) { return a > b ? a : b; }
-INLINE float clamp(float value, float low, float high) {
-    return smaller(larger(value, low), high);
+
+/* An integer-valued float (or an infinity, or NaN) as an integer clamped to [low, high]: eager's
+ * clamp, then its conversion. Adding 1.5 * 2**23 puts an integer below 2**22 in magnitude in
+ * the float's low bits, exactly; an infinity lands beyond the bound of its sign (a NaN, whose
+ * code is unspecified in eager too, beyond one of them). A float clamp before the conversion
+ * gives the same values but GCC compiles it into mask-register code that made the whole
+ * kernel a third slower (measured); this is integer arithmetic, with no undefined conversion
+ * of an out-of-range float. */
+INLINE int32_t clamp_level(float level, int32_t low, int32_t high) {
+    const float shifted = level + 12582912.0f;
+    int32_t bits;
+    memcpy(&bits, &shifted, sizeof bits);
+    const int32_t q = bits - 0x4B400000;
+    return q < low ? low : q > high ? high : q;
 }
 
 /* A magnitude's bits: non-negative floats (NaN above everything) order as their bits do. */
@@ -190,7 +200,7 @@ INLINE void encode_group(Tensors t, int64_t at, int size, float m_factor, float 
         const float y = m[j] * m_factor;
         const float level = l.compand ? rintf(y / (fabsf(y) + 1.0f) * (2.0f * MOMENTUM_LEVELS))
                                       : rintf(y * MOMENTUM_LEVELS);
-        m_code[at + j] = (int8_t)(int)clamp(level, -MOMENTUM_LEVELS, MOMENTUM_LEVELS);
+        m_code[at + j] = (int8_t)clamp_level(level, -127, 127);
     }
     /* Nearest, but at least 1 for a positive root (see [Note: 8-bit moments]): eager's
      * ceil(min(level, 1)) of a non-negative level, written so that it vectorises. */
@@ -198,7 +208,7 @@ INLINE void encode_group(Tensors t, int64_t at, int size, float m_factor, float 
     for (int j = 0; j < size; j++) {
         const float level = root[j] * r_factor;
         const float rounded = larger(rintf(level), level > 0.0f ? 1.0f : 0.0f);
-        r_code[at + j] = (uint8_t)(int)smaller(rounded, ROOT_LEVELS);
+        r_code[at + j] = (uint8_t)clamp_level(rounded, 0, 255);
     }
 }
 
