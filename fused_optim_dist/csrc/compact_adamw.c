@@ -320,6 +320,7 @@ void compact_adamw_step(const int64_t *params, const int64_t *grads, int64_t cou
     h.one_minus_beta2 = (float)(1.0 - beta2);
     h.eps = (float)eps;
     h.decay = (float)(1.0 - lr * weight_decay);
+    float last_step = 0.0f;
     for (int64_t k = 0; k < count; k++) {
         const int64_t *p = params + k * PARAM_FIELDS;
         const Tensors t = {(void *)p[PARAM_WEIGHT], (int8_t *)p[PARAM_WEIGHT_ERROR],
@@ -328,9 +329,12 @@ void compact_adamw_step(const int64_t *params, const int64_t *grads, int64_t cou
                            (void *)p[PARAM_D]};
         float *step = (float *)p[PARAM_STEP];
         *step = *step + 1.0f;
-        const double s = (double)*step;
-        h.ic2 = (float)(1.0 / sqrt(1.0 - pow(beta2, s)));
-        h.step_size = (float)(lr / (1.0 - pow(beta1, s)));
+        if (k == 0 || *step != last_step) { /* a batch's counts are usually all the same */
+            const double s = (double)*step;
+            h.ic2 = (float)(1.0 / sqrt(1.0 - pow(beta2, s)));
+            h.step_size = (float)(lr / (1.0 - pow(beta1, s)));
+            last_step = *step;
+        }
         step_specialised(t, p, h, compand);
     }
 }
