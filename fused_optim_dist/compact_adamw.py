@@ -33,16 +33,15 @@ value (bfloat16 and an int8 error, as the weights). Parameters sharded along ano
 [Note: 24-bit weights]
 A bfloat16 weight holds 8 significant bits; an AdamW update smaller than half its ULP is lost.
 ``weight_error`` keeps the rounding error of the last update in units of 1/256 of the weight's
-ULP, so that the pair holds 16 significant bits. It is computed on the float32 bit pattern: a
-bfloat16 is the upper half of a float32, so the weight is ``x``'s upper 16 bits rounded to
-nearest (add half of bit 16, shift), and the error is the rest of the pattern, ``bits(x) -
-bits(w) << 16``, in [-2**15, 2**15), rounded to a multiple of 2**8 and stored divided by it
-(-128..128; a +128, the rest just below half a ULP, is stored as -128 on the next bfloat16 up,
-which joins to the same bits). Decoding is ``bits(x) = bits(w) << 16 + error << 8``: exact
-integer arithmetic, the same on every device, within half of 2**8 float32 ULPs of ``x``, which
-is 1/512 of the weight's bfloat16 ULP. Each step decodes ``x``, updates it in float32 and
-splits it again. Without the error (``weight_correction=False``) the weights are plain
-bfloat16 and small updates are lost
+ULP, so that the pair holds 16 significant bits. It is computed on the float32 bit pattern:
+``bits(x)`` is rounded to a multiple of 2**8 (nearest, ties up: the 24 bits the pair keeps);
+a bfloat16 is the upper half of a float32, so the weight is the upper 16 bits of that rounded
+to nearest (add half of bit 16, shift), and the error is the rest, ``rounded - bits(w) <<
+16``, a multiple of 2**8 in [-2**15, 2**15), stored divided by it (-128..127). Decoding is
+``bits(x) = bits(w) << 16 + error << 8``: exact integer arithmetic, the same on every device,
+within half of 2**8 float32 ULPs of ``x``, which is 1/512 of the weight's bfloat16 ULP. Each
+step decodes ``x``, updates it in float32 and splits it again. Without the error
+(``weight_correction=False``) the weights are plain bfloat16 and small updates are lost
 (``tests/test_compact_adamw.py`` shows it; ``benchmarks/results/compact_adamw_quality.md``
 measures what it costs in training).
 
@@ -120,7 +119,7 @@ _MOMENTUM_LEVELS = 127  # int8 codes -127..127
 _ROOT_LEVELS = 255  # uint8 codes 0..255
 _HALF_BF16_BIT = 0x8000  # float32 bits: half of the lowest bit a bfloat16 keeps
 _HALF_ERROR_BIT = 0x80  # half of the lowest bit the error keeps (bit 8 of the float32)
-_ERROR_CARRY = 128  # an error rounded to +1/2 bfloat16 ULP: -1/2 on the next bfloat16 up
+_ERROR_BITS = ~0xFF  # the float32 bits the pair keeps: all but the lowest 8
 
 _CODE_DTYPES = {
     "weight_error": torch.int8,
@@ -150,15 +149,11 @@ def _join24(high: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
 
 
 def _split24(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``value`` (float32) rounded to bfloat16, and the int8 error of that rounding. An error
-    that rounds to +128 (just below half a ULP) is -128 on the next bfloat16 up: the same
-    bits once joined."""
-    bits = value.view(torch.int32)
-    high = bits.add(_HALF_BF16_BIT).bitwise_right_shift_(16)
-    error = bits.sub(high.bitwise_left_shift(16)).add_(_HALF_ERROR_BIT).bitwise_right_shift_(8)
-    carry = error.eq(_ERROR_CARRY).to(torch.int32)  # the error is in -128..128
-    high += carry
-    error -= carry.bitwise_left_shift_(8)
+    """``value`` (float32) rounded to bfloat16, and the int8 error of that rounding. See
+    [Note: 24-bit weights]."""
+    rounded = value.view(torch.int32).add(_HALF_ERROR_BIT).bitwise_and_(_ERROR_BITS)
+    high = rounded.add(_HALF_BF16_BIT).bitwise_right_shift_(16)
+    error = rounded.sub_(high.bitwise_left_shift(16)).bitwise_right_shift_(8)  # -128..127
     return high.to(torch.int16).view(torch.bfloat16), error.to(torch.int8)
 
 

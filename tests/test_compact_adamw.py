@@ -46,6 +46,21 @@ def test_24_bit_values_keep_16_significant_bits():
     assert ((high.float() - x).abs() > x.abs() * 2**-12).any(), "bf16 alone must be coarser"
 
 
+def test_24_bit_values_are_the_nearest_24_bits_of_every_pattern():
+    """Every low half-word of a positive and a negative float32: the pair joins to the bits
+    rounded to a multiple of 2**8 (ties up), and the bfloat16 is that rounded to nearest, the
+    rounding edges (an error of +1/2 bfloat16 ULP) included."""
+    low = torch.arange(1 << 16, dtype=torch.int64)
+    bits = torch.cat([0x3F810000 + low, 0xBF810000 + low])  # 1.0078.. and -1.0078..
+    x = bits.to(torch.uint32).view(torch.int32).view(torch.float32)
+    high, error = _split24(x)
+    rounded = (bits + 0x80) & ~0xFF
+    joined = _join24(high, error).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(joined, rounded)
+    nearest = ((rounded + 0x8000) >> 16).to(torch.uint16)
+    assert torch.equal(high.view(torch.uint16).to(torch.int64), nearest.to(torch.int64))
+
+
 def _codes(values: torch.Tensor, encode, dtype: torch.dtype, *args):
     """Encode ``values`` (shape (rows, n)) with flat code and scale buffers; return the
     groups, codes and scales."""

@@ -100,13 +100,13 @@ INLINE float join24(uint16_t high, int8_t error) {
     return bits_to_float(((uint32_t)high << 16) + ((uint32_t)(int32_t)error << 8));
 }
 
+/* bits(x) rounded to nearest 2**8 (ties up), then split: the upper 16 bits rounded to nearest
+ * and the rest, -128..127 units of 2**8. */
 INLINE void split24(float value, uint16_t *high, int8_t *error) {
-    const uint32_t u = float_to_bits(value);
-    const uint32_t h = (u + 0x8000u) >> 16;
-    const int32_t e = ((int32_t)(u - (h << 16)) + 0x80) >> 8; /* -128..128 */
-    const int32_t carry = e == 128;                            /* +128: -128 on the next high */
-    *high = (uint16_t)(h + (uint32_t)carry);
-    *error = (int8_t)(e - (carry << 8));
+    const uint32_t rounded = (float_to_bits(value) + 0x80u) & ~0xFFu;
+    const uint32_t h = (rounded + 0x8000u) >> 16;
+    *high = (uint16_t)h;
+    *error = (int8_t)((int32_t)(rounded - (h << 16)) >> 8);
 }
 
 /* A plain comparison: fmaxf is a library call, this a single instruction. */
