@@ -4,7 +4,7 @@ A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, ac
 freezing and unfreezing, groups added later, a backward that raises, a second backward before
 ``step()`` (refused), reentrant activation checkpointing, ``step()`` without a backward, LR
 changes (lr 0 included), ``state_dict``/``load_state_dict`` round trips; also with a class that
-counts steps in its param groups. After every rule both
+counts steps in its param groups, and with CompactAdamW. After every rule both
 models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist.compact_adamw import CompactAdamW
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 LAYERS = 3
@@ -251,6 +252,14 @@ class GroupCounterLoopMachine(LoopMachine):
     optimizer_kwargs: ClassVar[dict] = {"lr": 1e-2}
 
 
+class CompactLoopMachine(LoopMachine):
+    """The same loops with CompactAdamW (its C kernel on the CPU, its tables reused from step
+    to step while the parameters and state they point to stay the same)."""
+
+    optimizer_cls = CompactAdamW
+    optimizer_kwargs: ClassVar[dict] = ADAMW
+
+
 def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
     run_state_machine_as_test(
         machine,
@@ -271,6 +280,10 @@ def test_random_loops_plain_module():
 
 def test_random_loops_group_counter():
     _run(GroupCounterLoopMachine, examples=6, steps=10)
+
+
+def test_random_loops_compact_adamw():
+    _run(CompactLoopMachine, examples=8, steps=12)
 
 
 def test_random_loops_fsdp2(worlds):
