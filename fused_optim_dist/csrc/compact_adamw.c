@@ -49,12 +49,14 @@ enum { FLAG_WEIGHT_BF16 = 1, FLAG_GRAD_BF16 = 2, FLAG_GROUPED = 4 };
 #define MOMENTUM_LEVELS 127.0f
 #define ROOT_LEVELS 255.0f
 
-#define INLINE static inline __attribute__((always_inline))
 #if defined(__clang__)
+#define INLINE static inline __attribute__((always_inline))
 #define IVDEP _Pragma("clang loop vectorize(assume_safety)")
 #elif defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
 #define IVDEP _Pragma("GCC ivdep")
 #else
+#define INLINE static inline
 #define IVDEP
 #endif
 
