@@ -763,15 +763,18 @@ class CompactAdamW(Optimizer):
                 kind = (weight.dim() >= 2, weight.dtype, weight.device)
                 batches.setdefault(kind, []).append(item)
                 indices.setdefault(kind, []).append(index)
+            # Every batch's table first: kernel="c" refuses before any batch is stepped.
+            chosen = {
+                kind: self._kernel_table_of(batch, kind, group) for kind, batch in batches.items()
+            }
             tables = []
             for kind, batch in batches.items():
-                grouped, _, device = kind
-                if self.kernel != "eager" and device.type == "cpu":
-                    table = self._step_with_kernel(batch, grouped, group)
-                    if table is not None:
-                        tables.append((indices[kind], table, batch))
-                        continue
-                self._step_batch(batch, grouped, group)
+                table = chosen[kind]
+                if table is None:
+                    self._step_batch(batch, kind[0], group)
+                else:
+                    table.run([p.weight for p in batch], group)
+                    tables.append((indices[kind], table, batch))
             if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
                 plan = _KernelPlan(params, self.state, tables, group["weight_correction"])
                 self._remember(plan)
@@ -793,27 +796,31 @@ class CompactAdamW(Optimizer):
             self._plan_of[id(param)] = key
         self._plans[key] = plan
 
-    def _step_with_kernel(
-        self, params: list[_Param], grouped: bool, group: dict[str, Any]
+    def _kernel_table_of(
+        self,
+        params: list[_Param],
+        kind: tuple[bool, torch.dtype, torch.device],
+        group: dict[str, Any],
     ) -> _KernelTable | None:
-        """Step a batch of CPU tensors with the C kernel; returns its table, or ``None``
-        (nothing done) where the kernel cannot take it. See [Note: the C kernel] in
-        ``_compact_kernel.py``."""
-        kernel = _compact_kernel.kernel()
+        """The C kernel's table of a batch, or ``None`` where the eager path steps it (the
+        eager kernel chosen, another device, or a layout the kernel does not take: then
+        ``kernel="c"`` raises). See [Note: the C kernel] in ``_compact_kernel.py``."""
+        grouped, _, device = kind
+        if self.kernel == "eager" or device.type != "cpu":
+            return None
         keys = _ROW_KEYS if grouped else _FLAT_KEYS
         correction = group["weight_correction"] and params[0].weight.dtype == torch.bfloat16
         if correction:
             keys = ("weight_error", *keys)
-        table = _kernel_table(params, keys, grouped, correction) if kernel else None
-        if table is None:
-            if self.kernel == "c":
-                raise RuntimeError(
-                    "CompactAdamW(kernel='c') cannot step these tensors with the C kernel "
-                    f"({_compact_kernel.unavailable_reason() or _KERNEL_LAYOUT}); use "
-                    "kernel='auto' to fall back to the eager path"
-                )
-            return None
-        table.run([p.weight for p in params], group)
+        table = (
+            _kernel_table(params, keys, grouped, correction) if _compact_kernel.kernel() else None
+        )
+        if table is None and self.kernel == "c":
+            raise RuntimeError(
+                "CompactAdamW(kernel='c') cannot step these tensors with the C kernel "
+                f"({_compact_kernel.unavailable_reason() or _KERNEL_LAYOUT}); use "
+                "kernel='auto' to fall back to the eager path"
+            )
         return table
 
     def _param(self, param: torch.Tensor, grad: torch.Tensor, correction: bool) -> _Param:

@@ -129,12 +129,16 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
 
     weight = nn.Parameter(torch.randn(8, 32, dtype=torch.bfloat16))
     transposed = torch.randn(32, 8, dtype=torch.bfloat16).t()
-    optim = CompactAdamW([weight], kernel="c")
+    # A vector, whose batch (another kind) the kernel takes, comes first: it must not move.
+    taken = nn.Parameter(torch.randn(32, dtype=torch.bfloat16))
+    optim = CompactAdamW([taken, weight], kernel="c")
+    taken.grad = torch.randn(32, dtype=torch.bfloat16)
     weight.grad = transposed
-    before = weight.detach().clone()
+    before, taken_before = weight.detach().clone(), taken.detach().clone()
     with pytest.raises(RuntimeError, match=r"contiguous CPU tensors.*kernel='auto'"):
         optim.step()
-    assert torch.equal(weight.detach(), before) and not optim.state[weight]["step"]
+    for p, old in ((taken, taken_before), (weight, before)):
+        assert torch.equal(p.detach(), old) and not optim.state[p]["step"]
     auto, eager = (nn.Parameter(before.clone()) for _ in range(2))
     for p, kernel in ((auto, "auto"), (eager, "eager")):
         p.grad = transposed
