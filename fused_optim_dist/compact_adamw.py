@@ -274,6 +274,21 @@ class _Hyper(NamedTuple):
     correction: bool
     compand: bool
 
+    @classmethod
+    def of(cls, group: dict[str, Any]) -> _Hyper:
+        """A param group's hyperparameters as Python numbers (``torch.optim.AdamW`` also takes
+        tensors for them), read the same way by both paths."""
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            correction=group["weight_correction"],
+            compand=group["compand"],
+        )
+
 
 _Factor = float | torch.Tensor
 """A float, or a float32 tensor with one value per element of a batch."""
@@ -507,17 +522,17 @@ class _KernelTable(NamedTuple):
     grads: ctypes.Array
 
     def run(self, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
+        h = _Hyper.of(group)
         _compact_kernel.kernel()(  # type: ignore[misc]
             self.fields,
             self.grads,
             len(self.grads),
-            float(group["lr"]),
-            beta1,
-            beta2,
-            group["eps"],
-            group["weight_decay"],
-            int(group["compand"]),
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.eps,
+            h.weight_decay,
+            int(h.compand),
         )
         # Written through pointers: tell autograd the weights changed, as an in-place op does.
         torch.autograd.graph.increment_version(weights)
@@ -850,16 +865,7 @@ class CompactAdamW(Optimizer):
         buffers = _gather_state(params, ("step", *keys))
         steps = buffers["step"]
         steps += 1
-        beta1, beta2 = group["betas"]
-        h = _Hyper(
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            correction=correction,
-            compand=group["compand"],
-        )
+        h = _Hyper.of(group)
         groups = _Groups([p.weight.shape for p in params]) if grouped else None
         if groups is not None:
             groups.to(params[0].weight.device)

@@ -87,6 +87,29 @@ def test_same_codes_as_eager_where_a_scale_is_below_float32s_range():
         assert torch.equal(value, eager_state[key]), key
 
 
+def test_tensor_hyperparameters_step_as_their_values():
+    """``torch.optim.AdamW`` takes lr, betas, eps and weight decay as tensors: both paths step
+    with them exactly as with the same floats."""
+    as_floats = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
+    as_tensors = {
+        k: tuple(map(torch.tensor, v)) if isinstance(v, tuple) else torch.tensor(v)
+        for k, v in as_floats.items()
+    }
+    results = []
+    for kernel, kwargs in itertools.product(("c", "eager"), (as_floats, as_tensors)):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, dtype=torch.bfloat16)) for s in ((4, 32), (7,))]
+        optim = CompactAdamW(params, kernel=kernel, **kwargs)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, dtype=torch.bfloat16)
+            optim.step()
+        results.append(params)
+    for params in results[1:]:
+        for p, q in zip(params, results[0], strict=True):
+            assert torch.equal(p.detach(), q.detach())
+
+
 def test_auto_takes_the_kernel_and_tells_autograd():
     """``kernel="auto"`` steps CPU tensors with the kernel, and bumps each weight's version
     counter as an in-place op would: autograd then refuses a backward through a graph that
