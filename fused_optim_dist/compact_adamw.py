@@ -91,7 +91,7 @@ import ctypes
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -543,6 +543,14 @@ _is_contiguous = torch.Tensor.is_contiguous
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
 _is_cpu = operator.attrgetter("is_cpu")
+_PLAIN = {torch.Tensor}
+_END = object()
+_MARKER = (_END,)
+
+
+def _values(entries: Iterable[dict[str, Any]]) -> Iterable[Any]:
+    """The values of ``entries``, one after the other."""
+    return chain.from_iterable(map(dict.values, entries))
 
 
 class _KernelPlan:
@@ -554,25 +562,20 @@ class _KernelPlan:
     than the kernel spends on a small tensor. A plan keeps one table for the whole group (the
     kernel takes every layout in one call), in the group's order; only the gradients'
     addresses are written at each step. It is reused while the group holds the same
-    parameters at the same addresses, every parameter's state entry is the same dict holding
-    the same tensors (``load_state_dict``, state created or converted, a tensor replaced in an
-    entry: the step takes the full path and makes a new plan), and every parameter has a
-    contiguous CPU gradient of the dtype its table row says; otherwise nothing is stepped
-    through it. The checks are C-level ``map``s over the parameters (a Python loop cost about
-    3 us per parameter). A plan holds the tensors it points to, so none is freed while it is
-    kept, and there is one plan per parameter (``CompactAdamW._remember``).
+    parameters (the plan's key) at the same addresses, their state entries hold the same
+    tensors in the same order (``load_state_dict``, state created or converted, a tensor
+    replaced, added or removed, an entry dropped: the step takes the full path and makes a new
+    plan), and every parameter has a contiguous CPU gradient of the dtype its table row says;
+    otherwise nothing is stepped through it. The entries are checked in one pass: their values
+    one after the other, then an end marker, against the plan's tensors and the same marker,
+    so that an entry that lost its last tensors (or the last entry emptied) puts the marker
+    where the plan holds a tensor. The checks are C-level ``map``s over the parameters (a
+    Python loop cost about 3 us per parameter). A plan holds the tensors it points to, so none
+    is freed while it is kept (nor its address reused), and there is one plan per parameter
+    (``CompactAdamW._remember``).
     """
 
-    __slots__ = (
-        "addresses",
-        "correction",
-        "dtypes",
-        "entries",
-        "params",
-        "table",
-        "tensors",
-        "weights",
-    )
+    __slots__ = ("addresses", "correction", "dtypes", "params", "table", "tensors", "weights")
 
     def __init__(
         self,
@@ -584,8 +587,7 @@ class _KernelPlan:
         self.params = tuple(params)
         self.correction = correction
         self.addresses = list(map(_data_ptr, params))
-        self.entries = tuple(map(state.__getitem__, params))
-        self.tensors = self._tensors(self.entries)
+        self.tensors = [*_values(map(state.__getitem__, params)), _END]
         # The batches' rows, back in the group's order.
         width = _compact_kernel.FIELDS
         rows = sorted(
@@ -606,26 +608,22 @@ class _KernelPlan:
         if any(item.param is not item.weight for item in items):
             self.params = ()  # DTensors: their local tensors are not the group's tensors
 
-    @staticmethod
-    def _tensors(entries: Iterable[dict[str, Any]]) -> list[Any]:
-        return list(chain.from_iterable(map(dict.values, entries)))
-
     def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
         """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
         params = group["params"]
-        if group["weight_correction"] != self.correction or len(params) != len(self.entries):
+        if group["weight_correction"] != self.correction:
             return False
-        entries = list(map(state.get, params))
-        if not all(map(operator.is_, entries, self.entries)):
-            return False
-        tensors = self._tensors(entries)
-        if len(tensors) != len(self.tensors) or not all(map(operator.is_, tensors, self.tensors)):
+        try:
+            values = chain(_values(map(state.get, params)), _MARKER)
+            if not all(map(operator.is_, values, self.tensors)):
+                return False
+        except TypeError:  # a parameter without an entry: dict.values(None)
             return False
         if list(map(_data_ptr, params)) != self.addresses:
             return False
         grads = list(map(_grad, params))
         if not (
-            all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))  # none missing
+            set(map(type, grads)) == _PLAIN  # none missing
             and all(map(operator.is_, map(_dtype, grads), self.dtypes))
             and all(map(_is_cpu, grads))
             and all(map(_is_contiguous, grads))

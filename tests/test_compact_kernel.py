@@ -171,9 +171,9 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
 
 def test_reused_tables_follow_replaced_state():
     """The kernel's tables are reused from step to step ([Note: reused kernel tables]) only
-    while they point at the group's current tensors: a state tensor replaced in its entry, a
-    state dict loaded, a parameter set changed, a gradient of another dtype all give what the
-    eager path gives."""
+    while they point at the group's current tensors: a state tensor replaced in its entry, an
+    entry dropped, a tensor removed from an entry, a state dict loaded, a parameter set
+    changed, a gradient of another dtype all give what the eager path gives."""
     runs = {}
     for kernel in ("c", "eager"):
         params, optim = _train(kernel, torch.bfloat16, torch.bfloat16, True, True)
@@ -181,6 +181,10 @@ def test_reused_tables_follow_replaced_state():
         entry = optim.state[first]
         entry["exp_avg_code"] = entry["exp_avg_code"].clone()
         first.grad = torch.randn(first.shape, dtype=torch.bfloat16)
+        optim.step()
+        del optim.state[params[1]]  # starts again from zero state
+        optim.state[params[3]].pop("weight_error")  # starts again from a zero error
+        optim.state[params[-1]].clear()  # the group's last entry: starts again from zero
         optim.step()
         optim.load_state_dict(copy.deepcopy(optim.state_dict()))
         optim.step()
