@@ -90,7 +90,7 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -99,7 +99,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from fused_optim_dist import _compact_kernel
+from fused_optim_dist import _compact_compiled, _compact_kernel
 from fused_optim_dist._kinds import declare_stepping, per_parameter_state
 from fused_optim_dist._stepping import _placed_like
 from fused_optim_dist._torch_internals import holds_values
@@ -378,14 +378,33 @@ def _update(
     groups: _Groups | None,
     h: _Hyper,
     corrections: tuple[_Factor, _Factor],
+    update_flat: _FlatUpdate,
 ) -> None:
-    """Step ``params`` (one kind and dtype) on their flat state ``buffers``: the update of the
-    whole batch in whole-tensor ops, one call each."""
+    """Step ``params`` (one kind and dtype) on their flat state ``buffers``: the weights and
+    gradients gathered into float32 buffers, ``update_flat`` (:func:`_update_flat`, eager or
+    compiled) on them, the new weights copied back."""
     weights = [p.weight for p in params]
     g = _flat_float32([p.grad for p in params])
     x = _flat_float32(weights)
-    correction = h.correction and weights[0].dtype == torch.bfloat16
-    if correction:
+    split = h.correction and weights[0].dtype == torch.bfloat16
+    high = update_flat(x, g, buffers, groups, h, corrections, split)
+    torch._foreach_copy_(weights, _unflatten_dense_tensors(high, weights))
+
+
+def _update_flat(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    buffers: dict[str, torch.Tensor],
+    groups: _Groups | None,
+    h: _Hyper,
+    corrections: tuple[_Factor, _Factor],
+    split: bool,
+) -> torch.Tensor:
+    """The update of a whole batch in whole-tensor ops, one call each: float32 weights ``x``
+    (bfloat16 values, their error in ``buffers`` where ``split``) and gradients ``g``, flat;
+    the state ``buffers`` decoded, updated and encoded in place. Returns the new weights, flat
+    (bfloat16 where ``split``)."""
+    if split:
         # x holds the bfloat16 bits in its upper half: add the error below them.
         x.view(torch.int32).add_(buffers["weight_error"].to(torch.int32).bitwise_left_shift_(8))
     if groups is None:  # parameters of at most one dim: 24-bit moments
@@ -402,23 +421,35 @@ def _update(
             c if isinstance(c, float) else groups.view(c) for c in corrections
         )
     root = _adamw(x, g, m, v, h, corrections)
-    x = x.view(-1)
-    if correction:
-        high, error = _split24(x)
+    high = x.view(-1)
+    if split:
+        high, error = _split24(high)
         buffers["weight_error"].copy_(error)
-    else:
-        high = x
-    torch._foreach_copy_(weights, _unflatten_dense_tensors(high, weights))
     if groups is None:
         for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
-            high, error = _split24(value)
-            buffers[key].copy_(high)
+            moment, error = _split24(value)
+            buffers[key].copy_(moment)
             buffers[f"{key}_error"].copy_(error)
     else:
         _encode_momentum(m, groups, buffers["exp_avg_code"], buffers["exp_avg_scale"], h.compand)
         _encode_root(
             root, groups, buffers["exp_avg_sq_root_code"], buffers["exp_avg_sq_root_scale"]
         )
+    return high
+
+
+_FlatUpdate = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        dict[str, torch.Tensor],
+        "_Groups | None",
+        _Hyper,
+        tuple[_Factor, _Factor],
+        bool,
+    ],
+    torch.Tensor,
+]
 
 
 # ------------------------------------------------------------------------------ flat state
@@ -661,8 +692,10 @@ class CompactAdamW(Optimizer):
         kernel: ``"auto"`` steps CPU tensors with the C kernel (built on first use, see
             [Note: the C kernel] in ``_compact_kernel.py``) when it is available and takes
             them, with the eager path otherwise; ``"c"`` requires the C kernel for CPU tensors
-            (raises here if it cannot be built); ``"eager"`` always takes the eager path. Both
-            give the same bits.
+            (raises here if it cannot be built); ``"compile"`` steps every batch, on any device,
+            with the eager path's update compiled by ``torch.compile`` (optional, see [Note:
+            compiling the flat update] in ``_compact_compiled.py``; the first steps compile
+            it); ``"eager"`` always takes the eager path. All give the same bits.
 
     ``state[p]`` holds ``step`` (a float32 CPU scalar, as AdamW's) and the tensors named in the
     module's table, created at ``p``'s first step. ``load_state_dict`` also takes a
@@ -761,7 +794,7 @@ class CompactAdamW(Optimizer):
             raise TypeError("CompactAdamW.step takes no closure")
         for group in self.param_groups:
             params = group["params"]
-            if self.kernel != "eager":
+            if self.kernel in _C_KERNELS:
                 plan = self._plans.get(tuple(map(id, params)))
                 if plan is not None and plan.step(self.state, group):
                     continue
@@ -819,7 +852,7 @@ class CompactAdamW(Optimizer):
         eager kernel chosen, another device, or a layout the kernel does not take: then
         ``kernel="c"`` raises). See [Note: the C kernel] in ``_compact_kernel.py``."""
         grouped, _, device = kind
-        if self.kernel == "eager" or device.type != "cpu":
+        if self.kernel not in _C_KERNELS or device.type != "cpu":
             return None
         keys = _ROW_KEYS if grouped else _FLAT_KEYS
         correction = group["weight_correction"] and params[0].weight.dtype == torch.bfloat16
@@ -868,7 +901,10 @@ class CompactAdamW(Optimizer):
         if groups is not None:
             groups.to(params[0].weight.device)
         corrections = _bias_corrections(params, _step_counts(steps), h)
-        _update(params, buffers, groups, h, corrections)
+        update_flat = _update_flat
+        if self.kernel == "compile":
+            update_flat = _compact_compiled.compiled(_update_flat)
+        _update(params, buffers, groups, h, corrections, update_flat)
         _scatter_state(params, buffers)
 
 
@@ -882,7 +918,8 @@ def _step_counts(steps: torch.Tensor) -> list[float]:
     return steps.tolist()
 
 
-_KERNELS = ("auto", "c", "eager")
+_KERNELS = ("auto", "c", "compile", "eager")
+_C_KERNELS = ("auto", "c")
 _KERNEL_LAYOUT = (
     "it takes contiguous CPU tensors, bfloat16 or float32 gradients and float32 CPU step counters"
 )

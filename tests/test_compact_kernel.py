@@ -10,38 +10,11 @@ import itertools
 
 import pytest
 import torch
+from _compact_runs import assert_same_run, train
 from torch import nn
 
 from fused_optim_dist import _compact_kernel
 from fused_optim_dist.compact_adamw import CompactAdamW
-
-SHAPES = [(64, 96), (10, 70), (3, 33), (0, 64), (128,), (5,), (2, 3, 16), (), (3, 1100), (2, 2048)]
-"""Rows of whole groups, rows ending in a short group, an empty local shard, vectors, a 3-dim
-tensor (rows of 48), a scalar, rows longer than the kernel's span of 32 groups (1,024
-elements) ending in a short span and a short group, and rows of whole spans."""
-
-
-def _train(kernel: str, weight_dtype, grad_dtype, correction: bool, compand: bool):
-    torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(s).to(weight_dtype)) for s in SHAPES]
-    optim = CompactAdamW(
-        [{"params": params[:4]}, {"params": params[4:], "lr": 3e-3, "weight_decay": 0.0}],
-        lr=1e-2,
-        weight_decay=0.1,
-        weight_correction=correction,
-        compand=compand,
-        kernel=kernel,
-    )
-    for step in range(6):
-        for index, p in enumerate(params):
-            p.grad_dtype = None
-            # Gradients from tiny to huge (the codes' whole range), some missing at step 2 so
-            # that step counts differ within a batch from then on.
-            scale = 10.0 ** (step - 3)
-            missing = step == 2 and index % 3 == 1
-            p.grad = None if missing else (torch.randn(p.shape) * scale).to(grad_dtype)
-        optim.step()
-    return params, optim
 
 
 @pytest.mark.parametrize(
@@ -57,15 +30,7 @@ def _train(kernel: str, weight_dtype, grad_dtype, correction: bool, compand: boo
 )  # fmt: skip
 def test_same_bits_as_eager(weight_dtype, grad_dtype, correction, compand):
     args = (weight_dtype, grad_dtype, correction, compand)
-    c_params, c_optim = _train("c", *args)
-    eager_params, eager_optim = _train("eager", *args)
-    for p, q in zip(c_params, eager_params, strict=True):
-        assert torch.equal(p.detach(), q.detach()), p.shape
-        c_state, eager_state = c_optim.state[p], eager_optim.state[q]
-        assert c_state.keys() == eager_state.keys()
-        for key, value in c_state.items():
-            assert value.dtype == eager_state[key].dtype, key
-            assert torch.equal(value, eager_state[key]), (p.shape, key)
+    assert_same_run(train("c", *args), train("eager", *args))
 
 
 def test_same_codes_as_eager_where_a_scale_is_below_float32s_range():
@@ -137,12 +102,12 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
     """No compiler: ``"auto"`` takes the eager path (the same bits), ``"c"`` refuses at
     construction. A non-contiguous gradient: ``"auto"`` takes the eager path for that batch,
     ``"c"`` refuses at the step, before anything moves."""
-    reference, _ = _train("eager", torch.bfloat16, torch.bfloat16, True, True)
+    reference, _ = train("eager", torch.bfloat16, torch.bfloat16, True, True)
     monkeypatch.setattr(_compact_kernel, "_loaded", None)
     monkeypatch.setattr(_compact_kernel, "_reason", None)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("FUSED_OPTIM_DIST_CACHE", str(tmp_path))  # nothing built there yet
-    params, _ = _train("auto", torch.bfloat16, torch.bfloat16, True, True)
+    params, _ = train("auto", torch.bfloat16, torch.bfloat16, True, True)
     assert "failed" in _compact_kernel.unavailable_reason()
     for p, q in zip(params, reference, strict=True):
         assert torch.equal(p.detach(), q.detach())
@@ -176,7 +141,7 @@ def test_reused_tables_follow_replaced_state():
     changed, a gradient of another dtype all give what the eager path gives."""
     runs = {}
     for kernel in ("c", "eager"):
-        params, optim = _train(kernel, torch.bfloat16, torch.bfloat16, True, True)
+        params, optim = train(kernel, torch.bfloat16, torch.bfloat16, True, True)
         first = params[0]
         entry = optim.state[first]
         entry["exp_avg_code"] = entry["exp_avg_code"].clone()
@@ -193,11 +158,7 @@ def test_reused_tables_follow_replaced_state():
         params[2].grad = torch.randn(params[2].shape)  # float32, where the table says bfloat16
         optim.step()
         runs[kernel] = params, optim
-    (c_params, c_optim), (eager_params, eager_optim) = runs["c"], runs["eager"]
-    for p, q in zip(c_params, eager_params, strict=True):
-        assert torch.equal(p.detach(), q.detach()), p.shape
-        for key, value in c_optim.state[p].items():
-            assert torch.equal(value, eager_optim.state[q][key]), (p.shape, key)
+    assert_same_run(runs["c"], runs["eager"])
 
 
 def test_refuses_an_unknown_kernel():

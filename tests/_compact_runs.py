@@ -1,0 +1,62 @@
+"""A short CompactAdamW run over awkward shapes, and the check that two runs end bit for bit
+alike: how each of its paths (C kernel, compiled, eager) is tested against the eager one."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fused_optim_dist.compact_adamw import CompactAdamW
+
+SHAPES = [(64, 96), (10, 70), (3, 33), (0, 64), (128,), (5,), (2, 3, 16), (), (3, 1100), (2, 2048)]
+"""Rows of whole groups, rows ending in a short group, an empty local shard, vectors, a 3-dim
+tensor (rows of 48), a scalar, rows longer than the kernel's span of 32 groups (1,024
+elements) ending in a short span and a short group, and rows of whole spans."""
+
+
+def train(
+    kernel: str,
+    weight_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    correction: bool,
+    compand: bool,
+    device: str = "cpu",
+) -> tuple[list[nn.Parameter], CompactAdamW]:
+    """Six steps on two param groups, the learning rate warmed up at every step."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s).to(device, weight_dtype)) for s in SHAPES]
+    optim = CompactAdamW(
+        [{"params": params[:4]}, {"params": params[4:], "lr": 3e-3, "weight_decay": 0.0}],
+        lr=1e-2,
+        weight_decay=0.1,
+        weight_correction=correction,
+        compand=compand,
+        kernel=kernel,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: (step + 1) / 6)
+    for step in range(6):
+        for index, p in enumerate(params):
+            p.grad_dtype = None
+            # Gradients from tiny to huge (the codes' whole range), some missing at step 2 so
+            # that step counts differ within a batch from then on.
+            scale = 10.0 ** (step - 3)
+            missing = step == 2 and index % 3 == 1
+            grad = torch.randn(p.shape) * scale
+            p.grad = None if missing else grad.to(device, grad_dtype)
+        optim.step()
+        schedule.step()
+    return params, optim
+
+
+def assert_same_run(
+    run: tuple[list[nn.Parameter], CompactAdamW], reference: tuple[list[nn.Parameter], CompactAdamW]
+) -> None:
+    """The same weights and the same state, key by key, dtype and bits."""
+    (params, optim), (ref_params, ref_optim) = run, reference
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p.detach(), q.detach()), p.shape
+        state, ref_state = optim.state[p], ref_optim.state[q]
+        assert state.keys() == ref_state.keys()
+        for key, value in state.items():
+            assert value.dtype == ref_state[key].dtype, key
+            assert torch.equal(value, ref_state[key]), (p.shape, key)
