@@ -11,6 +11,8 @@ call per unit. A step updates every unit; its cost is the main thread's CPU time
 * ``compact-c``: ``CompactAdamW(kernel="c").step()`` per unit on bfloat16 weights and
   gradients: the C kernel (``fused_optim_dist/csrc/compact_adamw.c``), what ``kernel="auto"``
   takes on the CPU;
+* ``compact-compile``: ``CompactAdamW(kernel="compile").step()``, the eager path's update
+  compiled by ``torch.compile`` (Inductor's C++ on the CPU; compiled before the rounds);
 * ``compact-eager``: ``CompactAdamW(kernel="eager").step()``, the fallback in whole-tensor
   PyTorch ops (no compiler).
 
@@ -20,7 +22,7 @@ over the rounds. Then the share of the C path's time inside its kernel, and a pr
 eager path (``torch.profiler``, self CPU time by op), say where the time goes. Single
 process, one thread::
 
-    python benchmarks/compact_adamw_cost.py                          # ~2 min
+    python benchmarks/compact_adamw_cost.py                          # ~3 min
     python benchmarks/compact_adamw_cost.py --shapes many-tiny --rounds 1 --out /tmp/cost
 """
 
@@ -51,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SHAPES = ("many-tiny", "many-small", "few-large", "llama-12x256")
 MS_PER_S = 1e3
 KWARGS = dict(lr=1e-4, weight_decay=0.01)
-KERNELS = ("c", "eager")
+KERNELS = ("c", "compile", "eager")
 BASELINE = "adamw-fused"
 COMPACT = tuple(f"compact-{kernel}" for kernel in KERNELS)
 
@@ -107,8 +109,9 @@ def _fused_adamw(units: list[list[torch.Tensor]]) -> Callable[[], None]:
 
 def _compact(units: list[list[torch.Tensor]], kernel: str) -> Callable[[], None]:
     optims = [CompactAdamW(shards, kernel=kernel, **KWARGS) for shards in units]
-    for optim in optims:
-        optim.step()
+    for _ in range(2):  # state created, tables built, graphs compiled
+        for optim in optims:
+            optim.step()
     # The step without Optimizer's profiling and hook wrapper, as OptimizerInBackward runs it.
     unwrapped = CompactAdamW.step.__wrapped__
 

@@ -894,8 +894,9 @@ class CompactAdamW(Optimizer):
         if correction and params[0].weight.dtype == torch.bfloat16:
             keys = ("weight_error", *keys)
         buffers = _gather_state(params, ("step", *keys))
-        steps = buffers["step"]
-        steps += 1
+        # A new tensor: the buffer of a batch of one parameter is a view of its state, and a
+        # failed update (a compilation that fails, say) must not leave its step counted.
+        steps = buffers["step"] + 1
         h = _Hyper.of(group)
         groups = _Groups([p.weight.shape for p in params]) if grouped else None
         if groups is not None:
@@ -905,6 +906,7 @@ class CompactAdamW(Optimizer):
         if self.kernel == "compile":
             update_flat = _compact_compiled.compiled(_update_flat)
         _update(params, buffers, groups, h, corrections, update_flat)
+        buffers["step"] = steps
         _scatter_state(params, buffers)
 
 

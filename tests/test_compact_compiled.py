@@ -76,3 +76,28 @@ def test_in_backward_equals_eager_after_backward():
         after.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_without_a_compiler_the_first_step_raises_and_moves_nothing():
+    """Inductor without its C++ compiler: the first step raises Inductor's error and leaves the
+    weights and state (step counts included) as they were."""
+    torch._dynamo.reset()  # graphs compiled by other tests would be reused
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, dtype=torch.bfloat16)) for s in [(4, 64), (64,)]]
+    optim = CompactAdamW(params, kernel="compile")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optim.step()
+    before = copy.deepcopy((params, optim.state_dict()))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    torch._dynamo.reset()
+    inductor = {"cpp.cxx": (None, "/nonexistent/c++"), "force_disable_caches": True}
+    with torch._inductor.config.patch(inductor), pytest.raises(Exception, match="C\\+\\+ compiler"):
+        optim.step()
+    torch._dynamo.reset()
+    for p, q in zip(params, before[0], strict=True):
+        assert torch.equal(p.detach(), q.detach())
+    for index, entry in optim.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, before[1]["state"][index][key]), (index, key)
