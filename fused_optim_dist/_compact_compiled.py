@@ -24,18 +24,17 @@ marked ``gpu``.
 It is compiled with ``dynamic=True``: sizes and Python floats (hyperparameters, bias
 corrections) are graph inputs from the first call, so one graph serves every unit of a model
 and every step. With the default, Dynamo makes the floats constants of the graph, and a
-learning-rate schedule recompiled at every step. A run needs a handful of graphs
-(matrices and vectors, rows that are multiples of 32 or not, one or several step counts in a
-batch, weights with or without an error); Dynamo's default limit of 8 per function is raised
-for this function, since the limit's fallback (the eager function, the same bits) would hide
-a slow step.
+learning-rate schedule recompiled at every step. A run needs a handful of graphs (matrices
+and vectors, rows that are multiples of 32 or not, one or several step counts in a batch,
+weights with or without an error); past Dynamo's limit of graphs per function
+(``torch._dynamo.config.recompile_limit``, 8) Dynamo warns and runs the function uncompiled:
+the same bits, slower.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -48,17 +47,8 @@ OPTIONS = {
 }
 """Inductor options of the compiled update. See [Note: compiling the flat update]."""
 
-_RECOMPILE_LIMIT = 64
-
 
 @functools.cache
 def compiled(update_flat: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``update_flat`` (``compact_adamw._update_flat``) compiled, once per process."""
-    compiled_update = torch.compile(update_flat, dynamic=True, options=OPTIONS)
-
-    @functools.wraps(update_flat)
-    def run(*args: Any) -> torch.Tensor:
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return compiled_update(*args)
-
-    return run
+    return torch.compile(update_flat, dynamic=True, options=OPTIONS)
