@@ -14,6 +14,21 @@ a stranger's store. ``rendezvous_store`` instead binds the store's server on por
 calling process, so the operating system picks a port that is already ours, and the ranks join
 that server as clients (``join_store``). The caller keeps the server alive while the ranks run:
 process groups created later (device meshes, ``new_group``) rendezvous through it too.
+
+[Note: a rank ends without interpreter finalization]
+``destroy_process_group`` drops c10d's own references to the groups, not the others: FSDP2's
+param groups hold their mesh's process group (torch 2.13), and in the scaling benchmark's
+ranks FSDP2's param groups were still alive after ``destroy_process_group`` and
+``gc.collect()`` (the per-parameter method's gradient hooks keep its model). What is still
+alive is torn down during interpreter finalization, after Python has started dismantling
+itself, and a gloo group or thread torn down there can abort the process with "terminate
+called without an active exception" (as pytorch#190489 shows for a group never destroyed).
+This was seen in the quick scaling run after the ranks had met in the barrier below: once in
+a full test run and once in 50 runs under load, the rank's result already written. A rank
+whose body returned has nothing left to do once its group is destroyed and its result is on
+disk, so it leaves with ``os._exit(0)``, as multiprocessing's forked children do: no
+finalization, no destructor racing a background thread. A failing body still raises through
+``torch.multiprocessing.spawn``'s error handling.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +114,10 @@ def _entry(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # See [Note: a rank ends without interpreter finalization].
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world_size: int, body: Callable[..., T], *args: Any, device: str = "cpu") -> T:
