@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from benchmarks import soak
 from fused_optim_dist_recipes.metrics import KIB
@@ -64,6 +65,17 @@ def test_probes_see_what_is_alive():
     assert soak.rss_bytes() - rss > 12 * MIB
     touched.close()
     del held, view
+
+
+def test_probes_skip_fake_tensors():
+    """A fake tensor holds no memory, and reading its storage's address raises: the probe counts
+    it as a tensor and adds no bytes (``torch.compile`` run earlier in the process leaves some
+    alive in its caches)."""
+    count, nbytes = soak.live_tensors()
+    with FakeTensorMode():
+        fake = torch.zeros(1000)
+    assert soak.live_tensors() == (count + 1, nbytes)
+    del fake
 
 
 def test_config_rejects_runs_without_enough_samples():
