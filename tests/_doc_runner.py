@@ -8,6 +8,7 @@ Usage: ``torchrun --standalone --nproc_per_node 2 tests/_doc_runner.py OUT_DIR F
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import traceback
@@ -111,4 +112,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # What the blocks built (FSDP2 modules holding their process groups) would otherwise be torn
+    # down during interpreter finalization: see [Note: a rank ends without interpreter
+    # finalization] in fused_optim_dist_recipes/launch.py.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
