@@ -271,13 +271,12 @@ class _Hyper(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
-    correction: bool
     compand: bool
 
     @classmethod
     def of(cls, group: dict[str, Any]) -> _Hyper:
         """A param group's hyperparameters as Python numbers (``torch.optim.AdamW`` also takes
-        tensors for them), read the same way by both paths."""
+        tensors for them), read the same way by every path."""
         beta1, beta2 = group["betas"]
         return cls(
             lr=float(group["lr"]),
@@ -285,7 +284,6 @@ class _Hyper(NamedTuple):
             beta2=float(beta2),
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
-            correction=group["weight_correction"],
             compand=group["compand"],
         )
 
@@ -386,8 +384,7 @@ def _update(
     weights = [p.weight for p in params]
     g = _flat_float32([p.grad for p in params])
     x = _flat_float32(weights)
-    split = h.correction and weights[0].dtype == torch.bfloat16
-    high = update_flat(x, g, buffers, groups, h, corrections, split)
+    high = update_flat(x, g, buffers, groups, h, corrections)
     torch._foreach_copy_(weights, _unflatten_dense_tensors(high, weights))
 
 
@@ -398,12 +395,12 @@ def _update_flat(
     groups: _Groups | None,
     h: _Hyper,
     corrections: tuple[_Factor, _Factor],
-    split: bool,
 ) -> torch.Tensor:
     """The update of a whole batch in whole-tensor ops, one call each: float32 weights ``x``
-    (bfloat16 values, their error in ``buffers`` where ``split``) and gradients ``g``, flat;
-    the state ``buffers`` decoded, updated and encoded in place. Returns the new weights, flat
-    (bfloat16 where ``split``)."""
+    (bfloat16 values, their error in ``buffers["weight_error"]`` where it is there) and
+    gradients ``g``, flat; the state ``buffers`` decoded, updated and encoded in place. Returns
+    the new weights, flat (bfloat16 where they keep an error)."""
+    split = "weight_error" in buffers
     if split:
         # x holds the bfloat16 bits in its upper half: add the error below them.
         x.view(torch.int32).add_(buffers["weight_error"].to(torch.int32).bitwise_left_shift_(8))
@@ -446,7 +443,6 @@ _FlatUpdate = Callable[
         "_Groups | None",
         _Hyper,
         tuple[_Factor, _Factor],
-        bool,
     ],
     torch.Tensor,
 ]
@@ -854,12 +850,11 @@ class CompactAdamW(Optimizer):
         grouped, _, device = kind
         if self.kernel not in _C_KERNELS or device.type != "cpu":
             return None
-        keys = _ROW_KEYS if grouped else _FLAT_KEYS
-        correction = group["weight_correction"] and params[0].weight.dtype == torch.bfloat16
-        if correction:
-            keys = ("weight_error", *keys)
+        keys = _batch_keys(grouped, group, params[0].weight)
         table = (
-            _kernel_table(params, keys, grouped, correction) if _compact_kernel.kernel() else None
+            _kernel_table(params, keys, grouped, "weight_error" in keys)
+            if _compact_kernel.kernel()
+            else None
         )
         if table is None and self.kernel == "c":
             raise RuntimeError(
@@ -889,10 +884,7 @@ class CompactAdamW(Optimizer):
         return _Param(param, local, grad, dict(entry))
 
     def _step_batch(self, params: list[_Param], grouped: bool, group: dict[str, Any]) -> None:
-        correction = group["weight_correction"]
-        keys = _ROW_KEYS if grouped else _FLAT_KEYS
-        if correction and params[0].weight.dtype == torch.bfloat16:
-            keys = ("weight_error", *keys)
+        keys = _batch_keys(grouped, group, params[0].weight)
         buffers = _gather_state(params, ("step", *keys))
         # A new tensor: the buffer of a batch of one parameter is a view of its state, and a
         # failed update (a compilation that fails, say) must not leave its step counted.
@@ -908,6 +900,15 @@ class CompactAdamW(Optimizer):
         _update(params, buffers, groups, h, corrections, update_flat)
         buffers["step"] = steps
         _scatter_state(params, buffers)
+
+
+def _batch_keys(grouped: bool, group: dict[str, Any], weight: torch.Tensor) -> tuple[str, ...]:
+    """The state keys a batch's update reads and writes (``step`` aside): its moments', and
+    ``weight_error`` where its bfloat16 weights keep one."""
+    keys = _ROW_KEYS if grouped else _FLAT_KEYS
+    if group["weight_correction"] and weight.dtype == torch.bfloat16:
+        keys = ("weight_error", *keys)
+    return keys
 
 
 def _step_counts(steps: torch.Tensor) -> list[float]:
