@@ -589,20 +589,37 @@ class _KernelPlan:
     than the kernel spends on a small tensor. A plan keeps one table for the whole group (the
     kernel takes every layout in one call), in the group's order; only the gradients'
     addresses are written at each step. It is reused while the group holds the same
-    parameters (the plan's key) at the same addresses, their state entries hold the same
-    tensors in the same order (``load_state_dict``, state created or converted, a tensor
-    replaced, added or removed, an entry dropped: the step takes the full path and makes a new
-    plan), and every parameter has a contiguous CPU gradient of the dtype its table row says;
-    otherwise nothing is stepped through it. The entries are checked in one pass: their values
-    one after the other, then an end marker, against the plan's tensors and the same marker,
-    so that an entry that lost its last tensors (or the last entry emptied) puts the marker
-    where the plan holds a tensor. The checks are C-level ``map``s over the parameters (a
-    Python loop cost about 3 us per parameter). A plan holds the tensors it points to, so none
-    is freed while it is kept (nor its address reused), and there is one plan per parameter
-    (``CompactAdamW._remember``).
+    parameters at the same addresses, their state entries hold the same tensors in the same
+    order (``load_state_dict``, state created or converted, a tensor replaced, added or removed,
+    an entry dropped: the step takes the full path and makes a new plan), and every parameter
+    has a contiguous CPU gradient of the dtype its table row says; otherwise nothing is stepped
+    through it. The checks are C-level ``map``s over the parameters (a Python loop cost about
+    3 us per parameter):
+
+    * the entries: looking each one up costs about 140 ns (``Tensor.__hash__`` is Python), so
+      the plan keeps a snapshot of the whole ``state`` (its keys and entries, in order) and
+      compares identities, about 30 ns per entry, looking the group's entries up only when the
+      snapshot differs (then taking a new one if they are the same). A state much larger than
+      the group (many groups) is looked up directly.
+    * the entries' values, one after the other and then an end marker, against the plan's
+      tensors and the same marker, so that an entry that lost its last tensors (or the last
+      entry emptied) puts the marker where the plan holds a tensor.
+
+    A plan holds the tensors it points to, so none is freed while it is kept (nor its address
+    reused), and there is one plan per parameter (``CompactAdamW._remember``).
     """
 
-    __slots__ = ("addresses", "correction", "dtypes", "params", "table", "tensors", "weights")
+    __slots__ = (
+        "addresses",
+        "correction",
+        "dtypes",
+        "entries",
+        "params",
+        "snapshot",
+        "table",
+        "tensors",
+        "weights",
+    )
 
     def __init__(
         self,
@@ -614,7 +631,9 @@ class _KernelPlan:
         self.params = tuple(params)
         self.correction = correction
         self.addresses = list(map(_data_ptr, params))
-        self.tensors = [*_values(map(state.__getitem__, params)), _END]
+        self.entries = list(map(state.__getitem__, params))
+        self.tensors = [*_values(self.entries), _END]
+        self.snapshot: tuple[int, list[Any], list[Any]] | None = None
         # The batches' rows, back in the group's order.
         width = _compact_kernel.FIELDS
         rows = sorted(
@@ -638,15 +657,14 @@ class _KernelPlan:
     def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
         """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
         params = group["params"]
-        if group["weight_correction"] != self.correction:
-            return False
-        try:
-            values = chain(_values(map(state.get, params)), _MARKER)
-            if not all(map(operator.is_, values, self.tensors)):
-                return False
-        except TypeError:  # a parameter without an entry: dict.values(None)
-            return False
-        if list(map(_data_ptr, params)) != self.addresses:
+        if not (
+            group["weight_correction"] == self.correction
+            and len(params) == len(self.params)
+            and all(map(operator.is_, params, self.params))
+            and self._same_entries(state)
+            and all(map(operator.is_, chain(_values(self.entries), _MARKER), self.tensors))
+            and list(map(_data_ptr, params)) == self.addresses
+        ):
             return False
         grads = list(map(_grad, params))
         if not (
@@ -659,6 +677,29 @@ class _KernelPlan:
         self.table.grads[:] = list(map(_data_ptr, grads))
         self.table.run(self.weights, group)
         return True
+
+    def _same_entries(self, state: dict[torch.Tensor, dict[str, Any]]) -> bool:
+        """Whether ``state`` maps the plan's parameters to its entries. See [Note: reused
+        kernel tables]."""
+        snapshot = self.snapshot
+        if (
+            snapshot is not None
+            and snapshot[0] == id(state)
+            and len(state) == len(snapshot[1])
+            and all(map(operator.is_, state, snapshot[1]))
+            and all(map(operator.is_, state.values(), snapshot[2]))
+        ):
+            return True
+        if not all(map(operator.is_, map(state.get, self.params), self.entries)):
+            return False
+        if len(state) <= _SNAPSHOT_SIZE * len(self.params):
+            self.snapshot = (id(state), list(state), list(state.values()))
+        return True
+
+
+_SNAPSHOT_SIZE = 4
+"""A plan snapshots a ``state`` of at most this many times its group's parameters: comparing a
+larger one costs more than looking the group's entries up."""
 
 
 @per_parameter_state
@@ -720,8 +761,9 @@ class CompactAdamW(Optimizer):
                 "the eager path"
             )
         self.kernel = kernel
-        self._plans: dict[tuple[int, ...], _KernelPlan] = {}
-        self._plan_of: dict[int, tuple[int, ...]] = {}
+        # Kernel plans by the id of their group's ``params`` list, and that id by parameter id.
+        self._plans: dict[int, _KernelPlan] = {}
+        self._plan_of: dict[int, int] = {}
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if eps < 0.0:
@@ -779,64 +821,76 @@ class CompactAdamW(Optimizer):
                 if f"{key}_error" in entry and entry[key].dtype != torch.bfloat16:
                     entry[key] = entry[key].to(torch.bfloat16)
 
-    @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Step every parameter holding a gradient; state is created at its first step.
 
         The parameters of a param group are stepped together, one batch per kind (matrices,
-        vectors), dtype and device, each in one pass of whole-tensor ops.
+        vectors), dtype and device, each in one pass of whole-tensor ops. A group stepped by
+        the C kernel at its previous step goes through its reused table, which runs no torch
+        op ([Note: reused kernel tables]); the rest under ``no_grad``.
         """
         if closure is not None:
             raise TypeError("CompactAdamW.step takes no closure")
         for group in self.param_groups:
-            params = group["params"]
             if self.kernel in _C_KERNELS:
-                plan = self._plans.get(tuple(map(id, params)))
+                plan = self._plans.get(id(group["params"]))
                 if plan is not None and plan.step(self.state, group):
                     continue
-            batches: dict[tuple[bool, torch.dtype, torch.device], list[_Param]] = {}
-            indices: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
-            for index, param in enumerate(params):
-                grad = param.grad
-                if grad is None:
-                    continue
-                item = self._param(param, grad, group["weight_correction"])
-                weight = item.weight
-                kind = (weight.dim() >= 2, weight.dtype, weight.device)
-                batches.setdefault(kind, []).append(item)
-                indices.setdefault(kind, []).append(index)
-            # Every batch's table first: kernel="c" refuses before any batch is stepped.
-            chosen = {
-                kind: self._kernel_table_of(batch, kind, group) for kind, batch in batches.items()
-            }
-            tables = []
-            for kind, batch in batches.items():
-                table = chosen[kind]
-                if table is None:
-                    self._step_batch(batch, kind[0], group)
-                else:
-                    table.run([p.weight for p in batch], group)
-                    tables.append((indices[kind], table, batch))
-            if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
-                plan = _KernelPlan(params, self.state, tables, group["weight_correction"])
-                self._remember(plan)
+            with torch.no_grad():
+                self._step_group(group)
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        """Step ``group`` batch by batch, and keep a plan of its tables if the C kernel took
+        every parameter."""
+        params = group["params"]
+        self._forget(id(params))
+        batches: dict[tuple[bool, torch.dtype, torch.device], list[_Param]] = {}
+        indices: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
+        for index, param in enumerate(params):
+            grad = param.grad
+            if grad is None:
+                continue
+            item = self._param(param, grad, group["weight_correction"])
+            weight = item.weight
+            kind = (weight.dim() >= 2, weight.dtype, weight.device)
+            batches.setdefault(kind, []).append(item)
+            indices.setdefault(kind, []).append(index)
+        # Every batch's table first: kernel="c" refuses before any batch is stepped.
+        chosen = {
+            kind: self._kernel_table_of(batch, kind, group) for kind, batch in batches.items()
+        }
+        tables = []
+        for kind, batch in batches.items():
+            table = chosen[kind]
+            if table is None:
+                self._step_batch(batch, kind[0], group)
+            else:
+                table.run([p.weight for p in batch], group)
+                tables.append((indices[kind], table, batch))
+        if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
+            plan = _KernelPlan(params, self.state, tables, group["weight_correction"])
+            if plan.params:
+                self._remember(id(params), plan)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "kernel": self.kernel}
 
-    def _remember(self, plan: _KernelPlan) -> None:
-        """Keep ``plan``, dropping any other plan of one of its parameters (one per parameter,
-        so plans of parameter sets no longer stepped do not keep their tensors alive)."""
-        if not plan.params:
-            return
-        key = tuple(map(id, plan.params))
-        stale = {self._plan_of.get(id(param)) for param in plan.params} - {None, key}
-        for other_key in stale:
-            for other in self._plans.pop(other_key).params:
-                self._plan_of.pop(id(other), None)
+    def _remember(self, key: int, plan: _KernelPlan) -> None:
+        """Keep ``plan`` for the group whose ``params`` list has id ``key``, dropping any other
+        plan of one of its parameters (one per parameter, so plans of parameter sets no longer
+        stepped do not keep their tensors alive)."""
+        for other_key in {self._plan_of.get(id(param)) for param in plan.params} - {None}:
+            self._forget(other_key)
         for param in plan.params:
             self._plan_of[id(param)] = key
         self._plans[key] = plan
+
+    def _forget(self, key: int) -> None:
+        """Drop the plan kept under ``key``, if any."""
+        plan = self._plans.pop(key, None)
+        if plan is not None:
+            for param in plan.params:
+                self._plan_of.pop(id(param), None)
 
     def _kernel_table_of(
         self,

@@ -134,14 +134,20 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
     assert torch.equal(auto.detach(), eager.detach())
 
 
-def test_reused_tables_follow_replaced_state():
+@pytest.mark.parametrize("groups", ["two", "one per parameter"])
+def test_reused_tables_follow_replaced_state(groups):
     """The kernel's tables are reused from step to step ([Note: reused kernel tables]) only
     while they point at the group's current tensors: a state tensor replaced in its entry, an
-    entry dropped, a tensor removed from an entry, a state dict loaded, a parameter set
-    changed, a gradient of another dtype all give what the eager path gives."""
+    entry dropped or replaced by a copy, a tensor removed from an entry, a state dict loaded,
+    a parameter set changed (a new list, the group's list changed in place, a parameter
+    replaced by another on the same storage), a gradient of
+    another dtype all give what the eager path gives. With one group per parameter the state
+    is too large to snapshot for a group, and its entries are looked up."""
     runs = {}
     for kernel in ("c", "eager"):
         params, optim = train(kernel, torch.bfloat16, torch.bfloat16, True, True)
+        if groups == "one per parameter":
+            optim.param_groups = [{**optim.param_groups[0], "params": [p]} for p in params]
         first = params[0]
         entry = optim.state[first]
         entry["exp_avg_code"] = entry["exp_avg_code"].clone()
@@ -151,9 +157,18 @@ def test_reused_tables_follow_replaced_state():
         optim.state[params[3]].pop("weight_error")  # starts again from a zero error
         optim.state[params[-1]].clear()  # the group's last entry: starts again from zero
         optim.step()
+        optim.state[params[4]] = copy.deepcopy(optim.state[params[4]])
+        optim.step()
         optim.load_state_dict(copy.deepcopy(optim.state_dict()))
         optim.step()
         optim.param_groups[0]["params"] = optim.param_groups[0]["params"][1:]
+        optim.step()
+        optim.param_groups[-1]["params"].pop()  # the same list, one parameter fewer
+        optim.step()
+        group = optim.param_groups[1]
+        alias = nn.Parameter(group["params"][0].detach())  # the same storage, no state
+        alias.grad = torch.randn(alias.shape, dtype=torch.bfloat16)
+        group["params"][0] = alias
         optim.step()
         params[2].grad = torch.randn(params[2].shape)  # float32, where the table says bfloat16
         optim.step()
