@@ -46,18 +46,22 @@ enum { FLAG_WEIGHT_BF16 = 1, FLAG_GRAD_BF16 = 2, FLAG_GROUPED = 4 };
 
 #define GROUP_SIZE 32
 #define SPAN 32 /* groups whose scales are rounded together */
+#define PREFETCH_DISTANCE 3 /* parameters ahead; see [Note: prefetching the next parameters] */
 #define MOMENTUM_LEVELS 127.0f
 #define ROOT_LEVELS 255.0f
 
 #if defined(__clang__)
 #define INLINE static inline __attribute__((always_inline))
 #define IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#define PREFETCH(address) __builtin_prefetch((address), 1)
 #elif defined(__GNUC__)
 #define INLINE static inline __attribute__((always_inline))
 #define IVDEP _Pragma("GCC ivdep")
+#define PREFETCH(address) __builtin_prefetch((address), 1)
 #else
 #define INLINE static inline
 #define IVDEP
+#define PREFETCH(address) ((void)(address))
 #endif
 
 typedef struct {
@@ -310,6 +314,23 @@ static void step_specialised(Tensors t, const int64_t *p, Hyper h, int compand) 
 #undef LAYOUT
 }
 
+/* [Note: prefetching the next parameters]
+ * In training a unit's state is cold when its step runs (a backward pass ran since its last
+ * one), and each parameter starts seven streams of memory (weight, error, gradient, codes,
+ * scales, step). On small tensors the kernel waits for those first cache lines more than it
+ * computes: asking for them PREFETCH_DISTANCE parameters ahead made the many-tiny and
+ * many-small units' steps about 10% faster with cold caches (measured against fused AdamW,
+ * benchmarks/compact_adamw_cost.py). Prefetching within a large tensor made it slower: the
+ * hardware follows the streams once started. A prefetch never faults, and changes no value. */
+INLINE void prefetch_param(const int64_t *p, int64_t grad) {
+    static const int fields[] = {PARAM_WEIGHT, PARAM_WEIGHT_ERROR, PARAM_A, PARAM_B,
+                                 PARAM_C,      PARAM_D,            PARAM_STEP};
+    for (unsigned i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        if (p[fields[i]]) PREFETCH((const void *)p[fields[i]]);
+    }
+    if (grad) PREFETCH((const void *)grad);
+}
+
 /* Steps `count` parameters: `params` holds PARAM_FIELDS int64 per parameter, `grads` the
  * address of each one's gradient. */
 void compact_adamw_step(const int64_t *params, const int64_t *grads, int64_t count, double lr,
@@ -323,8 +344,14 @@ void compact_adamw_step(const int64_t *params, const int64_t *grads, int64_t cou
     h.eps = (float)eps;
     h.decay = (float)(1.0 - lr * weight_decay);
     float last_step = 0.0f;
+    for (int64_t k = 1; k < PREFETCH_DISTANCE && k < count; k++) {
+        prefetch_param(params + k * PARAM_FIELDS, grads[k]);
+    }
     for (int64_t k = 0; k < count; k++) {
         const int64_t *p = params + k * PARAM_FIELDS;
+        if (k + PREFETCH_DISTANCE < count) {
+            prefetch_param(p + PREFETCH_DISTANCE * PARAM_FIELDS, grads[k + PREFETCH_DISTANCE]);
+        }
         const Tensors t = {(void *)p[PARAM_WEIGHT], (int8_t *)p[PARAM_WEIGHT_ERROR],
                            (const void *)grads[k],  (void *)p[PARAM_A],
                            (void *)p[PARAM_B],      (void *)p[PARAM_C],
