@@ -16,6 +16,10 @@ call per unit. A step updates every unit; its cost is the main thread's CPU time
 * ``compact-eager``: ``CompactAdamW(kernel="eager").step()``, the fallback in whole-tensor
   PyTorch ops (no compiler).
 
+Every timed call starts with cold caches, as a unit's step does in training (a backward pass
+runs between two steps of a unit): a 64 MiB buffer, twice the L3 cache of the machine measured,
+is written before it, untimed. Without it the fused baseline found its state in the cache more
+or less often depending on which methods ran just before it, and the ratios moved by 10-20%.
 All run interleaved, ``--steps`` steps per round, ``--rounds`` rounds; reported: each round's
 median ms, the ratio of each compact method's median to fused AdamW's, and the ratios' spread
 over the rounds. Then the share of the C path's time inside its kernel, and a profile of the
@@ -54,6 +58,7 @@ DEFAULT_SHAPES = ("many-tiny", "many-small", "few-large", "llama-12x256")
 MS_PER_S = 1e3
 KWARGS = dict(lr=1e-4, weight_decay=0.01)
 KERNELS = ("c", "compile", "eager")
+COLD_CACHE_BYTES = 64 << 20
 BASELINE = "adamw-fused"
 COMPACT = tuple(f"compact-{kernel}" for kernel in KERNELS)
 
@@ -168,11 +173,13 @@ def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
         ),
         "rounds": [],
     }
+    evicting = torch.zeros(COLD_CACHE_BYTES // 4)
     for _ in range(rounds):
         times: dict[str, list[float]] = {m: [] for m in methods}
         for index in range(steps):
             order = list(methods)[index % len(methods) :] + list(methods)[: index % len(methods)]
             for method in order:
+                evicting.add_(1.0)
                 times[method].append(_cpu_ms(methods[method]))
         medians = {m: statistics.median(t) for m, t in times.items()}
         quartiles = {m: statistics.quantiles(t, n=4) for m, t in times.items()}
@@ -208,7 +215,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace, machine: str) ->
     lines = [
         f"# CompactAdamW update cost against fused fp32 AdamW ({machine}, 1 thread)",
         "",
-        f"Rank 0's shards of {args.world} ranks, one call per FSDP unit; CPU ms per step, "
+        f"Rank 0's shards of {args.world} ranks, one call per FSDP unit, each call with cold "
+        f"caches ({COLD_CACHE_BYTES >> 20} MiB written before it); CPU ms per step, "
         f"median [IQR] of {args.steps} steps, per round; ratio = compact / {BASELINE}.",
         "",
         "| shape | tensors | elements | round | "
