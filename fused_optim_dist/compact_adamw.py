@@ -95,7 +95,7 @@ from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -377,15 +377,13 @@ def _update(
     h: _Hyper,
     corrections: tuple[_Factor, _Factor],
     update_flat: _FlatUpdate,
-) -> None:
-    """Step ``params`` (one kind and dtype) on their flat state ``buffers``: the weights and
-    gradients gathered into float32 buffers, ``update_flat`` (:func:`_update_flat`, eager or
-    compiled) on them, the new weights copied back."""
-    weights = [p.weight for p in params]
+) -> torch.Tensor:
+    """The new weights of ``params`` (one kind and dtype), flat, and their new state in the flat
+    ``buffers``: the weights and gradients gathered into float32 buffers, ``update_flat``
+    (:func:`_update_flat`, eager or compiled) on them. Nothing of ``params`` is written."""
     g = _flat_float32([p.grad for p in params])
-    x = _flat_float32(weights)
-    high = update_flat(x, g, buffers, groups, h, corrections)
-    torch._foreach_copy_(weights, _unflatten_dense_tensors(high, weights))
+    x = _flat_float32([p.weight for p in params])
+    return update_flat(x, g, buffers, groups, h, corrections)
 
 
 def _update_flat(
@@ -452,9 +450,10 @@ _FlatUpdate = Callable[
 
 
 def _gather_state(params: Sequence[_Param], keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Each of ``keys``' state of ``params``, flattened into one tensor (one copy per key).
-    See [Note: layout-independent arithmetic]."""
-    return {key: _flatten_dense_tensors([p.state[key] for p in params]) for key in keys}
+    """Each of ``keys``' state of ``params``, flattened into one new tensor (one copy per key,
+    a copy even for one parameter: the update writes into it). See [Note: layout-independent
+    arithmetic]."""
+    return {key: torch.cat([p.state[key].reshape(-1) for p in params]) for key in keys}
 
 
 def _scatter_state(params: Sequence[_Param], buffers: dict[str, torch.Tensor]) -> None:
@@ -841,7 +840,20 @@ class CompactAdamW(Optimizer):
 
     def _step_group(self, group: dict[str, Any]) -> None:
         """Step ``group`` batch by batch, and keep a plan of its tables if the C kernel took
-        every parameter."""
+        every parameter.
+
+        [Note: a group moves whole or not at all]
+        A step that raises leaves the group as it was, so that the cause can be fixed and the
+        step run again without a parameter stepped twice. The C kernel cannot fail once its
+        tables are built, and every batch's table is built (or refused, with ``kernel="c"``)
+        before any batch is updated. An eager or compiled update can fail (the first steps
+        compile: a missing compiler, an Inductor error), so each such batch is updated into
+        new flat tensors first, and written into the weights and state only once every batch
+        of the group has been: the group's batches hold their flat copies at the same time,
+        where each batch's were freed before the next one's were made. State entries created
+        at a parameter's first step are created before, zero: the state of a parameter never
+        stepped.
+        """
         params = group["params"]
         self._forget(id(params))
         batches: dict[tuple[bool, torch.dtype, torch.device], list[_Param]] = {}
@@ -855,16 +867,21 @@ class CompactAdamW(Optimizer):
             kind = (weight.dim() >= 2, weight.dtype, weight.device)
             batches.setdefault(kind, []).append(item)
             indices.setdefault(kind, []).append(index)
-        # Every batch's table first: kernel="c" refuses before any batch is stepped.
+        # See [Note: a group moves whole or not at all].
         chosen = {
             kind: self._kernel_table_of(batch, kind, group) for kind, batch in batches.items()
         }
+        writes = [
+            self._step_batch(batch, kind[0], group)
+            for kind, batch in batches.items()
+            if chosen[kind] is None
+        ]
+        for write in writes:
+            write()
         tables = []
         for kind, batch in batches.items():
             table = chosen[kind]
-            if table is None:
-                self._step_batch(batch, kind[0], group)
-            else:
+            if table is not None:
                 table.run([p.weight for p in batch], group)
                 tables.append((indices[kind], table, batch))
         if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
@@ -937,23 +954,30 @@ class CompactAdamW(Optimizer):
             )
         return _Param(param, local, grad, dict(entry))
 
-    def _step_batch(self, params: list[_Param], grouped: bool, group: dict[str, Any]) -> None:
+    def _step_batch(
+        self, params: list[_Param], grouped: bool, group: dict[str, Any]
+    ) -> Callable[[], None]:
+        """Update a batch into new tensors; returns what writes them into its weights and
+        state. See [Note: a group moves whole or not at all]."""
         keys = _batch_keys(grouped, group, params[0].weight)
         buffers = _gather_state(params, ("step", *keys))
-        # A new tensor: the buffer of a batch of one parameter is a view of its state, and a
-        # failed update (a compilation that fails, say) must not leave its step counted.
-        steps = buffers["step"] + 1
         h = _Hyper.of(group)
         groups = _Groups([p.weight.shape for p in params]) if grouped else None
         if groups is not None:
             groups.to(params[0].weight.device)
-        corrections = _bias_corrections(params, _step_counts(steps), h)
+        buffers["step"] += 1
+        corrections = _bias_corrections(params, _step_counts(buffers["step"]), h)
         update_flat = _update_flat
         if self.kernel == "compile":
             update_flat = _compact_compiled.compiled(_update_flat)
-        _update(params, buffers, groups, h, corrections, update_flat)
-        buffers["step"] = steps
-        _scatter_state(params, buffers)
+        high = _update(params, buffers, groups, h, corrections, update_flat)
+
+        def write() -> None:
+            weights = [p.weight for p in params]
+            torch._foreach_copy_(weights, _unflatten_dense_tensors(high, weights))
+            _scatter_state(params, buffers)
+
+        return write
 
 
 def _batch_keys(grouped: bool, group: dict[str, Any], weight: torch.Tensor) -> tuple[str, ...]:

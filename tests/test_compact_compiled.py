@@ -12,7 +12,7 @@ from _compact_runs import assert_same_run, train
 from torch import nn
 from torch._dynamo.utils import counters
 
-from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist import OptimizerInBackward, _compact_compiled
 from fused_optim_dist.compact_adamw import CompactAdamW
 
 LAYOUTS = [
@@ -113,3 +113,42 @@ def test_without_a_compiler_the_first_step_raises_and_moves_nothing():
     for index, entry in optim.state_dict()["state"].items():
         for key, value in entry.items():
             assert torch.equal(value, before[1]["state"][index][key]), (index, key)
+
+
+def test_a_failed_batch_moves_no_batch_of_its_group(monkeypatch):
+    """An update that fails in the group's second batch (the vectors' graph failing to
+    compile, say) raises and leaves the first batch as it was too; the step run again ends
+    where eager's ends. See [Note: a group moves whole or not at all]."""
+    calls = []
+
+    def compiled(update_flat):
+        def update(*args):
+            calls.append(len(calls))
+            if len(calls) == 4:  # the second step's second batch
+                raise RuntimeError("the vectors' graph failed to compile")
+            return update_flat(*args)
+
+        return update
+
+    monkeypatch.setattr(_compact_compiled, "compiled", compiled)
+    runs = {}
+    for kernel in ("compile", "eager"):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, dtype=torch.bfloat16)) for s in [(4, 64), (64,)]]
+        optim = CompactAdamW(params, kernel=kernel)
+        for step in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            if kernel == "compile" and step == 1:
+                before = copy.deepcopy((params, optim.state_dict()))
+                with pytest.raises(RuntimeError, match="failed to compile"):
+                    optim.step()
+                assert len(calls) == 4  # the first batch was updated, then the second failed
+                for p, q in zip(params, before[0], strict=True):
+                    assert torch.equal(p.detach(), q.detach())
+                for index, entry in optim.state_dict()["state"].items():
+                    for key, value in entry.items():
+                        assert torch.equal(value, before[1]["state"][index][key]), (index, key)
+            optim.step()
+        runs[kernel] = params, optim
+    assert_same_run(runs["compile"], runs["eager"])
