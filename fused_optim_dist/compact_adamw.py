@@ -95,7 +95,7 @@ from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
-from torch._utils import _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -453,7 +453,10 @@ def _gather_state(params: Sequence[_Param], keys: Sequence[str]) -> dict[str, to
     """Each of ``keys``' state of ``params``, flattened into one new tensor (one copy per key,
     a copy even for one parameter: the update writes into it). See [Note: layout-independent
     arithmetic]."""
-    return {key: torch.cat([p.state[key].reshape(-1) for p in params]) for key in keys}
+    buffers = {key: _flatten_dense_tensors([p.state[key] for p in params]) for key in keys}
+    if len(params) == 1:  # then each is a view of the parameter's state tensor
+        buffers = {key: flat.clone() for key, flat in buffers.items()}
+    return buffers
 
 
 def _scatter_state(params: Sequence[_Param], buffers: dict[str, torch.Tensor]) -> None:
