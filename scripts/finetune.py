@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -872,6 +873,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _run(cfg, device)
     finally:
         if created_group:
+            # The model and optimizer are garbage once _run returns, but in reference cycles
+            # (FSDP2's hooks), holding the process groups and the last collectives' work: freed
+            # now, while the groups exist, not during interpreter finalization, where a rank
+            # once aborted ("terminate called without an active exception") after finishing.
+            gc.collect()
             dist.destroy_process_group()
 
 
