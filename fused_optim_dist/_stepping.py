@@ -28,9 +28,9 @@ when a source changed. Before every step each cached parameter is checked, by id
   DTensor value still wraps the same local tensor (``load_state_dict``, DCP's
   ``set_state_dict`` and a state entry written by hand all replace objects).
 
-The sources of a whole set are kept as flat lists (``_Sources``) and compared with
-``map(operator.is_, ...)``: a few list comprehensions per bucket, not a Python loop with a
-dozen steps per parameter.
+The sources of a whole set are kept as flat lists (``_Sources``, the entries and their values
+as ``_state_identity.StateEntries``) and compared with ``map(operator.is_, ...)``: a few
+C-level maps per bucket, not a Python loop with a dozen steps per parameter.
 
 Anything that changes which parameters are stepped together (a group added, ``requires_grad``
 flipped, a parameter that got no gradient) gives another set, hence other views; a set's views
@@ -87,6 +87,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
+from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._torch_internals import (
     fused_kernel_devices,
     local_tensor,
@@ -258,41 +259,26 @@ class _ParamView:
 class _Sources:
     """The objects a set of views was derived from, compared by identity before every step.
 
-    Each DTensor parameter's local tensor, each state entry and its values, and each DTensor
-    value's local tensor. Kept as flat lists so that the check of a whole bucket is a
-    few list comprehensions, not a Python loop per parameter. See [Note: cached local views].
+    Each DTensor parameter's local tensor, each state entry and its values ([Note: checking
+    state by identity] in ``_state_identity.py``), and each DTensor value's local tensor. Kept
+    as flat lists so that the check of a whole bucket is a few C-level ``map``s, not a Python
+    loop per parameter. See [Note: cached local views].
     """
 
-    __slots__ = (
-        "_dtensor_params",
-        "_dtensor_values",
-        "_entries",
-        "_locals",
-        "_params",
-        "_value_locals",
-        "_values",
-    )
+    __slots__ = ("_dtensor_params", "_dtensor_values", "_entries", "_locals", "_value_locals")
 
-    def __init__(self, views: Sequence[_ParamView]) -> None:
-        self._params = [view.param for view in views]
+    def __init__(self, views: Sequence[_ParamView], state: dict[torch.Tensor, dict]) -> None:
         self._dtensor_params = [view.param for view in views if view.dtensor]
         self._locals = [view.local for view in views if view.dtensor]
-        self._entries = [view.entry for view in views]
-        self._values = [value for entry in self._entries if entry for value in entry.values()]
-        self._dtensor_values = [v for v in self._values if isinstance(v, DTensor)]
+        self._entries = StateEntries([view.param for view in views], state)
+        self._dtensor_values = [v for v in self._entries.values if isinstance(v, DTensor)]
         self._value_locals = [v._local_tensor for v in self._dtensor_values]
 
     def match(self, state: dict[torch.Tensor, dict]) -> bool:
         is_ = operator.is_
-        if not all(map(is_, [p._local_tensor for p in self._dtensor_params], self._locals)):
-            return False
-        entries = list(map(state.get, self._params))
-        if not all(map(is_, entries, self._entries)):
-            return False
-        values = [value for entry in entries if entry for value in entry.values()]
         return (
-            len(values) == len(self._values)
-            and all(map(is_, values, self._values))
+            all(map(is_, [p._local_tensor for p in self._dtensor_params], self._locals))
+            and self._entries.match(state)
             and all(map(is_, [v._local_tensor for v in self._dtensor_values], self._value_locals))
         )
 
@@ -383,7 +369,7 @@ class _LocalViews:
         lists = [_AdamLists.of(batch) for batch in per_batch] if adam else [None]
         self.adam: list[_AdamLists] | None = None if None in lists else lists
         # Taken last: building Adam's lists replaces the ``step`` values.
-        self._sources = _Sources(self.params)
+        self._sources = _Sources(self.params, state)
 
     def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
         return self._sources.match(state)

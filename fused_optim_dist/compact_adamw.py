@@ -91,7 +91,6 @@ import ctypes
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -101,6 +100,7 @@ from torch.optim import Optimizer
 
 from fused_optim_dist import _compact_compiled, _compact_kernel
 from fused_optim_dist._kinds import declare_stepping, per_parameter_state
+from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._stepping import _placed_like
 from fused_optim_dist._torch_internals import holds_values
 
@@ -573,13 +573,6 @@ _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
 _is_cpu = operator.attrgetter("is_cpu")
 _PLAIN = {torch.Tensor}
-_END = object()
-_MARKER = (_END,)
-
-
-def _values(entries: Iterable[dict[str, Any]]) -> Iterable[Any]:
-    """The values of ``entries``, one after the other."""
-    return chain.from_iterable(map(dict.values, entries))
 
 
 class _KernelPlan:
@@ -592,36 +585,16 @@ class _KernelPlan:
     kernel takes every layout in one call), in the group's order; only the gradients'
     addresses are written at each step. It is reused while the group holds the same
     parameters at the same addresses, their state entries hold the same tensors in the same
-    order (``load_state_dict``, state created or converted, a tensor replaced, added or removed,
-    an entry dropped: the step takes the full path and makes a new plan), and every parameter
-    has a contiguous CPU gradient of the dtype its table row says; otherwise nothing is stepped
-    through it. The checks are C-level ``map``s over the parameters (a Python loop cost about
-    3 us per parameter):
-
-    * the entries: looking each one up costs about 140 ns (``Tensor.__hash__`` is Python), so
-      the plan keeps a snapshot of the whole ``state`` (its keys and entries, in order) and
-      compares identities, about 30 ns per entry, looking the group's entries up only when the
-      snapshot differs (then taking a new one if they are the same). A state much larger than
-      the group (many groups) is looked up directly.
-    * the entries' values, one after the other and then an end marker, against the plan's
-      tensors and the same marker, so that an entry that lost its last tensors (or the last
-      entry emptied) puts the marker where the plan holds a tensor.
-
-    A plan holds the tensors it points to, so none is freed while it is kept (nor its address
-    reused), and there is one plan per parameter (``CompactAdamW._remember``).
+    order ([Note: checking state by identity] in ``_state_identity.py``: ``load_state_dict``,
+    state created or converted, a tensor replaced, added or removed, an entry dropped: the step
+    takes the full path and makes a new plan), and every parameter has a contiguous CPU
+    gradient of the dtype its table row says; otherwise nothing is stepped through it. The
+    checks are C-level ``map``s over the parameters (a Python loop cost about 3 us per
+    parameter). A plan holds the tensors it points to, so none is freed while it is kept (nor
+    its address reused), and there is one plan per parameter (``CompactAdamW._remember``).
     """
 
-    __slots__ = (
-        "addresses",
-        "correction",
-        "dtypes",
-        "entries",
-        "params",
-        "snapshot",
-        "table",
-        "tensors",
-        "weights",
-    )
+    __slots__ = ("addresses", "correction", "dtypes", "entries", "params", "table", "weights")
 
     def __init__(
         self,
@@ -633,9 +606,7 @@ class _KernelPlan:
         self.params = tuple(params)
         self.correction = correction
         self.addresses = list(map(_data_ptr, params))
-        self.entries = list(map(state.__getitem__, params))
-        self.tensors = [*_values(self.entries), _END]
-        self.snapshot: tuple[int, list[Any], list[Any]] | None = None
+        self.entries = StateEntries(params, state)
         # The batches' rows, back in the group's order.
         width = _compact_kernel.FIELDS
         rows = sorted(
@@ -663,8 +634,7 @@ class _KernelPlan:
             group["weight_correction"] == self.correction
             and len(params) == len(self.params)
             and all(map(operator.is_, params, self.params))
-            and self._same_entries(state)
-            and all(map(operator.is_, chain(_values(self.entries), _MARKER), self.tensors))
+            and self.entries.match(state)
             and list(map(_data_ptr, params)) == self.addresses
         ):
             return False
@@ -679,29 +649,6 @@ class _KernelPlan:
         self.table.grads[:] = list(map(_data_ptr, grads))
         self.table.run(self.weights, group)
         return True
-
-    def _same_entries(self, state: dict[torch.Tensor, dict[str, Any]]) -> bool:
-        """Whether ``state`` maps the plan's parameters to its entries. See [Note: reused
-        kernel tables]."""
-        snapshot = self.snapshot
-        if (
-            snapshot is not None
-            and snapshot[0] == id(state)
-            and len(state) == len(snapshot[1])
-            and all(map(operator.is_, state, snapshot[1]))
-            and all(map(operator.is_, state.values(), snapshot[2]))
-        ):
-            return True
-        if not all(map(operator.is_, map(state.get, self.params), self.entries)):
-            return False
-        if len(state) <= _SNAPSHOT_SIZE * len(self.params):
-            self.snapshot = (id(state), list(state), list(state.values()))
-        return True
-
-
-_SNAPSHOT_SIZE = 4
-"""A plan snapshots a ``state`` of at most this many times its group's parameters: comparing a
-larger one costs more than looking the group's entries up."""
 
 
 @per_parameter_state

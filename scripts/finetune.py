@@ -876,7 +876,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # The model and optimizer are garbage once _run returns, but in reference cycles
             # (FSDP2's hooks), holding the process groups and the last collectives' work: freed
             # now, while the groups exist, not during interpreter finalization, where a rank
-            # once aborted ("terminate called without an active exception") after finishing.
+            # once aborted after finishing (see [Note: a rank ends without interpreter
+            # finalization] in fused_optim_dist_recipes/launch.py).
             gc.collect()
             dist.destroy_process_group()
 
