@@ -4,14 +4,17 @@ On ``--nproc`` CPU ranks (gloo, FSDP2, one unit per block), for each model shape
 
 * ``adamw-fp32-plain``: ``torch.optim.AdamW`` after backward, float32 weights;
 * ``adamw-fp32-in-backward``: ``OptimizerInBackward(AdamW)``, float32 weights;
-* ``compact-in-backward``: ``OptimizerInBackward(CompactAdamW)``, bfloat16 weights.
+* ``compact-in-backward``: ``OptimizerInBackward(CompactAdamW)``, bfloat16 weights;
+* ``compact-4bit-in-backward``: the same with ``variance_bits=4``.
 
 After two warm-up steps (state created), each rank sums the bytes of its local shards of the
 parameters and of every tensor in the optimizer state, and divides by its local parameter
 count: the persistent bytes per parameter. Then one step runs under ``FSDPMemTracker``
 (``benchmarks/_memory.StepTracker``): the peak of the step per rank, by kind. The analytic
 figure is computed from the shapes: 12 B/param for AdamW; for CompactAdamW 5 B per element of a
-matrix plus 2 x 2 B per group of 32 in a row, 9 B per element of a one-dim parameter.
+matrix plus 2 x 2 B per group of 32 in a row, 9 B per element of a one-dim parameter; with a
+4-bit variance, 4 B per element of a matrix plus its packed rows of roots (half a byte per
+element, a row rounded up to whole bytes).
 
     python benchmarks/compact_adamw_memory.py                 # 12x256 and 8x1024, ~3 min
     python benchmarks/compact_adamw_memory.py --shapes 12x256 --out /tmp/mem
@@ -50,7 +53,9 @@ SHAPES = {
     ),
 }
 """The scaling benchmark's Llama, and a larger one (about 90M parameters)."""
-METHODS = ("adamw-fp32-plain", "adamw-fp32-in-backward", "compact-in-backward")
+COMPACT = {"compact-in-backward": 8, "compact-4bit-in-backward": 4}
+"""CompactAdamW's methods, by ``variance_bits``."""
+METHODS = ("adamw-fp32-plain", "adamw-fp32-in-backward", *COMPACT)
 BATCH, SEQ = 4, 64
 MIB = 2**20
 
@@ -68,13 +73,14 @@ def analytic_bytes_per_param(model: nn.Module, method: str) -> float:
     """Weights plus state per parameter from the shapes alone (``step`` counters left out)."""
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    if method != "compact-in-backward":
+    if method not in COMPACT:
         return 12.0
     total = 0
     for p in params:
         if p.dim() >= 2:
             groups = p.shape[0] * math.ceil(p[0].numel() / GROUP_SIZE)
-            total += 5 * p.numel() + 2 * 2 * groups
+            roots = p.numel() if COMPACT[method] == 8 else p.shape[0] * math.ceil(p[0].numel() / 2)
+            total += 4 * p.numel() + roots + 2 * 2 * groups
         else:
             total += 9 * p.numel()
     return total / numel
@@ -83,13 +89,16 @@ def analytic_bytes_per_param(model: nn.Module, method: str) -> float:
 def _build(config: Any, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Llama(config)
-    if method == "compact-in-backward":
+    if method in COMPACT:
         model = model.to(torch.bfloat16)
     apply_fsdp(model)
     if method == "adamw-fp32-plain":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cls = CompactAdamW if method == "compact-in-backward" else torch.optim.AdamW
-    return model, OptimizerInBackward(model.parameters(), cls, lr=1e-4)
+    if method in COMPACT:
+        return model, OptimizerInBackward(
+            model.parameters(), CompactAdamW, lr=1e-4, variance_bits=COMPACT[method]
+        )
+    return model, OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-4)
 
 
 def _step(model: nn.Module, optim: torch.optim.Optimizer, vocab: int, step: int) -> None:

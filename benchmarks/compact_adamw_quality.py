@@ -7,7 +7,8 @@ steps with the seed-to-seed spread of fp32 AdamW:
 * ``adamw-fp32``: ``torch.optim.AdamW``, float32 weights (12 B/param of state and weights);
 * ``compact``: ``CompactAdamW``, bfloat16 weights with their int8 error, 8-bit moments;
 * ``compact-no-correction``: bfloat16 weights alone (ablation of the error);
-* ``compact-linear-momentum``: linear 8-bit momentum, no companding (ablation).
+* ``compact-linear-momentum``: linear 8-bit momentum, no companding (ablation);
+* ``compact-4bit-variance``: ``variance_bits=4``, the second moment in 4 bits (4.63 B/param).
 
 Each finished run is added to ``--out``/compact_adamw_quality_<steps>_lr<lr>.json at once, so an
 interrupted grid resumes where it stopped; ``--report`` writes the Markdown table and the loss
@@ -41,6 +42,9 @@ VARIANTS = {
     ],
     "compact-linear-momentum": [
         "--optimizer", "compactadamw", "--optimizer-kwargs", '{"compand": false}',
+    ],
+    "compact-4bit-variance": [
+        "--optimizer", "compactadamw", "--optimizer-kwargs", '{"variance_bits": 4}',
     ],
 }  # fmt: skip
 REFERENCE = "adamw-fp32"

@@ -44,7 +44,7 @@ FIELDS = 10
 """int64 fields per parameter in the table the kernel reads (``PARAM_FIELDS`` in the source);
 the gradients' addresses are a second array, one per parameter."""
 
-FLAG_WEIGHT_BF16, FLAG_GRAD_BF16, FLAG_GROUPED = 1, 2, 4
+FLAG_WEIGHT_BF16, FLAG_GRAD_BF16, FLAG_GROUPED, FLAG_ROOT4 = 1, 2, 4, 8
 
 _ARGTYPES = (
     ctypes.POINTER(ctypes.c_int64),  # the table

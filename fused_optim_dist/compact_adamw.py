@@ -117,6 +117,9 @@ GROUP_SIZE = 32
 
 _MOMENTUM_LEVELS = 127  # int8 codes -127..127
 _ROOT_LEVELS = 255  # uint8 codes 0..255
+_ROOT4_LEVELS = 15  # 4-bit codes 0..15, two to a byte
+VARIANCE_BITS = (8, 4)
+"""Bits of a second moment's code (``variance_bits``). See [Note: 4-bit variance]."""
 _HALF_BF16_BIT = 0x8000  # float32 bits: half of the lowest bit a bfloat16 keeps
 _HALF_ERROR_BIT = 0x80  # half of the lowest bit the error keeps (bit 8 of the float32)
 _ERROR_BITS = ~0xFF  # the float32 bits the pair keeps: all but the lowest 8
@@ -163,22 +166,29 @@ class _Groups:
     never cross a row].
 
     ``lengths``: each group's length (int32), or ``None`` when every row is a multiple of 32
-    elements long (the groups are then ``flat.view(-1, 32)``, without an index).
+    elements long (the groups are then ``flat.view(-1, 32)``, without an index). ``slots``,
+    for 4-bit codes packed in rows (``packed``): where each element's code lies among the
+    nibbles of the rows, or ``None`` where every row is of even length (in order). A row of
+    odd length ends in a padding nibble, so the codes after it move by one per such row.
     """
 
-    __slots__ = ("count", "lengths", "numel")
+    __slots__ = ("count", "lengths", "numel", "slots")
 
-    def __init__(self, shapes: Sequence[torch.Size]) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], packed: bool = False) -> None:
         self.numel = sum(math.prod(shape) for shape in shapes)
         rows = [(shape[0], math.prod(shape[1:])) for shape in shapes]
-        if all(length % GROUP_SIZE == 0 for _, length in rows):
-            self.lengths = None
-            self.count = self.numel // GROUP_SIZE
+        self.lengths = self.slots = None
+        self.count = self.numel // GROUP_SIZE
+        if all(length % GROUP_SIZE == 0 for _, length in rows):  # so none of odd length
             return
-        # Every group is 32 long but the last of each row with a remainder: computed per row,
-        # with a handful of ops whatever the number of parameters.
+        # Computed per row, with a handful of ops whatever the number of parameters.
         counts = torch.tensor([count for count, _ in rows])
         row_lengths = torch.tensor([length for _, length in rows]).repeat_interleave(counts)
+        if packed and any(length % 2 for _, length in rows):
+            padding = torch.cumsum(row_lengths % 2, 0) - row_lengths % 2  # before each row
+            padding = padding.repeat_interleave(row_lengths, output_size=self.numel)
+            self.slots = torch.arange(self.numel) + padding
+        # Every group is 32 long but the last of each row with a remainder.
         row_groups = -(-row_lengths // GROUP_SIZE)
         row_rest = row_lengths % GROUP_SIZE
         lengths = torch.full((int(row_groups.sum()),), GROUP_SIZE, dtype=torch.int32)
@@ -190,7 +200,22 @@ class _Groups:
     def to(self, device: torch.device) -> _Groups:
         if self.lengths is not None and self.lengths.device != device:
             self.lengths = self.lengths.to(device)
+        if self.slots is not None and self.slots.device != device:
+            self.slots = self.slots.to(device)
         return self
+
+    def unpack4(self, packed: torch.Tensor) -> torch.Tensor:
+        """The 4-bit codes of every element (uint8, flat) of the packed rows ``packed``."""
+        nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(-1)
+        return nibbles if self.slots is None else nibbles[self.slots]
+
+    def pack4(self, codes: torch.Tensor, out: torch.Tensor) -> None:
+        """Write 4-bit ``codes`` (uint8, one per element, flat) into the packed rows ``out``:
+        two to a byte, the first in the low nibble, each row padded to whole bytes with 0."""
+        if self.slots is not None:
+            codes = codes.new_zeros(2 * out.numel()).index_copy_(0, self.slots, codes)
+        pairs = codes.view(-1, 2)
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1].bitwise_left_shift(4), out=out)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (one value per element) shaped for per-group broadcasting."""
@@ -248,18 +273,32 @@ def _decode_momentum(
 
 
 def _encode_root(
-    root: torch.Tensor, groups: _Groups, code: torch.Tensor, scale: torch.Tensor
+    root: torch.Tensor, groups: _Groups, code: torch.Tensor, scale: torch.Tensor, bits: int
 ) -> None:
     """Write a non-negative ``root`` into uint8 ``code`` and bfloat16 ``scale``: nearest
-    rounding, but at least 1 where ``root`` is positive."""
-    level = root.mul(_group_scale(root, groups, scale, _ROOT_LEVELS))
+    rounding, but at least 1 where ``root`` is positive. 8 bits: linear, one code per byte; 4
+    bits: the square root of the ratio to the scale, packed (see [Note: 4-bit variance])."""
+    if bits == 8:
+        level = root.mul(_group_scale(root, groups, scale, _ROOT_LEVELS))
+    else:
+        level = _sqrt(root.mul(_group_scale(root, groups, scale, _ROOT4_LEVELS**2)))
     floor_one = level.clamp(max=1.0).ceil_()
-    level = level.round_().maximum(floor_one).clamp_(max=_ROOT_LEVELS)
-    code.copy_(level.view(-1))
+    level = level.round_().maximum(floor_one).clamp_(max=2**bits - 1)
+    if bits == 8:
+        code.copy_(level.view(-1))
+    else:
+        groups.pack4(level.view(-1).to(torch.uint8), code)
 
 
-def _decode_root(code: torch.Tensor, scale: torch.Tensor, groups: _Groups) -> torch.Tensor:
-    return groups.view(code.float()).mul_(groups.expand(scale.float().mul_(1 / _ROOT_LEVELS)))
+def _decode_root(
+    code: torch.Tensor, scale: torch.Tensor, groups: _Groups, bits: int
+) -> torch.Tensor:
+    """The root (float32, as ``groups.view`` shapes it) of ``code`` and ``scale`` (flat)."""
+    if bits == 8:
+        level = groups.view(code.float())
+        return level.mul_(groups.expand(scale.float().mul_(1 / _ROOT_LEVELS)))
+    level = groups.view(groups.unpack4(code).float())
+    return level.mul_(level).mul_(groups.expand(scale.float().mul_(1 / _ROOT4_LEVELS**2)))
 
 
 # ------------------------------------------------------------------------------ the update
@@ -272,6 +311,7 @@ class _Hyper(NamedTuple):
     eps: float
     weight_decay: float
     compand: bool
+    variance_bits: int
 
     @classmethod
     def of(cls, group: dict[str, Any]) -> _Hyper:
@@ -285,6 +325,7 @@ class _Hyper(NamedTuple):
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
             compand=group["compand"],
+            variance_bits=group["variance_bits"],
         )
 
 
@@ -409,7 +450,10 @@ def _update_flat(
         x, g = groups.view(x), groups.view(g)
         m = _decode_momentum(buffers["exp_avg_code"], buffers["exp_avg_scale"], groups, h.compand)
         root = _decode_root(
-            buffers["exp_avg_sq_root_code"], buffers["exp_avg_sq_root_scale"], groups
+            buffers["exp_avg_sq_root_code"],
+            buffers["exp_avg_sq_root_scale"],
+            groups,
+            h.variance_bits,
         )
         v = root.mul_(root)
         corrections = tuple(  # type: ignore[assignment]
@@ -428,7 +472,11 @@ def _update_flat(
     else:
         _encode_momentum(m, groups, buffers["exp_avg_code"], buffers["exp_avg_scale"], h.compand)
         _encode_root(
-            root, groups, buffers["exp_avg_sq_root_code"], buffers["exp_avg_sq_root_scale"]
+            root,
+            groups,
+            buffers["exp_avg_sq_root_code"],
+            buffers["exp_avg_sq_root_scale"],
+            h.variance_bits,
         )
     return high
 
@@ -469,16 +517,27 @@ def _scatter_state(params: Sequence[_Param], buffers: dict[str, torch.Tensor]) -
 # ------------------------------------------------------------------------------ state
 
 
-def _new_state(weight: torch.Tensor, correction: bool) -> dict[str, torch.Tensor]:
+def _root_code_shape(weight_shape: torch.Size, bits: int) -> tuple[int, ...]:
+    """The shape of ``exp_avg_sq_root_code`` for a local tensor of ``weight_shape``: the
+    weight's with 8 bits, rows of packed bytes with 4."""
+    if bits == 8:
+        return tuple(weight_shape)
+    return weight_shape[0], -(-math.prod(weight_shape[1:]) // 2)
+
+
+def _new_state(
+    weight: torch.Tensor, correction: bool, variance_bits: int
+) -> dict[str, torch.Tensor]:
     """Zero state for the local tensor ``weight``; ``step`` as torch.optim.AdamW keeps it."""
     state = {"step": torch.tensor(0.0, dtype=torch.float32)}
     if weight.dtype == torch.bfloat16 and correction:
         state["weight_error"] = torch.zeros_like(weight, dtype=torch.int8)
     if weight.dim() >= 2:
         scales = (weight.shape[0], -(-math.prod(weight.shape[1:]) // GROUP_SIZE))
+        root_code = _root_code_shape(weight.shape, variance_bits)
         state["exp_avg_code"] = torch.zeros_like(weight, dtype=torch.int8)
         state["exp_avg_scale"] = weight.new_zeros(scales, dtype=torch.bfloat16)
-        state["exp_avg_sq_root_code"] = torch.zeros_like(weight, dtype=torch.uint8)
+        state["exp_avg_sq_root_code"] = weight.new_zeros(root_code, dtype=torch.uint8)
         state["exp_avg_sq_root_scale"] = weight.new_zeros(scales, dtype=torch.bfloat16)
     else:
         for key in ("exp_avg", "exp_avg_sq"):
@@ -492,21 +551,27 @@ def _is_adamw_entry(entry: dict[str, Any]) -> bool:
     return "exp_avg" in entry and "exp_avg_error" not in entry
 
 
-def _from_adamw(weight: torch.Tensor, entry: dict[str, Any], compand: bool) -> dict[str, Any]:
-    """This layout of an AdamW state entry for the local tensor ``weight`` (quantizing)."""
-    out = _new_state(weight, correction=False)
+def _from_adamw(
+    weight: torch.Tensor, entry: dict[str, Any], group: dict[str, Any]
+) -> dict[str, Any]:
+    """This layout of an AdamW state entry for the local tensor ``weight`` (quantizing), as
+    ``group`` (its param group's options) says."""
+    compand, bits = group.get("compand", True), group.get("variance_bits", 8)
+    out = _new_state(weight, correction=False, variance_bits=bits)
     out["step"] = entry["step"]
     if "weight_error" in entry:
         out["weight_error"] = entry["weight_error"]
     m, v = entry["exp_avg"].float().reshape(-1), entry["exp_avg_sq"].float().reshape(-1)
     if weight.dim() >= 2:
-        groups = _Groups([weight.shape]).to(weight.device)
+        groups = _Groups([weight.shape], bits == 4).to(weight.device)
         flat = {k: out[k].view(-1) for k in _ROW_KEYS}
         _encode_momentum(
             groups.view(m), groups, flat["exp_avg_code"], flat["exp_avg_scale"], compand
         )
         root = groups.view(_sqrt(v))
-        _encode_root(root, groups, flat["exp_avg_sq_root_code"], flat["exp_avg_sq_root_scale"])
+        _encode_root(
+            root, groups, flat["exp_avg_sq_root_code"], flat["exp_avg_sq_root_scale"], bits
+        )
     else:
         for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
             high, error = _split24(value)
@@ -514,15 +579,21 @@ def _from_adamw(weight: torch.Tensor, entry: dict[str, Any], compand: bool) -> d
     return out
 
 
-def _to_adamw(weight_shape: torch.Size, entry: dict[str, Any], compand: bool) -> dict[str, Any]:
+def _to_adamw(
+    weight_shape: torch.Size, entry: dict[str, Any], group: dict[str, Any]
+) -> dict[str, Any]:
     """torch.optim.AdamW's state entry (float32 moments) of an entry of this layout, for a
-    local tensor of ``weight_shape`` (dequantizing)."""
+    local tensor of ``weight_shape`` (dequantizing), as ``group`` (its param group's options)
+    says."""
+    compand, bits = group.get("compand", True), group.get("variance_bits", 8)
     out: dict[str, Any] = {"step": entry["step"]}
     if "exp_avg_code" in entry:
-        groups = _Groups([weight_shape]).to(entry["exp_avg_code"].device)
+        groups = _Groups([weight_shape], bits == 4).to(entry["exp_avg_code"].device)
         flat = {k: entry[k].reshape(-1) for k in _ROW_KEYS}
         m = _decode_momentum(flat["exp_avg_code"], flat["exp_avg_scale"], groups, compand)
-        root = _decode_root(flat["exp_avg_sq_root_code"], flat["exp_avg_sq_root_scale"], groups)
+        root = _decode_root(
+            flat["exp_avg_sq_root_code"], flat["exp_avg_sq_root_scale"], groups, bits
+        )
         out["exp_avg"] = m.reshape(weight_shape)
         out["exp_avg_sq"] = root.mul_(root).reshape(weight_shape)
     else:
@@ -594,17 +665,17 @@ class _KernelPlan:
     its address reused), and there is one plan per parameter (``CompactAdamW._remember``).
     """
 
-    __slots__ = ("addresses", "correction", "dtypes", "entries", "params", "table", "weights")
+    __slots__ = ("addresses", "dtypes", "entries", "options", "params", "table", "weights")
 
     def __init__(
         self,
         params: Sequence[torch.Tensor],
         state: dict[torch.Tensor, dict[str, Any]],
         tables: Sequence[tuple[list[int], _KernelTable, list[_Param]]],
-        correction: bool,
+        options: tuple[bool, int],
     ) -> None:
         self.params = tuple(params)
-        self.correction = correction
+        self.options = options
         self.addresses = list(map(_data_ptr, params))
         self.entries = StateEntries(params, state)
         # The batches' rows, back in the group's order.
@@ -631,7 +702,7 @@ class _KernelPlan:
         """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
         params = group["params"]
         if not (
-            group["weight_correction"] == self.correction
+            (group["weight_correction"], group["variance_bits"]) == self.options
             and len(params) == len(self.params)
             and all(map(operator.is_, params, self.params))
             and self.entries.match(state)
@@ -699,8 +770,11 @@ class CompactAdamW(Optimizer):
         *,
         weight_correction: bool = True,
         compand: bool = True,
+        variance_bits: int = 8,
         kernel: str = "auto",
     ) -> None:
+        if variance_bits not in VARIANCE_BITS:
+            raise ValueError(f"variance_bits must be one of {VARIANCE_BITS}, not {variance_bits!r}")
         if kernel not in _KERNELS:
             raise ValueError(f"kernel must be one of {_KERNELS}, not {kernel!r}")
         if kernel == "c" and _compact_kernel.kernel() is None:
@@ -726,6 +800,7 @@ class CompactAdamW(Optimizer):
             weight_decay=weight_decay,
             weight_correction=weight_correction,
             compand=compand,
+            variance_bits=variance_bits,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -750,12 +825,12 @@ class CompactAdamW(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("kernel", "auto")
         self._plans, self._plan_of = {}, {}
-        compand = {}
+        group_of = {}
         for group in self.param_groups:
-            group.setdefault("weight_correction", True)
-            group.setdefault("compand", True)
+            for option, default in _OPTIONS.items():
+                group.setdefault(option, default)
             for param in group["params"]:
-                compand[param] = group["compand"]
+                group_of[param] = group
         for param, entry in list(self.state.items()):
             if not isinstance(param, torch.Tensor) or not entry:
                 continue
@@ -764,7 +839,7 @@ class CompactAdamW(Optimizer):
                     entry[key] = entry[key].to(dtype)
             if _is_adamw_entry(entry):
                 entry = self.state[param] = _on_local(
-                    _from_adamw, param, entry, compand.get(param, True)
+                    _from_adamw, param, entry, group_of.get(param, _OPTIONS)
                 )
             for key in ("exp_avg", "exp_avg_sq"):
                 if f"{key}_error" in entry and entry[key].dtype != torch.bfloat16:
@@ -812,7 +887,7 @@ class CompactAdamW(Optimizer):
             grad = param.grad
             if grad is None:
                 continue
-            item = self._param(param, grad, group["weight_correction"])
+            item = self._param(param, grad, group)
             weight = item.weight
             kind = (weight.dim() >= 2, weight.dtype, weight.device)
             batches.setdefault(kind, []).append(item)
@@ -835,7 +910,8 @@ class CompactAdamW(Optimizer):
                 table.run([p.weight for p in batch], group)
                 tables.append((indices[kind], table, batch))
         if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
-            plan = _KernelPlan(params, self.state, tables, group["weight_correction"])
+            options = (group["weight_correction"], group["variance_bits"])
+            plan = _KernelPlan(params, self.state, tables, options)
             if plan.params:
                 self._remember(id(params), plan)
 
@@ -873,7 +949,7 @@ class CompactAdamW(Optimizer):
             return None
         keys = _batch_keys(grouped, group, params[0].weight)
         table = (
-            _kernel_table(params, keys, grouped, "weight_error" in keys)
+            _kernel_table(params, keys, grouped, group["variance_bits"])
             if _compact_kernel.kernel()
             else None
         )
@@ -885,17 +961,27 @@ class CompactAdamW(Optimizer):
             )
         return table
 
-    def _param(self, param: torch.Tensor, grad: torch.Tensor, correction: bool) -> _Param:
-        """``param`` with its local tensors and state, the state created if missing."""
+    def _param(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> _Param:
+        """``param`` with its local tensors and state, the state created if missing; raises
+        if its state was written with another ``variance_bits`` than its group's."""
         local = _local(param)
         entry = self.state.get(param)
+        correction, bits = group["weight_correction"], group["variance_bits"]
         if not entry or "step" not in entry:  # no state yet, or only a loaded weight error
-            new = _new_state(local, correction)
+            new = _new_state(local, correction, bits)
             new = {k: _placed_like(v, param, local) for k, v in new.items()}
             entry = self.state[param] = {**new, **(entry or {})}
         elif correction and param.dtype == torch.bfloat16 and "weight_error" not in entry:
             error = _placed_like(torch.zeros_like(local, dtype=torch.int8), param, local)
             entry = self.state[param] = {**entry, "weight_error": error}
+        code = entry.get("exp_avg_sq_root_code")
+        if code is not None and tuple(_local(code).shape) != _root_code_shape(local.shape, bits):
+            raise ValueError(
+                f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
+                f"a second-moment code of shape {tuple(code.shape)}, written with another "
+                f"variance_bits than its group's ({bits}); variance_bits is fixed for a run "
+                "(convert with to_adamw_state_dict and load that to change it)"
+            )
         if type(param) is DTensor:
             if grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)
@@ -912,7 +998,8 @@ class CompactAdamW(Optimizer):
         keys = _batch_keys(grouped, group, params[0].weight)
         buffers = _gather_state(params, ("step", *keys))
         h = _Hyper.of(group)
-        groups = _Groups([p.weight.shape for p in params]) if grouped else None
+        shapes = [p.weight.shape for p in params]
+        groups = _Groups(shapes, group["variance_bits"] == 4) if grouped else None
         if groups is not None:
             groups.to(params[0].weight.device)
         buffers["step"] += 1
@@ -949,6 +1036,9 @@ def _step_counts(steps: torch.Tensor) -> list[float]:
     return steps.tolist()
 
 
+_OPTIONS = {"weight_correction": True, "compand": True, "variance_bits": 8}
+"""CompactAdamW's param-group options that torch.optim.AdamW does not have, with defaults."""
+
 _KERNELS = ("auto", "c", "compile", "eager")
 _C_KERNELS = ("auto", "c")
 _KERNEL_LAYOUT = (
@@ -957,9 +1047,10 @@ _KERNEL_LAYOUT = (
 
 
 def _kernel_table(
-    params: Sequence[_Param], keys: Sequence[str], grouped: bool, correction: bool
+    params: Sequence[_Param], keys: Sequence[str], grouped: bool, variance_bits: int
 ) -> _KernelTable | None:
     """The C kernel's table of ``params``, or ``None`` if it cannot take one of them."""
+    correction = "weight_error" in keys
     fields: list[int] = []
     for p in params:
         weight, grad, step = p.weight, p.grad, p.state["step"]
@@ -973,6 +1064,8 @@ def _kernel_table(
         ):
             return None
         flags = _compact_kernel.FLAG_GROUPED if grouped else 0
+        if grouped and variance_bits == 4:
+            flags |= _compact_kernel.FLAG_ROOT4
         if weight.dtype == torch.bfloat16:
             flags |= _compact_kernel.FLAG_WEIGHT_BF16
         if grad.dtype == torch.bfloat16:
@@ -1032,12 +1125,13 @@ def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     groups are on one rank). Decoding error: the momentum to within half a code step of its
     group's scale (the largest magnitude of its 32 elements; a step is 1/127 of it linear,
     finer near zero when companded), the variance's root to within half of 1/255 of its
-    group's largest root, scales rounded to bfloat16; the 24-bit moments of one-dim
+    group's largest root (with ``variance_bits=4``, to within half a step of its 16 levels,
+    see [Note: 4-bit variance]), scales rounded to bfloat16; the 24-bit moments of one-dim
     parameters to about 2**-16 relative. The weights are not part of an optimizer state
     dict: read them with :func:`master_weight`.
     """
     groups = state_dict["param_groups"]
-    compand = {pid: g.get("compand", True) for g in groups for pid in g["params"]}
+    group_of = {pid: g for g in groups for pid in g["params"]}
     state = {}
     for pid, entry in state_dict["state"].items():
         if "exp_avg_code" not in entry and "exp_avg_error" not in entry:
@@ -1045,13 +1139,13 @@ def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
             continue
         like = entry["exp_avg_code"] if "exp_avg_code" in entry else entry["exp_avg"]
         local = {k: _local(v) for k, v in entry.items()}
-        out = _to_adamw(_local(like).shape, local, compand.get(pid, True))
+        out = _to_adamw(_local(like).shape, local, group_of.get(pid, {}))
         state[pid] = {k: _placed_like(v, like, _local(like)) for k, v in out.items()}
     adamw_keys = dict(amsgrad=False, maximize=False, foreach=None, capturable=False)
     adamw_keys.update(differentiable=False, fused=None, decoupled_weight_decay=True)
     param_groups = [
         {
-            **{k: v for k, v in g.items() if k not in ("weight_correction", "compand")},
+            **{k: v for k, v in g.items() if k not in _OPTIONS},
             **adamw_keys,
         }
         for g in groups

@@ -21,6 +21,7 @@ def train(
     correction: bool,
     compand: bool,
     device: str = "cpu",
+    variance_bits: int = 8,
 ) -> tuple[list[nn.Parameter], CompactAdamW]:
     """Six steps on two param groups, the learning rate warmed up at every step."""
     torch.manual_seed(0)
@@ -31,6 +32,7 @@ def train(
         weight_decay=0.1,
         weight_correction=correction,
         compand=compand,
+        variance_bits=variance_bits,
         kernel=kernel,
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: (step + 1) / 6)

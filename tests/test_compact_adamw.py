@@ -95,14 +95,45 @@ def test_root_codes_never_zero_for_positive_variance():
     root = _heavy_tailed(64 * GROUP_SIZE).abs().view(-1, GROUP_SIZE)
     root[0, 3] = 0.0
     root[1, 5] = root[1].max() * 1e-6
-    groups, code, scale = _codes(root, _encode_root, torch.uint8)
+    groups, code, scale = _codes(root, _encode_root, torch.uint8, 8)
     code = code.view(-1, GROUP_SIZE)
-    decoded = _decode_root(code.reshape(-1), scale, groups)
+    decoded = _decode_root(code.reshape(-1), scale, groups, 8)
     assert code[0, 3] == 0 and code[1, 5] == 1
     assert ((code > 0) == (root > 0)).all()
     big = code > 1
     s = scale.float().view(-1, 1).expand_as(root)
     assert ((decoded - root)[big].abs() <= (s / 255 / 2 + root * 2**-8)[big]).all()
+
+
+@pytest.mark.parametrize("row", [64, 70, 33])
+def test_4_bit_root_codes(row):
+    """Two codes to a byte, in rows of whole bytes (an odd row ends in a zero nibble); each
+    the nearest of 16 levels of the square root of the ratio to the group's scale, never 0
+    for a positive root, so the decoded root is within half a level of that square root."""
+    root = _heavy_tailed(8 * row).abs().view(8, row)
+    root[0, 3] = 0.0
+    root[1, 5] = root[1].max() * 1e-6
+    groups = _Groups([root.shape], packed=True)
+    code = torch.empty(8, -(-row // 2), dtype=torch.uint8)
+    scale = torch.empty(groups.count, dtype=torch.bfloat16)
+    _encode_root(groups.view(root.reshape(-1)), groups, code.view(-1), scale, 4)
+    levels = torch.stack((code & 0xF, code >> 4), dim=-1).view(8, -1)
+    if row % 2:
+        assert (levels[:, row:] == 0).all()
+    levels = levels[:, :row]
+    assert torch.equal(groups.unpack4(code.view(-1)).view(8, row), levels)
+    assert levels[0, 3] == 0 and levels[1, 5] == 1
+    assert ((levels > 0) == (root > 0)).all() and levels.max() == 15
+    decoded = _decode_root(code.view(-1), scale, groups, 4).reshape(8, row)
+    s = groups.expand(scale.float()) * torch.ones_like(groups.view(root.reshape(-1)))
+    s = s.reshape(8, row)
+    big = levels > 1
+    error = (decoded / s).sqrt() - (root / s).sqrt()  # in levels of 1/15
+    assert (error[big].abs() <= 0.5 / 15 + 1e-3).all()
+    # Encoding the decoded roots again gives the same codes.
+    again = torch.empty_like(code)
+    _encode_root(groups.view(decoded.reshape(-1)), groups, again.view(-1), scale, 4)
+    assert torch.equal(again, code)
 
 
 def test_groups_never_cross_a_row():
@@ -320,6 +351,30 @@ def test_refusals():
         CompactAdamW([nn.Parameter(torch.zeros(3, dtype=torch.float16))])
     with pytest.raises(ValueError, match="learning rate"):
         CompactAdamW([nn.Parameter(torch.zeros(3))], lr=-1.0)
+    with pytest.raises(ValueError, match="variance_bits must be one of"):
+        CompactAdamW([nn.Parameter(torch.zeros(3))], variance_bits=2)
+
+
+@pytest.mark.parametrize("kernel", ["c", "eager"])
+@pytest.mark.parametrize(("written", "read"), [(8, 4), (4, 8)])
+def test_state_of_other_variance_bits_refused_before_anything_moves(kernel, written, read):
+    """``variance_bits`` is fixed for a run: a group changed after its state was written (the
+    C kernel's reused table included) raises at the next step, with nothing stepped, where
+    reading the codes with the other width would train on garbage."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 64, dtype=torch.bfloat16)) for _ in range(2)]
+    optim = CompactAdamW(params, variance_bits=written, kernel=kernel, **KWARGS)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optim.step()
+    optim.param_groups[0]["variance_bits"] = read
+    before = [(p.detach().clone(), copy.deepcopy(optim.state[p])) for p in params]
+    with pytest.raises(ValueError, match=f"another variance_bits than its group's \\({read}\\)"):
+        optim.step()
+    for p, (weight, state) in zip(params, before, strict=True):
+        assert torch.equal(p.detach(), weight)
+        assert all(torch.equal(optim.state[p][k], v) for k, v in state.items())
 
 
 def test_declared_elementwise():

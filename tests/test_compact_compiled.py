@@ -43,6 +43,16 @@ def test_same_bits_as_eager(weight_dtype, grad_dtype, correction, compand):
     assert_same_run(compiled, train("eager", *args))
 
 
+def test_same_bits_as_eager_with_4_bit_variance():
+    """Packed 4-bit root codes, rows of odd length included: their codes' slots among the
+    nibbles are an input of the graph, one more graph than with 8 bits (matrices with and
+    without rows of odd length, where 8-bit codes need no slots)."""
+    args = (torch.bfloat16, torch.bfloat16, True, True)
+    compiled = train("compile", *args, variance_bits=4)
+    assert counters["stats"]["unique_graphs"] == 5
+    assert_same_run(compiled, train("eager", *args, variance_bits=4))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_dtype,grad_dtype,correction,compand", LAYOUTS)
 def test_same_bits_as_eager_on_cuda(weight_dtype, grad_dtype, correction, compand):

@@ -33,6 +33,20 @@ def test_same_bits_as_eager(weight_dtype, grad_dtype, correction, compand):
     assert_same_run(train("c", *args), train("eager", *args))
 
 
+@pytest.mark.parametrize(
+    "weight_dtype,grad_dtype,correction,compand",
+    [
+        (torch.bfloat16, torch.bfloat16, True, True),
+        (torch.bfloat16, torch.float32, False, False),
+        (torch.float32, torch.float32, True, True),
+    ],
+)
+def test_same_bits_as_eager_with_4_bit_variance(weight_dtype, grad_dtype, correction, compand):
+    """Packed 4-bit root codes (rows of odd length end in a padding nibble)."""
+    args = (weight_dtype, grad_dtype, correction, compand)
+    assert_same_run(train("c", *args, variance_bits=4), train("eager", *args, variance_bits=4))
+
+
 def test_same_codes_as_eager_where_a_scale_is_below_float32s_range():
     """A group whose largest momentum is below 2**-128 has a scale whose inverse is infinite:
     its values scale to infinities, which eager clamps to the extreme codes (linear momentum;

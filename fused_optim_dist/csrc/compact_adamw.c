@@ -19,9 +19,9 @@
  * SPAN groups; those groups' scales are then rounded and inverted together, in one loop across
  * groups (per group, the horizontal work and a scalar division cost as much as the group's
  * elements), and the buffered values encoded. A parameter's layout (weight and gradient
- * dtypes, weight error or not, companding or not) selects one of twelve specialised copies of
- * the loops (`Layout`'s fields are constants where `step_param` is inlined): no branch per
- * element. IVDEP tells the compiler that the tensors do not overlap, which it cannot prove:
+ * dtypes, weight error or not, companding or not, 8- or 4-bit roots) selects one of 24
+ * specialised copies of the loops (`Layout`'s fields are constants where `step_param` is
+ * inlined): no branch per element. IVDEP tells the compiler that the tensors do not overlap, which it cannot prove:
  * without it, it checks before every loop or does not vectorise.
  */
 #include <math.h>
@@ -33,7 +33,8 @@ enum {
     PARAM_WEIGHT_ERROR, /* int8, or 0: no error (float32 weights, or no correction) */
     PARAM_A,            /* grouped: exp_avg_code (int8); flat: exp_avg (bfloat16) */
     PARAM_B,            /* grouped: exp_avg_scale (bfloat16); flat: exp_avg_error (int8) */
-    PARAM_C,            /* grouped: exp_avg_sq_root_code (uint8); flat: exp_avg_sq (bfloat16) */
+    PARAM_C,            /* grouped: exp_avg_sq_root_code (uint8; 4-bit: two to a byte, rows of
+                           (length + 1) / 2 bytes); flat: exp_avg_sq (bfloat16) */
     PARAM_D,            /* grouped: exp_avg_sq_root_scale (bfloat16); flat: exp_avg_sq_error */
     PARAM_STEP,         /* float32 step counter */
     PARAM_ROWS,
@@ -42,13 +43,14 @@ enum {
     PARAM_FIELDS
 };
 
-enum { FLAG_WEIGHT_BF16 = 1, FLAG_GRAD_BF16 = 2, FLAG_GROUPED = 4 };
+enum { FLAG_WEIGHT_BF16 = 1, FLAG_GRAD_BF16 = 2, FLAG_GROUPED = 4, FLAG_ROOT4 = 8 };
 
 #define GROUP_SIZE 32
 #define SPAN 32 /* groups whose scales are rounded together */
 #define PREFETCH_DISTANCE 3 /* parameters ahead; see [Note: prefetching the next parameters] */
 #define MOMENTUM_LEVELS 127.0f
 #define ROOT_LEVELS 255.0f
+#define ROOT4_SQUARED_LEVELS 225.0f /* 4-bit codes: 15 levels of the root's square root */
 
 #if defined(__clang__)
 #define INLINE static inline __attribute__((always_inline))
@@ -70,7 +72,7 @@ typedef struct {
 
 /* What selects a specialised copy of the loops. */
 typedef struct {
-    int weight_bf16, weight_error, grad_bf16, compand;
+    int weight_bf16, weight_error, grad_bf16, compand, root4;
 } Layout;
 
 /* A parameter's tensors (the moments' meaning depends on the kind: see PARAM_A..PARAM_D). */
@@ -167,22 +169,32 @@ INLINE float adamw(float x, float g, float *m, float *v, float *root, Hyper h) {
     return x * h.decay - (*m / denom) * h.step_size;
 }
 
-/* Decode, update and write back the `size` weights of the group at element `at`; the new
- * momentum and root go to m_out and root_out, their largest magnitudes to *m_max, *r_max. */
-INLINE void update_group(Tensors t, int64_t at, int size, uint16_t m_scale,
-                         uint16_t r_scale, Hyper h, Layout l, float *m_out, float *root_out,
-                         float *m_max, float *r_max) {
+/* Decode, update and write back the `size` weights of the group at element `at`, whose root
+ * codes start at r_code; the new momentum and root go to m_out and root_out, their largest
+ * magnitudes to *m_max, *r_max. */
+INLINE void update_group(Tensors t, int64_t at, const uint8_t *r_code, int size,
+                         uint16_t m_scale, uint16_t r_scale, Hyper h, Layout l, float *m_out,
+                         float *root_out, float *m_max, float *r_max) {
     const int8_t *m_code = (const int8_t *)t.a;
-    const uint8_t *r_code = (const uint8_t *)t.c;
     const float m_factor = bf16_to_float(m_scale);
-    const float r_factor = bf16_to_float(r_scale) * (float)(1.0 / 255.0);
+    const float r_factor = bf16_to_float(r_scale) * (l.root4 ? (float)(1.0 / 225.0)
+                                                              : (float)(1.0 / 255.0));
+    uint8_t unpacked[GROUP_SIZE];
+    if (l.root4) {
+        for (int j = 0; j < (size + 1) / 2; j++) {
+            unpacked[2 * j] = r_code[j] & 0xF;
+            unpacked[2 * j + 1] = r_code[j] >> 4;
+        }
+        r_code = unpacked;
+    }
     uint32_t m_most = 0, r_most = 0;
     IVDEP
     for (int j = 0; j < size; j++) {
         const float c = (float)m_code[at + j];
         float m = l.compand ? c / (-fabsf(c) + 2.0f * MOMENTUM_LEVELS) * m_factor
                             : c * (float)(1.0 / 127.0) * m_factor;
-        const float old_root = (float)r_code[at + j] * r_factor;
+        const float level = (float)r_code[j];
+        const float old_root = (l.root4 ? level * level : level) * r_factor;
         float v = old_root * old_root, root;
         const float x = load_weight(t, at + j, l), g = load_grad(t, at + j, l);
         store_weight(t, at + j, adamw(x, g, &m, &v, &root, h), l);
@@ -196,11 +208,11 @@ INLINE void update_group(Tensors t, int64_t at, int size, uint16_t m_scale,
     *r_max = bits_to_float(r_most);
 }
 
-/* Encode a group's buffered momentum and root with its scales' factors. */
-INLINE void encode_group(Tensors t, int64_t at, int size, float m_factor, float r_factor,
-                         Layout l, const float *m, const float *root) {
+/* Encode a group's buffered momentum and root with its scales' factors; its root codes start
+ * at r_code. */
+INLINE void encode_group(Tensors t, int64_t at, uint8_t *r_code, int size, float m_factor,
+                         float r_factor, Layout l, const float *m, const float *root) {
     int8_t *m_code = (int8_t *)t.a;
-    uint8_t *r_code = (uint8_t *)t.c;
     IVDEP
     for (int j = 0; j < size; j++) {
         const float y = m[j] * m_factor;
@@ -209,26 +221,37 @@ INLINE void encode_group(Tensors t, int64_t at, int size, float m_factor, float 
         m_code[at + j] = (int8_t)clamp_level(level, -127, 127);
     }
     /* Nearest, but at least 1 for a positive root (see [Note: 8-bit moments]): eager's
-     * ceil(min(level, 1)) of a non-negative level, written so that it vectorises. */
+     * ceil(min(level, 1)) of a non-negative level, written so that it vectorises. 4 bits: the
+     * level is the square root of the ratio times 15**2 ([Note: 4-bit variance]), and the
+     * codes are packed two to a byte, the first in the low nibble, a last odd one with 0. */
+    uint8_t codes[GROUP_SIZE + 1];
     IVDEP
     for (int j = 0; j < size; j++) {
-        const float level = root[j] * r_factor;
+        const float level = l.root4 ? sqrtf(root[j] * r_factor) : root[j] * r_factor;
         const float rounded = larger(rintf(level), level > 0.0f ? 1.0f : 0.0f);
-        r_code[at + j] = (uint8_t)clamp_level(rounded, 0, 255);
+        codes[j] = (uint8_t)clamp_level(rounded, 0, l.root4 ? 15 : 255);
+    }
+    if (l.root4) {
+        codes[size] = 0;
+        for (int j = 0; j < (size + 1) / 2; j++) r_code[j] = codes[2 * j] | codes[2 * j + 1] << 4;
+    } else {
+        memcpy(r_code, codes, (size_t)size);
     }
 }
 
 /* Round `count` groups' largest magnitudes into their bfloat16 scales, and the factors their
  * codes are computed with: against the rounded scale, 1 for an all-zero group. */
 INLINE void round_scales(const float *m_max, const float *r_max, uint16_t *m_scale,
-                         uint16_t *r_scale, float *m_factor, float *r_factor, int count) {
+                         uint16_t *r_scale, float *m_factor, float *r_factor, int count,
+                         Layout l) {
+    const float r_levels = l.root4 ? ROOT4_SQUARED_LEVELS : ROOT_LEVELS;
     IVDEP
     for (int k = 0; k < count; k++) {
         const uint16_t ms = float_to_bf16(m_max[k]), rs = float_to_bf16(r_max[k]);
         m_scale[k] = ms;
         r_scale[k] = rs;
         m_factor[k] = 1.0f / (ms ? bf16_to_float(ms) : 1.0f);
-        r_factor[k] = ROOT_LEVELS / (rs ? bf16_to_float(rs) : 1.0f);
+        r_factor[k] = r_levels / (rs ? bf16_to_float(rs) : 1.0f);
     }
 }
 
@@ -236,36 +259,31 @@ INLINE void round_scales(const float *m_max, const float *r_max, uint16_t *m_sca
  * group of a row is short where the row length is not a multiple of 32). */
 INLINE void step_rows(Tensors t, int64_t rows, int64_t row_length, Hyper h, Layout l) {
     const int64_t groups_per_row = (row_length + GROUP_SIZE - 1) / GROUP_SIZE;
+    const int64_t code_row = l.root4 ? (row_length + 1) / 2 : row_length; /* root code bytes */
     float m[SPAN * GROUP_SIZE], root[SPAN * GROUP_SIZE];
     float m_max[SPAN], r_max[SPAN], m_factor[SPAN], r_factor[SPAN];
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *m_scale = (uint16_t *)t.b + r * groups_per_row;
         uint16_t *r_scale = (uint16_t *)t.d + r * groups_per_row;
+        uint8_t *r_code = (uint8_t *)t.c + r * code_row;
         for (int64_t first = 0; first < groups_per_row; first += SPAN) {
-            const int64_t at = r * row_length + first * GROUP_SIZE;
-            const int64_t left = row_length - first * GROUP_SIZE; /* elements */
+            const int64_t in_row = first * GROUP_SIZE, at = r * row_length + in_row;
+            const int64_t left = row_length - in_row; /* elements */
             const int full = left >= SPAN * GROUP_SIZE ? SPAN : (int)(left / GROUP_SIZE);
             const int rest = full == SPAN ? 0 : (int)(left % GROUP_SIZE); /* a short group */
-            for (int k = 0; k < full; k++) {
-                const int o = k * GROUP_SIZE;
-                update_group(t, at + o, GROUP_SIZE, m_scale[first + k], r_scale[first + k], h,
+            const int count = full + (rest > 0);
+            for (int k = 0; k < count; k++) {
+                const int o = k * GROUP_SIZE, size = k < full ? GROUP_SIZE : rest;
+                uint8_t *codes = r_code + (l.root4 ? (in_row + o) / 2 : in_row + o);
+                update_group(t, at + o, codes, size, m_scale[first + k], r_scale[first + k], h,
                              l, m + o, root + o, &m_max[k], &r_max[k]);
             }
-            if (rest) {
-                const int o = full * GROUP_SIZE;
-                update_group(t, at + o, rest, m_scale[first + full], r_scale[first + full], h,
-                             l, m + o, root + o, &m_max[full], &r_max[full]);
-            }
             round_scales(m_max, r_max, m_scale + first, r_scale + first, m_factor, r_factor,
-                         full + (rest > 0));
-            for (int k = 0; k < full; k++) {
-                const int o = k * GROUP_SIZE;
-                encode_group(t, at + o, GROUP_SIZE, m_factor[k], r_factor[k], l, m + o,
-                             root + o);
-            }
-            if (rest) {
-                const int o = full * GROUP_SIZE;
-                encode_group(t, at + o, rest, m_factor[full], r_factor[full], l, m + o,
+                         count, l);
+            for (int k = 0; k < count; k++) {
+                const int o = k * GROUP_SIZE, size = k < full ? GROUP_SIZE : rest;
+                uint8_t *codes = r_code + (l.root4 ? (in_row + o) / 2 : in_row + o);
+                encode_group(t, at + o, codes, size, m_factor[k], r_factor[k], l, m + o,
                              root + o);
             }
         }
@@ -301,16 +319,19 @@ static void step_specialised(Tensors t, const int64_t *p, Hyper h, int compand) 
     const int weight_bf16 = (flags & FLAG_WEIGHT_BF16) != 0;
     const int weight_error = weight_bf16 && t.weight_error != 0;
     const int grad_bf16 = (flags & FLAG_GRAD_BF16) != 0;
-    const int key = weight_bf16 << 3 | weight_error << 2 | grad_bf16 << 1 | (compand != 0);
-#define LAYOUT(w, e, g, c)                                                                   \
-    case (w << 3 | e << 2 | g << 1 | c):                                                     \
-        step_param(t, p, h, (Layout){w, e, g, c});                                           \
+    const int root4 = (flags & FLAG_ROOT4) != 0;
+    const int key =
+        root4 << 4 | weight_bf16 << 3 | weight_error << 2 | grad_bf16 << 1 | (compand != 0);
+#define LAYOUT(r, w, e, g, c)                                                                \
+    case (r << 4 | w << 3 | e << 2 | g << 1 | c):                                            \
+        step_param(t, p, h, (Layout){w, e, g, c, r});                                        \
         break;
-    switch (key) {
-        LAYOUT(1, 1, 1, 1) LAYOUT(1, 1, 1, 0) LAYOUT(1, 1, 0, 1) LAYOUT(1, 1, 0, 0)
-        LAYOUT(1, 0, 1, 1) LAYOUT(1, 0, 1, 0) LAYOUT(1, 0, 0, 1) LAYOUT(1, 0, 0, 0)
-        LAYOUT(0, 0, 1, 1) LAYOUT(0, 0, 1, 0) LAYOUT(0, 0, 0, 1) LAYOUT(0, 0, 0, 0)
-    }
+#define LAYOUTS(r)                                                                           \
+    LAYOUT(r, 1, 1, 1, 1) LAYOUT(r, 1, 1, 1, 0) LAYOUT(r, 1, 1, 0, 1) LAYOUT(r, 1, 1, 0, 0)   \
+    LAYOUT(r, 1, 0, 1, 1) LAYOUT(r, 1, 0, 1, 0) LAYOUT(r, 1, 0, 0, 1) LAYOUT(r, 1, 0, 0, 0)   \
+    LAYOUT(r, 0, 0, 1, 1) LAYOUT(r, 0, 0, 1, 0) LAYOUT(r, 0, 0, 0, 1) LAYOUT(r, 0, 0, 0, 0)
+    switch (key) { LAYOUTS(0) LAYOUTS(1) }
+#undef LAYOUTS
 #undef LAYOUT
 }
 
