@@ -11,6 +11,7 @@ call per unit. A step updates every unit; its cost is the main thread's CPU time
 * ``compact-c``: ``CompactAdamW(kernel="c").step()`` per unit on bfloat16 weights and
   gradients: the C kernel (``fused_optim_dist/csrc/compact_adamw.c``), what ``kernel="auto"``
   takes on the CPU;
+* ``compact-c-4bit``: the same with ``variance_bits=4`` (packed 4-bit second-moment codes);
 * ``compact-compile``: ``CompactAdamW(kernel="compile").step()``, the eager path's update
   compiled by ``torch.compile`` (Inductor's C++ on the CPU; compiled before the rounds);
 * ``compact-eager``: ``CompactAdamW(kernel="eager").step()``, the fallback in whole-tensor
@@ -57,10 +58,16 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SHAPES = ("many-tiny", "many-small", "few-large", "llama-12x256")
 MS_PER_S = 1e3
 KWARGS = dict(lr=1e-4, weight_decay=0.01)
-KERNELS = ("c", "compile", "eager")
+VARIANTS = {
+    "compact-c": dict(kernel="c"),
+    "compact-c-4bit": dict(kernel="c", variance_bits=4),
+    "compact-compile": dict(kernel="compile"),
+    "compact-eager": dict(kernel="eager"),
+}
+"""CompactAdamW's methods, by their constructor arguments."""
 COLD_CACHE_BYTES = 64 << 20
 BASELINE = "adamw-fused"
-COMPACT = tuple(f"compact-{kernel}" for kernel in KERNELS)
+COMPACT = tuple(VARIANTS)
 
 
 def _units(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -112,8 +119,8 @@ def _fused_adamw(units: list[list[torch.Tensor]]) -> Callable[[], None]:
     return step
 
 
-def _compact(units: list[list[torch.Tensor]], kernel: str) -> Callable[[], None]:
-    optims = [CompactAdamW(shards, kernel=kernel, **KWARGS) for shards in units]
+def _compact(units: list[list[torch.Tensor]], **options: Any) -> Callable[[], None]:
+    optims = [CompactAdamW(shards, **options, **KWARGS) for shards in units]
     for _ in range(2):  # state created, tables built, graphs compiled
         for optim in optims:
             optim.step()
@@ -160,10 +167,10 @@ def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
     methods = {
         "adamw-fused": _fused_adamw([[_shard(p, world, torch.float32) for p in u] for u in units]),
         **{
-            f"compact-{kernel}": _compact(
-                [[_shard(p, world, torch.bfloat16) for p in u] for u in units], kernel
+            method: _compact(
+                [[_shard(p, world, torch.bfloat16) for p in u] for u in units], **options
             )
-            for kernel in KERNELS
+            for method, options in VARIANTS.items()
         },
     }
     out: dict[str, Any] = {

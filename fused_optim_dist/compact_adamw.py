@@ -9,14 +9,16 @@ weight                        2       the parameter itself (bfloat16)
 ``weight_error``              1       int8: the weight's rounding error in 1/256 bf16 ULP
 ``exp_avg_code``              1       int8: momentum, companded, per group of 32
 ``exp_avg_sq_root_code``      1       uint8: square root of the variance, per group of 32
+                              (0.5)   (``variance_bits=4``: two 4-bit codes to a byte)
 ``exp_avg_scale`` and         2 x 2   bfloat16: one scale per group of 32 (0.125 B/param)
 ``exp_avg_sq_root_scale``     / 32
 ============================  ======  ===================================================
 
 5.125 bytes per parameter where rows are multiples of 32 elements (a short last group per row
-otherwise), against 12 for fp32 AdamW (fp32 weight and two fp32 moments). Parameters of at most
-one dim (norm weights, biases) keep each moment as a bfloat16 value plus an int8 error (3 bytes
-each): see [Note: groups never cross a row].
+otherwise), against 12 for fp32 AdamW (fp32 weight and two fp32 moments); 4.625 with
+``variance_bits=4`` (``exp_avg_sq_root_code`` in half a byte: see [Note: 4-bit variance]).
+Parameters of at most one dim (norm weights, biases) keep each moment as a bfloat16 value plus
+an int8 error (3 bytes each): see [Note: groups never cross a row].
 
 [Note: groups never cross a row]
 FSDP2 shards every parameter along dim 0, so each rank holds whole rows. A quantization group
@@ -55,6 +57,23 @@ and rounded to ``round(255 r)``, but never to 0 unless it is 0: a second moment 
 under a nonzero momentum would divide the update by ``eps`` alone. Scales are bfloat16 (the
 range of float32; their rounding is part of the encoding, codes are computed against the
 rounded scale).
+
+[Note: 4-bit variance]
+With ``variance_bits=4`` the root of the variance takes 16 levels per group instead of 256.
+Linear levels would put every root below 1/30 of its group's largest on the first level, so
+the code is the square root of the ratio instead, ``round(15 * sqrt(r / scale))`` (computed as
+``sqrt(r * (225 / scale))``, correctly rounded), decoded as ``scale * code**2 / 225``: the
+smallest nonzero root is 1/225 of the scale (8 bits, linear: 1/255), and a root is within half
+a level of its square root, a relative error of 7% near the scale and more below it. As with 8
+bits, a positive root never gets code 0. The codes are packed two to a byte, the first of a
+pair in the low nibble, in rows of ``ceil(row length / 2)`` bytes (a row of odd length ends in
+a zero nibble): ``exp_avg_sq_root_code`` is a uint8 tensor of shape ``(rows, ceil(row length /
+2))``, so it reshards along dim 0 with its rows as the 8-bit codes do. The eager and compiled
+paths unpack a batch's codes into one per element (through an index of their places where
+some row is of odd length) and pack them back; the C kernel unpacks a group's 16 bytes into
+a buffer. ``variance_bits`` is fixed for a run: a state written with the other width is
+refused at the next step (its codes would be read as garbage).
+``benchmarks/results/compact_adamw_quality.md`` measures what the 4 bits cost in training.
 
 [Note: layout-independent arithmetic]
 A step concatenates the parameters of a param group (of one kind, dtype and device: a batch)
@@ -746,6 +765,9 @@ class CompactAdamW(Optimizer):
             starts from a zero error.
         compand: compand the momentum before quantizing (``False``: linear 8-bit, for
             ablations). Fixed for a run: the codes are read as they were written.
+        variance_bits: 8, or 4 for the second moment in 4-bit codes (4.625 instead of 5.125
+            bytes per parameter; see [Note: 4-bit variance]). Fixed for a run (a state of the
+            other width is refused at the step).
         kernel: ``"auto"`` steps CPU tensors with the C kernel (built on first use, see
             [Note: the C kernel] in ``_compact_kernel.py``) when it is available and takes
             them, with the eager path otherwise; ``"c"`` requires the C kernel for CPU tensors
