@@ -159,7 +159,9 @@ def _plot(grids: list[Path], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(grids), figsize=(6 * len(grids), 4), squeeze=False)
-    colors = dict(zip(VARIANTS, ("black", "tab:blue", "tab:red", "tab:green"), strict=True))
+    colors = dict(
+        zip(VARIANTS, ("black", "tab:blue", "tab:red", "tab:green", "tab:purple"), strict=True)
+    )
     for ax, grid in zip(axes[0], grids, strict=True):
         payload = json.loads(grid.read_text())
         for key, losses in sorted(payload["runs"].items()):
