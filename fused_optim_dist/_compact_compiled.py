@@ -26,9 +26,9 @@ corrections) are graph inputs from the first call, so one graph serves every uni
 and every step. With the default, Dynamo makes the floats constants of the graph, and a
 learning-rate schedule recompiled at every step. A run needs a handful of graphs (matrices
 and vectors, rows that are multiples of 32 or not, one or several step counts in a batch,
-weights with or without an error, 4-bit codes with rows of odd length or not); past Dynamo's
-limit of graphs per function (``torch._dynamo.config.recompile_limit``, 8) Dynamo warns and
-runs the function uncompiled: the same bits, slower.
+weights with or without an error); past Dynamo's limit of graphs per function
+(``torch._dynamo.config.recompile_limit``, 8) Dynamo warns and runs the function uncompiled:
+the same bits, slower.
 """
 
 from __future__ import annotations

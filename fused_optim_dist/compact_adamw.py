@@ -65,14 +65,17 @@ the code is the square root of the ratio instead, ``round(15 * sqrt(r / scale))`
 ``sqrt(r * (225 / scale))``, correctly rounded), decoded as ``scale * code**2 / 225``: the
 smallest nonzero root is 1/225 of the scale (8 bits, linear: 1/255), and a root is within half
 a level of its square root, a relative error of 7% near the scale and more below it. As with 8
-bits, a positive root never gets code 0. The codes are packed two to a byte, the first of a
-pair in the low nibble, in rows of ``ceil(row length / 2)`` bytes (a row of odd length ends in
-a zero nibble): ``exp_avg_sq_root_code`` is a uint8 tensor of shape ``(rows, ceil(row length /
-2))``, so it reshards along dim 0 with its rows as the 8-bit codes do. The eager and compiled
-paths unpack a batch's codes into one per element (through an index of their places where
-some row is of odd length) and pack them back; the C kernel unpacks a group's 16 bytes into
-a buffer. ``variance_bits`` is fixed for a run: a state written with the other width is
-refused at the next step (its codes would be read as garbage).
+bits, a positive root never gets code 0. The codes are packed two to a byte, group by group:
+in a group of ``n`` elements, byte ``k`` holds element ``k`` in its low nibble and element
+``k + ceil(n / 2)`` in its high one (a group of odd length ends in a zero nibble), so a whole
+group is 16 bytes whose low nibbles are its first 16 codes and high nibbles its last 16: two
+vector ops to unpack or pack, where adjacent pairs would need an interleave. A row holds
+``ceil(row length / 2)`` bytes: ``exp_avg_sq_root_code`` is a uint8 tensor of shape ``(rows,
+ceil(row length / 2))``, so it reshards along dim 0 with its rows as the 8-bit codes do. The
+eager and compiled paths unpack a batch's codes into one per element (through an index of
+their nibbles where some group is short) and pack them back. ``variance_bits`` is fixed for a
+run: a state written with the other width is refused at the next step (its codes would be
+read as garbage).
 ``benchmarks/results/compact_adamw_quality.md`` measures what the 4 bits cost in training.
 
 [Note: layout-independent arithmetic]
@@ -186,9 +189,10 @@ class _Groups:
 
     ``lengths``: each group's length (int32), or ``None`` when every row is a multiple of 32
     elements long (the groups are then ``flat.view(-1, 32)``, without an index). ``slots``,
-    for 4-bit codes packed in rows (``packed``): where each element's code lies among the
-    nibbles of the rows, or ``None`` where every row is of even length (in order). A row of
-    odd length ends in a padding nibble, so the codes after it move by one per such row.
+    for 4-bit codes packed by group (``packed``): where each element's code lies among the
+    nibbles (two per byte, low first), or ``None`` where every group is whole (then the
+    groups' 16 bytes hold their first 16 codes in the low nibbles and the last 16 in the high
+    ones, without an index). See [Note: 4-bit variance].
     """
 
     __slots__ = ("count", "lengths", "numel", "slots")
@@ -198,16 +202,12 @@ class _Groups:
         rows = [(shape[0], math.prod(shape[1:])) for shape in shapes]
         self.lengths = self.slots = None
         self.count = self.numel // GROUP_SIZE
-        if all(length % GROUP_SIZE == 0 for _, length in rows):  # so none of odd length
+        if all(length % GROUP_SIZE == 0 for _, length in rows):
             return
-        # Computed per row, with a handful of ops whatever the number of parameters.
+        # Every group is 32 long but the last of each row with a remainder: computed per row,
+        # with a handful of ops whatever the number of parameters.
         counts = torch.tensor([count for count, _ in rows])
         row_lengths = torch.tensor([length for _, length in rows]).repeat_interleave(counts)
-        if packed and any(length % 2 for _, length in rows):
-            padding = torch.cumsum(row_lengths % 2, 0) - row_lengths % 2  # before each row
-            padding = padding.repeat_interleave(row_lengths, output_size=self.numel)
-            self.slots = torch.arange(self.numel) + padding
-        # Every group is 32 long but the last of each row with a remainder.
         row_groups = -(-row_lengths // GROUP_SIZE)
         row_rest = row_lengths % GROUP_SIZE
         lengths = torch.full((int(row_groups.sum()),), GROUP_SIZE, dtype=torch.int32)
@@ -215,6 +215,18 @@ class _Groups:
         lengths[(row_groups.cumsum(0) - 1)[short]] = row_rest[short].to(torch.int32)
         self.lengths = lengths
         self.count = self.lengths.numel()
+        if packed:
+            self.slots = self._slots(lengths.long())
+
+    def _slots(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Each element's nibble: in a group of ``n``, byte ``k`` holds elements ``k`` (low)
+        and ``k + ceil(n / 2)`` (high)."""
+        half = (lengths + 1) // 2
+        group = torch.arange(self.count).repeat_interleave(lengths, output_size=self.numel)
+        offset = torch.arange(self.numel) - (lengths.cumsum(0) - lengths)[group]
+        high = offset >= half[group]
+        byte = (half.cumsum(0) - half)[group] + offset - high * half[group]
+        return 2 * byte + high
 
     def to(self, device: torch.device) -> _Groups:
         if self.lengths is not None and self.lengths.device != device:
@@ -224,17 +236,24 @@ class _Groups:
         return self
 
     def unpack4(self, packed: torch.Tensor) -> torch.Tensor:
-        """The 4-bit codes of every element (uint8, flat) of the packed rows ``packed``."""
-        nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(-1)
-        return nibbles if self.slots is None else nibbles[self.slots]
+        """The 4-bit codes of every element (uint8, flat) of the packed groups ``packed``."""
+        if self.slots is None:
+            halves = packed.view(-1, GROUP_SIZE // 2)
+            return torch.cat((halves & 0xF, halves >> 4), dim=1).view(-1)
+        return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(-1)[self.slots]
 
     def pack4(self, codes: torch.Tensor, out: torch.Tensor) -> None:
-        """Write 4-bit ``codes`` (uint8, one per element, flat) into the packed rows ``out``:
-        two to a byte, the first in the low nibble, each row padded to whole bytes with 0."""
-        if self.slots is not None:
-            codes = codes.new_zeros(2 * out.numel()).index_copy_(0, self.slots, codes)
-        pairs = codes.view(-1, 2)
-        torch.bitwise_or(pairs[:, 0], pairs[:, 1].bitwise_left_shift(4), out=out)
+        """Write 4-bit ``codes`` (uint8, one per element, flat) into the packed groups ``out``
+        (a group of odd length ends in a zero nibble)."""
+        if self.slots is None:
+            low, high = codes.view(-1, GROUP_SIZE).split(GROUP_SIZE // 2, dim=1)
+            pairs = torch.stack((low, high), dim=-1)
+        else:
+            nibbles = codes.new_zeros(2 * out.numel()).index_copy_(0, self.slots, codes)
+            pairs = nibbles.view(-1, 2)
+        torch.bitwise_or(
+            pairs[..., 0], pairs[..., 1].bitwise_left_shift(4), out=out.view(pairs.shape[:-1])
+        )
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (one value per element) shaped for per-group broadcasting."""

@@ -105,11 +105,33 @@ def test_root_codes_never_zero_for_positive_variance():
     assert ((decoded - root)[big].abs() <= (s / 255 / 2 + root * 2**-8)[big]).all()
 
 
+def _nibbles_by_the_rule(code: torch.Tensor, row: int) -> torch.Tensor:
+    """The 4-bit codes of packed rows as [Note: 4-bit variance] lays them out, element by
+    element: in a group of ``n`` (32, the last of a row shorter), byte ``k`` holds element
+    ``k`` in its low nibble and ``k + ceil(n / 2)`` in its high one; a group of odd length
+    ends in a zero nibble (checked here)."""
+    levels = torch.empty(code.shape[0], row, dtype=torch.uint8)
+    for r, packed in enumerate(code.tolist()):
+        byte = 0
+        for start in range(0, row, GROUP_SIZE):
+            n = min(GROUP_SIZE, row - start)
+            half = -(-n // 2)
+            for k in range(half):
+                levels[r, start + k] = packed[byte + k] & 0xF
+                if k + half < n:
+                    levels[r, start + half + k] = packed[byte + k] >> 4
+                else:
+                    assert packed[byte + k] >> 4 == 0, "the padding nibble is 0"
+            byte += half
+        assert byte == len(packed)
+    return levels
+
+
 @pytest.mark.parametrize("row", [64, 70, 33])
 def test_4_bit_root_codes(row):
-    """Two codes to a byte, in rows of whole bytes (an odd row ends in a zero nibble); each
-    the nearest of 16 levels of the square root of the ratio to the group's scale, never 0
-    for a positive root, so the decoded root is within half a level of that square root."""
+    """Two codes to a byte, group by group, in rows of whole bytes; each code the nearest of
+    16 levels of the square root of the ratio to the group's scale, never 0 for a positive
+    root, so the decoded root is within half a level of that square root."""
     root = _heavy_tailed(8 * row).abs().view(8, row)
     root[0, 3] = 0.0
     root[1, 5] = root[1].max() * 1e-6
@@ -117,10 +139,7 @@ def test_4_bit_root_codes(row):
     code = torch.empty(8, -(-row // 2), dtype=torch.uint8)
     scale = torch.empty(groups.count, dtype=torch.bfloat16)
     _encode_root(groups.view(root.reshape(-1)), groups, code.view(-1), scale, 4)
-    levels = torch.stack((code & 0xF, code >> 4), dim=-1).view(8, -1)
-    if row % 2:
-        assert (levels[:, row:] == 0).all()
-    levels = levels[:, :row]
+    levels = _nibbles_by_the_rule(code, row)
     assert torch.equal(groups.unpack4(code.view(-1)).view(8, row), levels)
     assert levels[0, 3] == 0 and levels[1, 5] == 1
     assert ((levels > 0) == (root > 0)).all() and levels.max() == 15

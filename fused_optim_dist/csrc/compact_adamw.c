@@ -21,8 +21,8 @@
  * elements), and the buffered values encoded. A parameter's layout (weight and gradient
  * dtypes, weight error or not, companding or not, 8- or 4-bit roots) selects one of 24
  * specialised copies of the loops (`Layout`'s fields are constants where `step_param` is
- * inlined): no branch per element. IVDEP tells the compiler that the tensors do not overlap, which it cannot prove:
- * without it, it checks before every loop or does not vectorise.
+ * inlined): no branch per element. IVDEP tells the compiler that the tensors do not overlap,
+ * which it cannot prove: without it, it checks before every loop or does not vectorise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,14 +54,17 @@ enum { FLAG_WEIGHT_BF16 = 1, FLAG_GRAD_BF16 = 2, FLAG_GROUPED = 4, FLAG_ROOT4 = 
 
 #if defined(__clang__)
 #define INLINE static inline __attribute__((always_inline))
+#define NOINLINE __attribute__((noinline))
 #define IVDEP _Pragma("clang loop vectorize(assume_safety)")
 #define PREFETCH(address) __builtin_prefetch((address), 1)
 #elif defined(__GNUC__)
 #define INLINE static inline __attribute__((always_inline))
+#define NOINLINE __attribute__((noinline))
 #define IVDEP _Pragma("GCC ivdep")
 #define PREFETCH(address) __builtin_prefetch((address), 1)
 #else
 #define INLINE static inline
+#define NOINLINE
 #define IVDEP
 #define PREFETCH(address) ((void)(address))
 #endif
@@ -169,6 +172,50 @@ INLINE float adamw(float x, float g, float *m, float *v, float *root, Hyper h) {
     return x * h.decay - (*m / denom) * h.step_size;
 }
 
+/* [Note: 4-bit codes in the kernel]
+ * Byte k of a group holds code k in its low nibble and code k + half in its high one (half =
+ * ceil(size / 2); see [Note: 4-bit variance] in compact_adamw.py). A whole group's 16 bytes
+ * are unpacked and packed eight at a time in 64-bit integers (a code is at most 15, so a
+ * shift by 4 moves each into the high nibble of its byte), and the element loops stay 32
+ * long, as with 8-bit codes: loops over each half of a group, 16 long, were compiled into
+ * 128-bit vectors and took twice as long. */
+INLINE void unpack4(const uint8_t *packed, int size, uint8_t *codes) {
+    if (size == GROUP_SIZE) {
+        for (int w = 0; w < 2; w++) {
+            uint64_t bytes;
+            memcpy(&bytes, packed + 8 * w, 8);
+            const uint64_t low = bytes & 0x0F0F0F0F0F0F0F0Full;
+            const uint64_t high = (bytes >> 4) & 0x0F0F0F0F0F0F0F0Full;
+            memcpy(codes + 8 * w, &low, 8);
+            memcpy(codes + 16 + 8 * w, &high, 8);
+        }
+        return;
+    }
+    const int half = (size + 1) / 2;
+    for (int k = 0; k < half; k++) {
+        codes[k] = packed[k] & 0xF;
+        codes[half + k] = packed[k] >> 4; /* the padding nibble lands past the group */
+    }
+}
+
+INLINE void pack4(const uint8_t *codes, int size, uint8_t *packed) {
+    if (size == GROUP_SIZE) {
+        for (int w = 0; w < 2; w++) {
+            uint64_t low, high;
+            memcpy(&low, codes + 8 * w, 8);
+            memcpy(&high, codes + 16 + 8 * w, 8);
+            const uint64_t bytes = low | high << 4;
+            memcpy(packed + 8 * w, &bytes, 8);
+        }
+        return;
+    }
+    const int half = (size + 1) / 2;
+    for (int k = 0; k < half; k++) {
+        const int high = half + k < size ? codes[half + k] : 0;
+        packed[k] = (uint8_t)(codes[k] | high << 4);
+    }
+}
+
 /* Decode, update and write back the `size` weights of the group at element `at`, whose root
  * codes start at r_code; the new momentum and root go to m_out and root_out, their largest
  * magnitudes to *m_max, *r_max. */
@@ -179,12 +226,9 @@ INLINE void update_group(Tensors t, int64_t at, const uint8_t *r_code, int size,
     const float m_factor = bf16_to_float(m_scale);
     const float r_factor = bf16_to_float(r_scale) * (l.root4 ? (float)(1.0 / 225.0)
                                                               : (float)(1.0 / 255.0));
-    uint8_t unpacked[GROUP_SIZE];
+    uint8_t unpacked[GROUP_SIZE + 1];
     if (l.root4) {
-        for (int j = 0; j < (size + 1) / 2; j++) {
-            unpacked[2 * j] = r_code[j] & 0xF;
-            unpacked[2 * j + 1] = r_code[j] >> 4;
-        }
+        unpack4(r_code, size, unpacked);
         r_code = unpacked;
     }
     uint32_t m_most = 0, r_most = 0;
@@ -222,21 +266,16 @@ INLINE void encode_group(Tensors t, int64_t at, uint8_t *r_code, int size, float
     }
     /* Nearest, but at least 1 for a positive root (see [Note: 8-bit moments]): eager's
      * ceil(min(level, 1)) of a non-negative level, written so that it vectorises. 4 bits: the
-     * level is the square root of the ratio times 15**2 ([Note: 4-bit variance]), and the
-     * codes are packed two to a byte, the first in the low nibble, a last odd one with 0. */
-    uint8_t codes[GROUP_SIZE + 1];
+     * level is the square root of the ratio times 15**2 ([Note: 4-bit variance]). */
+    uint8_t codes[GROUP_SIZE];
+    uint8_t *out = l.root4 ? codes : r_code;
     IVDEP
     for (int j = 0; j < size; j++) {
         const float level = l.root4 ? sqrtf(root[j] * r_factor) : root[j] * r_factor;
         const float rounded = larger(rintf(level), level > 0.0f ? 1.0f : 0.0f);
-        codes[j] = (uint8_t)clamp_level(rounded, 0, l.root4 ? 15 : 255);
+        out[j] = (uint8_t)clamp_level(rounded, 0, l.root4 ? 15 : 255);
     }
-    if (l.root4) {
-        codes[size] = 0;
-        for (int j = 0; j < (size + 1) / 2; j++) r_code[j] = codes[2 * j] | codes[2 * j + 1] << 4;
-    } else {
-        memcpy(r_code, codes, (size_t)size);
-    }
+    if (l.root4) pack4(codes, size, r_code);
 }
 
 /* Round `count` groups' largest magnitudes into their bfloat16 scales, and the factors their
@@ -271,21 +310,32 @@ INLINE void step_rows(Tensors t, int64_t rows, int64_t row_length, Hyper h, Layo
             const int64_t left = row_length - in_row; /* elements */
             const int full = left >= SPAN * GROUP_SIZE ? SPAN : (int)(left / GROUP_SIZE);
             const int rest = full == SPAN ? 0 : (int)(left % GROUP_SIZE); /* a short group */
-            const int count = full + (rest > 0);
-            for (int k = 0; k < count; k++) {
-                const int o = k * GROUP_SIZE, size = k < full ? GROUP_SIZE : rest;
-                uint8_t *codes = r_code + (l.root4 ? (in_row + o) / 2 : in_row + o);
-                update_group(t, at + o, codes, size, m_scale[first + k], r_scale[first + k], h,
-                             l, m + o, root + o, &m_max[k], &r_max[k]);
+            /* Whole groups with a constant size, which the compiler unrolls, then a short one. */
+#define GROUP_CODES(o) (r_code + (l.root4 ? (in_row + (o)) / 2 : in_row + (o)))
+            for (int k = 0; k < full; k++) {
+                const int o = k * GROUP_SIZE;
+                update_group(t, at + o, GROUP_CODES(o), GROUP_SIZE, m_scale[first + k],
+                             r_scale[first + k], h, l, m + o, root + o, &m_max[k], &r_max[k]);
+            }
+            if (rest) {
+                const int o = full * GROUP_SIZE;
+                update_group(t, at + o, GROUP_CODES(o), rest, m_scale[first + full],
+                             r_scale[first + full], h, l, m + o, root + o, &m_max[full],
+                             &r_max[full]);
             }
             round_scales(m_max, r_max, m_scale + first, r_scale + first, m_factor, r_factor,
-                         count, l);
-            for (int k = 0; k < count; k++) {
-                const int o = k * GROUP_SIZE, size = k < full ? GROUP_SIZE : rest;
-                uint8_t *codes = r_code + (l.root4 ? (in_row + o) / 2 : in_row + o);
-                encode_group(t, at + o, codes, size, m_factor[k], r_factor[k], l, m + o,
-                             root + o);
+                         full + (rest > 0), l);
+            for (int k = 0; k < full; k++) {
+                const int o = k * GROUP_SIZE;
+                encode_group(t, at + o, GROUP_CODES(o), GROUP_SIZE, m_factor[k], r_factor[k], l,
+                             m + o, root + o);
             }
+            if (rest) {
+                const int o = full * GROUP_SIZE;
+                encode_group(t, at + o, GROUP_CODES(o), rest, m_factor[full], r_factor[full], l,
+                             m + o, root + o);
+            }
+#undef GROUP_CODES
         }
     }
 }
@@ -313,26 +363,37 @@ INLINE void step_param(Tensors t, const int64_t *p, Hyper h, Layout l) {
 }
 
 /* step_param with the layout's fields as constants: one specialised copy per layout (an
- * error is only read with bfloat16 weights). */
+ * error is only read with bfloat16 weights), in one function per root width. Measured: with
+ * all 24 copies in one function, GCC compiled the 8-bit ones 10% slower. */
+#define LAYOUT(r, w, e, g, c)                                                                \
+    case (w << 3 | e << 2 | g << 1 | c):                                                     \
+        step_param(t, p, h, (Layout){w, e, g, c, r});                                        \
+        break;
+#define STEP_WIDTH(name, r)                                                                  \
+    static NOINLINE void name(Tensors t, const int64_t *p, Hyper h, int key) {               \
+        switch (key) {                                                                       \
+            LAYOUT(r, 1, 1, 1, 1) LAYOUT(r, 1, 1, 1, 0) LAYOUT(r, 1, 1, 0, 1)                 \
+            LAYOUT(r, 1, 1, 0, 0) LAYOUT(r, 1, 0, 1, 1) LAYOUT(r, 1, 0, 1, 0)                 \
+            LAYOUT(r, 1, 0, 0, 1) LAYOUT(r, 1, 0, 0, 0) LAYOUT(r, 0, 0, 1, 1)                 \
+            LAYOUT(r, 0, 0, 1, 0) LAYOUT(r, 0, 0, 0, 1) LAYOUT(r, 0, 0, 0, 0)                 \
+        }                                                                                    \
+    }
+STEP_WIDTH(step_root8, 0)
+STEP_WIDTH(step_root4, 1)
+#undef STEP_WIDTH
+#undef LAYOUT
+
 static void step_specialised(Tensors t, const int64_t *p, Hyper h, int compand) {
     const int64_t flags = p[PARAM_FLAGS];
     const int weight_bf16 = (flags & FLAG_WEIGHT_BF16) != 0;
     const int weight_error = weight_bf16 && t.weight_error != 0;
     const int grad_bf16 = (flags & FLAG_GRAD_BF16) != 0;
-    const int root4 = (flags & FLAG_ROOT4) != 0;
-    const int key =
-        root4 << 4 | weight_bf16 << 3 | weight_error << 2 | grad_bf16 << 1 | (compand != 0);
-#define LAYOUT(r, w, e, g, c)                                                                \
-    case (r << 4 | w << 3 | e << 2 | g << 1 | c):                                            \
-        step_param(t, p, h, (Layout){w, e, g, c, r});                                        \
-        break;
-#define LAYOUTS(r)                                                                           \
-    LAYOUT(r, 1, 1, 1, 1) LAYOUT(r, 1, 1, 1, 0) LAYOUT(r, 1, 1, 0, 1) LAYOUT(r, 1, 1, 0, 0)   \
-    LAYOUT(r, 1, 0, 1, 1) LAYOUT(r, 1, 0, 1, 0) LAYOUT(r, 1, 0, 0, 1) LAYOUT(r, 1, 0, 0, 0)   \
-    LAYOUT(r, 0, 0, 1, 1) LAYOUT(r, 0, 0, 1, 0) LAYOUT(r, 0, 0, 0, 1) LAYOUT(r, 0, 0, 0, 0)
-    switch (key) { LAYOUTS(0) LAYOUTS(1) }
-#undef LAYOUTS
-#undef LAYOUT
+    const int key = weight_bf16 << 3 | weight_error << 2 | grad_bf16 << 1 | (compand != 0);
+    if (flags & FLAG_ROOT4) {
+        step_root4(t, p, h, key);
+    } else {
+        step_root8(t, p, h, key);
+    }
 }
 
 /* [Note: prefetching the next parameters]
