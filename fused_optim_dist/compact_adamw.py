@@ -128,6 +128,7 @@ from fused_optim_dist._torch_internals import holds_values
 
 __all__ = [
     "GROUP_SIZE",
+    "VARIANCE_BITS",
     "CompactAdamW",
     "load_master_weight",
     "master_weight",
@@ -584,6 +585,13 @@ def _new_state(
     return state
 
 
+def _codes_of(group: dict[str, Any]) -> tuple[bool, int]:
+    """``compand`` and ``variance_bits`` of a param group (a state dict's too, which may
+    predate an option: then its default)."""
+    options = {**_OPTIONS, **group}
+    return options["compand"], options["variance_bits"]
+
+
 def _is_adamw_entry(entry: dict[str, Any]) -> bool:
     """Whether ``entry`` is torch.optim.AdamW's (float ``exp_avg``/``exp_avg_sq``)."""
     return "exp_avg" in entry and "exp_avg_error" not in entry
@@ -594,7 +602,7 @@ def _from_adamw(
 ) -> dict[str, Any]:
     """This layout of an AdamW state entry for the local tensor ``weight`` (quantizing), as
     ``group`` (its param group's options) says."""
-    compand, bits = group.get("compand", True), group.get("variance_bits", 8)
+    compand, bits = _codes_of(group)
     out = _new_state(weight, correction=False, variance_bits=bits)
     out["step"] = entry["step"]
     if "weight_error" in entry:
@@ -623,7 +631,7 @@ def _to_adamw(
     """torch.optim.AdamW's state entry (float32 moments) of an entry of this layout, for a
     local tensor of ``weight_shape`` (dequantizing), as ``group`` (its param group's options)
     says."""
-    compand, bits = group.get("compand", True), group.get("variance_bits", 8)
+    compand, bits = _codes_of(group)
     out: dict[str, Any] = {"step": entry["step"]}
     if "exp_avg_code" in entry:
         groups = _Groups([weight_shape], bits == 4).to(entry["exp_avg_code"].device)
@@ -736,11 +744,18 @@ class _KernelPlan:
         if any(item.param is not item.weight for item in items):
             self.params = ()  # DTensors: their local tensors are not the group's tensors
 
+    @staticmethod
+    def options_of(group: dict[str, Any]) -> tuple[bool, int]:
+        """The group's options a plan's tables were built for, ``weight_correction`` and
+        ``variance_bits``: a change sends the step to the full path (which refuses a state of
+        another ``variance_bits``)."""
+        return group["weight_correction"], group["variance_bits"]
+
     def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
         """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
         params = group["params"]
         if not (
-            (group["weight_correction"], group["variance_bits"]) == self.options
+            self.options_of(group) == self.options
             and len(params) == len(self.params)
             and all(map(operator.is_, params, self.params))
             and self.entries.match(state)
@@ -951,8 +966,7 @@ class CompactAdamW(Optimizer):
                 table.run([p.weight for p in batch], group)
                 tables.append((indices[kind], table, batch))
         if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
-            options = (group["weight_correction"], group["variance_bits"])
-            plan = _KernelPlan(params, self.state, tables, options)
+            plan = _KernelPlan(params, self.state, tables, _KernelPlan.options_of(group))
             if plan.params:
                 self._remember(id(params), plan)
 
