@@ -46,6 +46,7 @@ from fused_optim_dist_recipes.memory_tracking import KINDS, Peak, StepMemoryTrac
 from fused_optim_dist_recipes.models import PRESETS, Llama, LlamaConfig, apply_fsdp
 
 __all__ = [
+    "DEFAULT_METHODS",
     "GIB",
     "METHODS",
     "SHAPES",
@@ -138,9 +139,19 @@ METHODS: dict[str, OptimizerMethod] = {
         # CPU run with it would understate the peak of the same step on a GPU.
         optimizer_kwargs=(("kernel", "eager"),),
     ),
+    "compact-4bit": OptimizerMethod(
+        description="CompactAdamW in backward, the second moment in 4 bits (variance_bits=4)",
+        in_backward=True,
+        optimizer="fused_optim_dist.compact_adamw.CompactAdamW",
+        param_dtype="bfloat16",
+        optimizer_kwargs=(("kernel", "eager"), ("variance_bits", 4)),
+    ),
 }
 """The methods the estimate can compare, by name. A new optimizer (a compact-state AdamW) is
 one more entry with its ``optimizer`` path; nothing else changes."""
+
+DEFAULT_METHODS = ("plain", "in-backward", "compact")
+"""What the estimate compares unless told (``compact-4bit`` on request)."""
 
 KERNELS = ("foreach", "fused", "for-loop")
 """How the optimizer's update runs: CUDA's default for AdamW is foreach (fused only on request
@@ -203,7 +214,7 @@ class EstimateConfig:
     """One of ``KERNELS``, for both methods, unless ``optimizer_kwargs`` sets it."""
     max_grad_norm: float | None = None
     """Clip by global norm (in backward for the in-backward method)."""
-    methods: tuple[str, ...] = tuple(METHODS)
+    methods: tuple[str, ...] = DEFAULT_METHODS
     """Names of ``METHODS`` to compare; the first is the baseline of the savings."""
     gloo_reduce_scatter_buffer: bool = False
     """Add gloo's reduce-scatter buffer (to compare with a gloo run; never for a GPU job)."""

@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 
 from fused_optim_dist_recipes.memory_estimate import (
+    DEFAULT_METHODS,
     GPU_80GB_GIB,
     KERNELS,
     METHODS,
@@ -85,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         help="optimizer kernels (CUDA picks foreach for AdamW unless told)",
     )
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
-    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(DEFAULT_METHODS))
     p.add_argument("--gpu-memory-gib", type=float, default=GPU_80GB_GIB, help="memory of one GPU")
     p.add_argument(
         "--margin-gib",
