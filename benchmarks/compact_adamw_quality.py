@@ -159,9 +159,10 @@ def _plot(grids: list[Path], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(grids), figsize=(6 * len(grids), 4), squeeze=False)
-    colors = dict(
-        zip(VARIANTS, ("black", "tab:blue", "tab:red", "tab:green", "tab:purple"), strict=True)
-    )
+    # The reference in black, the others in matplotlib's cycle of ten colours.
+    others = [variant for variant in VARIANTS if variant != REFERENCE]
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {REFERENCE: "black", **dict(zip(others, cycle, strict=False))}
     for ax, grid in zip(axes[0], grids, strict=True):
         payload = json.loads(grid.read_text())
         for key, losses in sorted(payload["runs"].items()):

@@ -208,12 +208,13 @@ def test_same_result_whatever_is_stepped_with_it():
     assert len(set(storages)) == len(storages)
 
 
-def test_first_step_equals_adamw_on_float32():
+@pytest.mark.parametrize("variance_bits", [8, 4])
+def test_first_step_equals_adamw_on_float32(variance_bits):
     """From zero state the first update uses exact moments: AdamW's step to rounding."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(7, 40)), nn.Parameter(torch.randn(9))]
     reference = copy.deepcopy(params)
-    optim = CompactAdamW(params, **KWARGS)
+    optim = CompactAdamW(params, variance_bits=variance_bits, **KWARGS)
     ref_optim = torch.optim.AdamW(reference, foreach=False, **KWARGS)
     for p, q in zip(params, reference, strict=True):
         p.grad = torch.randn_like(p)
@@ -224,13 +225,15 @@ def test_first_step_equals_adamw_on_float32():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
 
 
-def test_trajectory_close_to_adamw_on_float32():
-    """Twenty steps on float32 weights: the 8-bit moments move each weight within a few
-    percent of AdamW's total displacement."""
+@pytest.mark.parametrize("variance_bits", [8, 4])
+def test_trajectory_close_to_adamw_on_float32(variance_bits):
+    """Twenty steps on float32 weights: the 8-bit moments (or a 4-bit variance) move each
+    weight within a few percent of AdamW's total displacement."""
     torch.manual_seed(0)
     start = torch.randn(16, 64)
     p, q = nn.Parameter(start.clone()), nn.Parameter(start.clone())
-    optim, ref_optim = CompactAdamW([p], **KWARGS), torch.optim.AdamW([q], **KWARGS)
+    optim = CompactAdamW([p], variance_bits=variance_bits, **KWARGS)
+    ref_optim = torch.optim.AdamW([q], **KWARGS)
     g = torch.Generator().manual_seed(1)
     for _ in range(20):
         p.grad = torch.randn(16, 64, generator=g) + 0.5
