@@ -53,12 +53,13 @@ def train(
 def assert_same_run(
     run: tuple[list[nn.Parameter], CompactAdamW], reference: tuple[list[nn.Parameter], CompactAdamW]
 ) -> None:
-    """The same weights and the same state, key by key, dtype and bits."""
+    """The same weights and the same state, key by key, dtype and bits (on the CPU where the
+    runs' devices differ)."""
     (params, optim), (ref_params, ref_optim) = run, reference
     for p, q in zip(params, ref_params, strict=True):
-        assert torch.equal(p.detach(), q.detach()), p.shape
+        assert torch.equal(p.detach().cpu(), q.detach().cpu()), p.shape
         state, ref_state = optim.state[p], ref_optim.state[q]
         assert state.keys() == ref_state.keys()
         for key, value in state.items():
             assert value.dtype == ref_state[key].dtype, key
-            assert torch.equal(value, ref_state[key]), (p.shape, key)
+            assert torch.equal(value.cpu(), ref_state[key].cpu()), (p.shape, key)

@@ -60,6 +60,17 @@ def test_same_bits_as_eager_on_cuda(weight_dtype, grad_dtype, correction, compan
     assert_same_run(train("compile", *args, device="cuda"), train("eager", *args, device="cuda"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variance_bits", [8, 4])
+@pytest.mark.parametrize("weight_dtype,grad_dtype,correction,compand", LAYOUTS)
+def test_cuda_eager_same_bits_as_cpu(weight_dtype, grad_dtype, correction, compand, variance_bits):
+    """The eager path on CUDA takes float32 square roots where the CPU's takes them in float64
+    (see ``compact_adamw._sqrt``): both correctly rounded, so the same bits."""
+    args = (weight_dtype, grad_dtype, correction, compand)
+    cuda = train("eager", *args, device="cuda", variance_bits=variance_bits)
+    assert_same_run(cuda, train("eager", *args, variance_bits=variance_bits))
+
+
 def test_a_schedule_and_new_step_counts_do_not_recompile():
     """Hyperparameters and bias corrections are graph inputs, not constants: a learning rate
     that changes at every step runs the graph compiled at the first step."""
