@@ -17,6 +17,9 @@ Inductor's defaults would break that, so they are turned off for this function o
 * ``eager_numerics.disable_ftz``: Triton flushes subnormal results to zero; eager keeps them
   (a second moment of a tiny gradient is subnormal).
 
+The graph takes its square roots in float32, not through eager's float64 route on the CPU:
+Inductor's are correctly rounded, so the bits are the same (``compact_adamw._sqrt``).
+
 Measured on the CPU, the bits are the same as eager's on every layout
 (``tests/test_compact_compiled.py``) and not with Inductor's defaults. On CUDA the same test is
 marked ``gpu``.
