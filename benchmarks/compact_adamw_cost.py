@@ -1,4 +1,4 @@
-"""CPU cost of a CompactAdamW update against fused fp32 AdamW, on the optimizer-cost shards.
+"""Cost of a CompactAdamW update against fused fp32 AdamW, on the optimizer-cost shards.
 
 For each shape of ``benchmarks/optimizer_cost.py`` (``benchmarks/_shapes.py``), the tensors are
 shaped like rank 0's local shards on ``--world`` ranks (FSDP2's dim-0 chunks), grouped by FSDP
@@ -27,8 +27,17 @@ over the rounds. Then the share of the C path's time inside its kernel, and a pr
 eager path (``torch.profiler``, self CPU time by op), say where the time goes. Single
 process, one thread::
 
-    python benchmarks/compact_adamw_cost.py                          # ~3 min
+    python benchmarks/compact_adamw_cost.py                          # ~2-3 min
     python benchmarks/compact_adamw_cost.py --shapes many-tiny --rounds 1 --out /tmp/cost
+
+With ``--device cuda`` the tensors are on the GPU and the methods are those that run there
+(``compact-compile``, Inductor's Triton, and ``compact-eager``; the C kernel is the CPU's); a
+call's cost is its wall time between two ``torch.cuda.synchronize()`` (host work and kernels
+both, as a step in backward costs them), and the buffer written before each call is twice
+the GPU's L2 cache; the results go to ``compact_adamw_cost_cuda.{md,json}``. Add a shape of GPU
+size::
+
+    python benchmarks/compact_adamw_cost.py --device cuda --shapes few-large llama-12x256 llama-1b
 """
 
 from __future__ import annotations
@@ -65,9 +74,17 @@ VARIANTS = {
     "compact-eager": dict(kernel="eager"),
 }
 """CompactAdamW's methods, by their constructor arguments."""
+CPU_ONLY = ("compact-c", "compact-c-4bit")
+"""The C kernel's methods: it runs on the CPU only."""
 COLD_CACHE_BYTES = 64 << 20
+"""Written before each timed call on the CPU: twice the L3 cache of the machine measured."""
 BASELINE = "adamw-fused"
 COMPACT = tuple(VARIANTS)
+
+
+def compact_methods(device: str) -> tuple[str, ...]:
+    """The compact methods measured on ``device``."""
+    return tuple(m for m in COMPACT if device == "cpu" or m not in CPU_ONLY)
 
 
 def _units(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -78,11 +95,11 @@ def _units(model: nn.Module) -> list[list[nn.Parameter]]:
     return [*blocks, root] if root else blocks
 
 
-def _shard(param: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor:
+def _shard(param: torch.Tensor, world: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     """A tensor shaped like rank 0's FSDP2 shard of ``param``, random, with a gradient."""
     shape = torch.empty(param.shape, device="meta").chunk(world)[0].shape
-    shard = torch.randn(shape).to(dtype)
-    shard.grad = torch.randn(shape).to(dtype)
+    shard = torch.randn(shape, device=device).to(dtype)
+    shard.grad = torch.randn(shape, device=device).to(dtype)
     return shard
 
 
@@ -140,6 +157,22 @@ def _cpu_ms(fn: Callable[[], None]) -> float:
     return (time.thread_time() - start) * MS_PER_S
 
 
+def _cuda_ms(fn: Callable[[], None]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * MS_PER_S
+
+
+def _evicting_buffer(device: str) -> torch.Tensor:
+    """What is written before each timed call: twice the last-level cache."""
+    size = COLD_CACHE_BYTES
+    if device == "cuda":
+        size = 2 * torch.cuda.get_device_properties(device).L2_cache_size
+    return torch.zeros(size // 4, device=device)
+
+
 def _kernel_share(step: Callable[[], None], steps: int = 5) -> float:
     """The share of ``step``'s CPU time spent inside the C kernel (the rest is Python: the
     batches, the tables' checks, the gradients' pointers)."""
@@ -160,48 +193,53 @@ def _kernel_share(step: Callable[[], None], steps: int = 5) -> float:
     return inside / total
 
 
-def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
+def _measure(name: str, world: int, steps: int, rounds: int, device: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = SHAPES[name].build()
+    with torch.device("meta"):
+        model = SHAPES[name].build()
     units = _units(model)
+    compact = compact_methods(device)
+
+    def shards(dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        return [[_shard(p, world, dtype, device) for p in u] for u in units]
+
     methods = {
-        "adamw-fused": _fused_adamw([[_shard(p, world, torch.float32) for p in u] for u in units]),
-        **{
-            method: _compact(
-                [[_shard(p, world, torch.bfloat16) for p in u] for u in units], **options
-            )
-            for method, options in VARIANTS.items()
-        },
+        "adamw-fused": _fused_adamw(shards(torch.float32)),
+        **{method: _compact(shards(torch.bfloat16), **VARIANTS[method]) for method in compact},
     }
+    timed = _cpu_ms if device == "cpu" else _cuda_ms
     out: dict[str, Any] = {
+        "methods": compact,
         "tensors": sum(len(u) for u in units),
         "local_elements": sum(
             torch.empty(p.shape, device="meta").chunk(world)[0].numel() for u in units for p in u
         ),
         "rounds": [],
     }
-    evicting = torch.zeros(COLD_CACHE_BYTES // 4)
+    evicting = _evicting_buffer(device)
     for _ in range(rounds):
         times: dict[str, list[float]] = {m: [] for m in methods}
         for index in range(steps):
             order = list(methods)[index % len(methods) :] + list(methods)[: index % len(methods)]
             for method in order:
                 evicting.add_(1.0)
-                times[method].append(_cpu_ms(methods[method]))
+                times[method].append(timed(methods[method]))
         medians = {m: statistics.median(t) for m, t in times.items()}
         quartiles = {m: statistics.quantiles(t, n=4) for m, t in times.items()}
         out["rounds"].append(
             {
                 "median_ms": medians,
                 "iqr_ms": {m: [q[0], q[2]] for m, q in quartiles.items()},
-                "ratio": {m: medians[m] / medians[BASELINE] for m in COMPACT},
+                "ratio": {m: medians[m] / medians[BASELINE] for m in compact},
             }
         )
     out["ratio_median"], out["ratio_range"] = {}, {}
-    for method in COMPACT:
+    for method in compact:
         ratios = [r["ratio"][method] for r in out["rounds"]]
         out["ratio_median"][method] = statistics.median(ratios)
         out["ratio_range"][method] = [min(ratios), max(ratios)]
+    if device != "cpu":  # the CPU breakdowns below would say nothing of a GPU's time
+        return out
     # The C path's steady state runs no torch op (its tables are reused, its pointers written
     # in Python): its breakdown is the kernel's share; the eager path's is its op profile.
     out["kernel_share"] = _kernel_share(methods["compact-c"])
@@ -218,27 +256,35 @@ def _measure(name: str, world: int, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any], args: argparse.Namespace, machine: str) -> str:
-    methods = (BASELINE, *COMPACT)
+    compact = next(iter(results.values()))["methods"]
+    methods = (BASELINE, *compact)
+    if args.device == "cpu":
+        cost = f"CPU ms per step ({COLD_CACHE_BYTES >> 20} MiB written before each call)"
+    else:
+        cost = (
+            "wall ms per step between two CUDA synchronizations (twice the L2 cache written "
+            "before each call)"
+        )
     lines = [
-        f"# CompactAdamW update cost against fused fp32 AdamW ({machine}, 1 thread)",
+        f"# CompactAdamW update cost against fused fp32 AdamW ({machine}, {args.device}, 1 thread)",
         "",
         f"Rank 0's shards of {args.world} ranks, one call per FSDP unit, each call with cold "
-        f"caches ({COLD_CACHE_BYTES >> 20} MiB written before it); CPU ms per step, "
-        f"median [IQR] of {args.steps} steps, per round; ratio = compact / {BASELINE}.",
+        f"caches; {cost}, median [IQR] of {args.steps} steps, per round; ratio = compact / "
+        f"{BASELINE}.",
         "",
         "| shape | tensors | elements | round | "
         + " | ".join(f"{m} ms" for m in methods)
         + " | "
-        + " | ".join(f"{m} ratio" for m in COMPACT)
+        + " | ".join(f"{m} ratio" for m in compact)
         + " |",
-        "|---" * (4 + len(methods) + len(COMPACT)) + "|",
+        "|---" * (4 + len(methods) + len(compact)) + "|",
     ]
     for name, r in results.items():
         for index, rnd in enumerate(r["rounds"]):
             cells = [
                 f"{rnd['median_ms'][m]:.3f} [{rnd['iqr_ms'][m][0]:.3f}, {rnd['iqr_ms'][m][1]:.3f}]"
                 for m in methods
-            ] + [f"{rnd['ratio'][m]:.2f}" for m in COMPACT]
+            ] + [f"{rnd['ratio'][m]:.2f}" for m in compact]
             lines.append(
                 f"| {name} | {r['tensors']} | {r['local_elements']:,} | {index + 1} | "
                 + " | ".join(cells)
@@ -247,9 +293,11 @@ def markdown(results: dict[str, Any], args: argparse.Namespace, machine: str) ->
     lines += ["", "| shape | method | ratio, median of rounds | range over rounds |"]
     lines += ["|---|---|---|---|"]
     for name, r in results.items():
-        for m in COMPACT:
+        for m in compact:
             low, high = r["ratio_range"][m]
             lines.append(f"| {name} | {m} | {r['ratio_median'][m]:.2f} | {low:.2f} - {high:.2f} |")
+    if args.device != "cpu":
+        return "\n".join(lines) + "\n"
     lines += ["", "Share of compact-c's CPU time inside the C kernel (the rest is Python):", ""]
     lines += [f"* {name}: {100 * r['kernel_share']:.0f}%" for name, r in results.items()]
     lines += ["", "Where compact-eager's time goes (self CPU time, all ops of 5 steps):", ""]
@@ -268,17 +316,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks the shards are taken from")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    results = {name: _measure(name, args.world, args.steps, args.rounds) for name in args.shapes}
-    machine = describe_machine()
+    results = {
+        name: _measure(name, args.world, args.steps, args.rounds, args.device)
+        for name in args.shapes
+    }
+    machine = describe_machine(args.device)
     payload = {"config": {k: str(v) for k, v in vars(args).items()}, "machine": machine}
     payload["results"] = results
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compact_adamw_cost.json").write_text(json.dumps(payload, indent=1))
+    stem = "compact_adamw_cost" if args.device == "cpu" else f"compact_adamw_cost_{args.device}"
+    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     text = markdown(results, args, machine_summary(machine))
-    (args.out / "compact_adamw_cost.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
 
 

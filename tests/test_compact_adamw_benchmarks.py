@@ -59,6 +59,18 @@ def test_cost_benchmark_runs(tmp_path):
     assert result["profile_top"] and 0 < result["kernel_share"] < 1
 
 
+@pytest.mark.gpu
+def test_cost_benchmark_runs_on_cuda(tmp_path):
+    """The GPU's methods only (no C kernel), timed between CUDA synchronizations."""
+    argv = ["--device", "cuda", "--shapes", "many-tiny", "--steps", "3", "--rounds", "1"]
+    compact_adamw_cost.main([*argv, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "compact_adamw_cost_cuda.json").read_text())["results"]
+    (round_,) = result["many-tiny"]["rounds"]
+    assert result["many-tiny"]["methods"] == ["compact-compile", "compact-eager"]
+    assert set(round_["ratio"]) == {"compact-compile", "compact-eager"}
+    assert "| many-tiny | compact-eager |" in (tmp_path / "compact_adamw_cost_cuda.md").read_text()
+
+
 def test_quality_summary_against_the_reference_spread():
     runs = {
         "adamw-fp32/0": [3.0, 2.0, 1.0],
