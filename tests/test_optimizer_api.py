@@ -207,6 +207,19 @@ def test_param_groups_hold_every_key_of_the_wrapped_class():
 # ---------------------------------------------------------------------------------- plain modules
 
 
+def test_norm_of_bfloat16_gradients_is_summed_in_float32():
+    """The float64 norm of the bfloat16 gradients, where ``clip_grad_norm_`` rounds each
+    tensor's norm and the total to bfloat16 (docs/gradients.md)."""
+    model, reference = (m.to(torch.bfloat16) for m in make_models())
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.0)
+    x, y = (t.bfloat16() for t in batch(0))
+    loss_fn(reference, x, y).backward()
+    loss_fn(model, x, y).backward()
+    grads = [p.grad.double() for p in reference.parameters()]
+    expected = torch.cat([g.flatten() for g in grads]).norm()
+    torch.testing.assert_close(optim.grad_norm().double(), expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     ("name", "kwargs"),
