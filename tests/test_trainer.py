@@ -31,6 +31,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 from fused_optim_dist import OptimizerInBackward, in_backward  # noqa: E402
+from fused_optim_dist.compact_adamw import CompactAdamW  # noqa: E402
 from fused_optim_dist.integrations.transformers import (  # noqa: E402
     GRADIENT_STATE_NAME,
     InBackwardTrainerMixin,
@@ -95,15 +96,17 @@ def _train(
     one_unit: bool = False,
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+    dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> dict:
-    """Train a fresh tiny Llama with ``trainer_cls``; its parameters, norms and probe.
+    """Train a fresh tiny Llama with ``trainer_cls``, its parameters in ``dtype``; its
+    parameters, norms and probe.
 
     ``optimizer`` builds the optimizer passed in ``optimizers=`` from the model;
     ``optimizer_cls_and_kwargs`` is passed as is."""
     with accelerate_on_cpu():
         probe = StepProbe()
-        model = OneUnitLlama() if one_unit else tiny_llama()
+        model = (OneUnitLlama() if one_unit else tiny_llama()).to(dtype)
         trainer = trainer_cls(
             model=model,
             args=_args(out, **overrides),
@@ -179,6 +182,32 @@ def test_trainer_with_the_optimizer_given(tmp_path, given):
         in_backward_trainer(transformers.Trainer), tmp_path / "ours", **ours_kwargs, **kwargs
     )
     print(f"given by {given}: {_assert_parity(ours, plain):.2e}")
+
+
+def test_trainer_with_compact_adamw(tmp_path):
+    """CompactAdamW (bfloat16 weights, five bytes per parameter) given as Trainer's
+    ``optimizer_cls_and_kwargs``, with accumulation: stepped in backward it ends where
+    Trainer's own loop with CompactAdamW after backward ends, bit for bit. The logged norms
+    are within bfloat16's rounding of each other: Trainer's is rounded to the gradients' dtype,
+    ours summed in float32 (docs/gradients.md)."""
+    kwargs = dict(gradient_accumulation_steps=2, dtype=torch.bfloat16)
+    compact = {"lr": 1e-2, "weight_decay": 0.1}
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer_cls_and_kwargs=(CompactAdamW, compact),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer_cls_and_kwargs=(in_backward(CompactAdamW), compact),
+        **kwargs,
+    )
+    assert max_difference(ours["params"], plain["params"]) == 0.0
+    assert all(value.dtype == torch.bfloat16 for value in ours["params"].values())
+    assert ours["in_backward"] == [True] * STEPS
+    torch.testing.assert_close(ours["norms"], plain["norms"], rtol=2**-8, atol=0)
 
 
 def test_trainer_resume_matches_uninterrupted_plain(tmp_path):
