@@ -80,10 +80,16 @@ class LoopMachine(RuleBasedStateMachine):
     sharded = False
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW
     optimizer_kwargs: ClassVar[dict] = ADAMW
+    dtype = torch.float32
+    """Of the models' parameters and of the batches."""
 
     @initialize()
     def build(self) -> None:
-        self.models: tuple[nn.Module, nn.Module] = make_models()
+        ours_model, plain_model = make_models()
+        self.models: tuple[nn.Module, nn.Module] = (
+            ours_model.to(self.dtype),
+            plain_model.to(self.dtype),
+        )
         if self.sharded:
             for model in self.models:
                 shard(model)
@@ -98,7 +104,7 @@ class LoopMachine(RuleBasedStateMachine):
         self.step = 0
 
     def _backward(self, model: nn.Module, step: int) -> None:
-        x, y = batch(step)
+        x, y = (t.to(self.dtype) for t in batch(step))
         if self.sharded:
             x, y = rank_slice(x), rank_slice(y)
         loss_fn(model, x, y).backward()
@@ -260,6 +266,19 @@ class CompactLoopMachine(LoopMachine):
     optimizer_kwargs: ClassVar[dict] = ADAMW
 
 
+class BFloat16LoopMachine(LoopMachine):
+    """The same loops on models held in bfloat16: AdamW rounds every op of its update to
+    bfloat16, in backward as in the plain loop."""
+
+    dtype = torch.bfloat16
+
+
+class CompactBFloat16LoopMachine(CompactLoopMachine):
+    """CompactAdamW on bfloat16 weights (with their 8-bit error), as it is meant to run."""
+
+    dtype = torch.bfloat16
+
+
 def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
     run_state_machine_as_test(
         machine,
@@ -284,6 +303,14 @@ def test_random_loops_group_counter():
 
 def test_random_loops_compact_adamw():
     _run(CompactLoopMachine, examples=8, steps=12)
+
+
+def test_random_loops_bfloat16_parameters():
+    _run(BFloat16LoopMachine, examples=6, steps=10)
+
+
+def test_random_loops_compact_adamw_bfloat16():
+    _run(CompactBFloat16LoopMachine, examples=6, steps=10)
 
 
 def test_random_loops_fsdp2(worlds):
