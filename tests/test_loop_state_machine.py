@@ -4,8 +4,8 @@ A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, ac
 freezing and unfreezing, groups added later, a backward that raises, a second backward before
 ``step()`` (refused), reentrant activation checkpointing, ``step()`` without a backward, LR
 changes (lr 0 included), ``state_dict``/``load_state_dict`` round trips; also with a class that
-counts steps in its param groups, and with CompactAdamW. After every rule both
-models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
+counts steps in its param groups, with CompactAdamW, and on bfloat16 models. After every rule
+both models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
 """
