@@ -432,8 +432,10 @@ def _sqrt(value: torch.Tensor) -> torch.Tensor:
     compiled update (``kernel="compile"``), which Inductor lowers to correctly rounded
     instructions on both of its backends (torch 2.13: ``std::sqrt`` and ``Vectorized::sqrt``,
     AVX ``sqrtps``, in its C++; ``tl.sqrt_rn`` in its Triton). It gives the float64 route's
-    bits without its three passes, which took 40% of the compiled loops' time on the CPU.
-    ``tests/test_compact_compiled.py`` checks the bits (on CUDA, marked ``gpu``)."""
+    bits without its three passes, which took 30% of the compiled loops' time on the CPU.
+    ``tests/test_compact_compiled.py`` checks the bits (on CUDA, marked ``gpu``). Traced by
+    Dynamo for a backend other than Inductor (its debugging ``eager`` and ``aot_eager``), the
+    CPU's root would be MKL's, a float32 rounding off on some elements."""
     if value.is_cuda or torch.compiler.is_compiling():
         return value.sqrt()
     return value.double().sqrt_().float()
