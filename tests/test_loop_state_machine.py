@@ -273,6 +273,12 @@ class BFloat16LoopMachine(LoopMachine):
     dtype = torch.bfloat16
 
 
+class ShardedBFloat16LoopMachine(ShardedLoopMachine):
+    """bfloat16 models sharded by FSDP2: each rank's shards rounded as the plain optimizer's."""
+
+    dtype = torch.bfloat16
+
+
 class CompactBFloat16LoopMachine(CompactLoopMachine):
     """CompactAdamW on bfloat16 weights (with their 8-bit error), as it is meant to run."""
 
@@ -315,3 +321,7 @@ def test_random_loops_compact_adamw_bfloat16():
 
 def test_random_loops_fsdp2(worlds):
     worlds.run(2, _run, machine=ShardedLoopMachine, examples=4, steps=8)
+
+
+def test_random_loops_fsdp2_bfloat16(worlds):
+    worlds.run(2, _run, machine=ShardedBFloat16LoopMachine, examples=3, steps=8)
