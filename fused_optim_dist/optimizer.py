@@ -22,7 +22,7 @@ from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
-from fused_optim_dist._protocol import PendingUpdates
+from fused_optim_dist._protocol import KeptGradients, PendingUpdates
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     current_backward_id,
@@ -255,6 +255,8 @@ class OptimizerInBackward(Optimizer):
         self._ever_arrived = False
         # Updates made in backward since the last step(). See [Note: the step protocol].
         self._pending = PendingUpdates()
+        # Gradients the plain optimizer would hold. See [Note: gradients kept as zeros].
+        self._kept = KeptGradients()
         # Whether a backward stepped since the last step().
         self._stepped_since_step = False
         self._accumulate_depth = 0
@@ -422,6 +424,7 @@ class OptimizerInBackward(Optimizer):
             # See [Note: the step protocol].
             self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
             self._pending.refuse_discard()
+        self._kept.zeroed(set_to_none)
         if not set_to_none:
             super().zero_grad(set_to_none=False)
             return
@@ -469,6 +472,9 @@ class OptimizerInBackward(Optimizer):
             for p, grad in zip(plan.trainable, read_grads(plan.trainable), strict=True)
             if grad is not None
         ]
+        ready_ids = {id(p) for p in ready}
+        self._kept.refuse_unstepped(lambda p: self._pending.holds(p) or id(p) in ready_ids)
+        self._kept.stepped([*self._pending.params(), *ready])
         if ready:
             self._ever_arrived = True
             if self._creates_state_only(plan, ready):
