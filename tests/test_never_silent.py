@@ -537,23 +537,38 @@ def test_zero_gradients_kept_for_a_parameter_without_one_refused():
         optim.step()
 
 
-def test_zero_gradients_kept_equal_plain_where_every_parameter_gets_one():
+def _kept_zero_gradients_body(sharded: bool = False) -> None:
     """``zero_grad(set_to_none=False)`` in a loop where every parameter gets a gradient, and
-    ``zero_grad()`` before a block is frozen: as the plain optimizer."""
+    ``zero_grad()`` before a block is frozen: as the plain optimizer (on the same FSDP2 model
+    when ``sharded``). Then kept zero gradients and the block frozen: refused on every rank."""
     model, reference = make_models()
+    if sharded:
+        shard(model)
+        shard(reference)
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    for step in range(4):
+    for step in range(5):
         for net, opt in ((model, optim), (reference, plain)):
             net.layers[2].requires_grad_(step != 3)
-            loss_fn(net, *_x(step)).backward()
+            loss_fn(net, *_x(step, sharded)).backward()
             opt.step()
-            opt.zero_grad(set_to_none=step != 1)
-    assert_match(model, reference)
+            opt.zero_grad(set_to_none=step in (0, 2, 3))
+        assert_match(model, reference)
+    for net in (model, reference):
+        net.layers[2].requires_grad_(False)
+        loss_fn(net, *_x(5, sharded)).backward()
+    plain.step()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\) kept a zero"):
+        optim.step()
+
+
+def test_zero_gradients_kept_equal_plain_where_every_parameter_gets_one():
+    _kept_zero_gradients_body()
 
 
 def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(2, _reentrant_body)
+    worlds.run(3, _kept_zero_gradients_body, sharded=True)
     worlds.run(2, _lamb_body)
     worlds.run(3, _lamb_body)
     worlds.run(2, _fsdp_two_backwards_body)
