@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks._shapes import SHAPES, Shape, get_shape
-from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist import OptimizerInBackward, is_freed
 from fused_optim_dist_recipes.launch import spawn
 
 METHODS = ("ddp", "replicate", "replicate+ours")
@@ -110,13 +110,13 @@ def _step(
     model: nn.Module, optim: torch.optim.Optimizer, shape: Shape, config: Config, index: int
 ) -> int:
     """One training step on this rank's share of step ``index``'s global batch; the bytes of
-    gradients held when backward returned."""
+    gradients held when backward returned (freed ones hold none)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
     inputs, targets = shape.make_batch(generator, shape.batch_size * world)
     rows = slice(rank * shape.batch_size, (rank + 1) * shape.batch_size)
     shape.loss(model, inputs[rows], targets[rows]).backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not is_freed(p.grad)]
     held = sum(g.numel() * g.element_size() for g in grads)
     del grads
     optim.step()

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fused_optim_dist import build_optimizer, checkpoint, clip_grad_norm_
+from fused_optim_dist._freed import FreedGradient
 from fused_optim_dist._torch_internals import holds_values
 from fused_optim_dist.training import backward_micro_batches
 from fused_optim_dist_recipes.launch import spawn
@@ -102,9 +103,9 @@ def live_tensors() -> tuple[int, int]:
     """``(count, bytes)`` of the tensors the garbage collector can reach, after a collection.
 
     Bytes are those of distinct storages, so views and a DTensor's local shard are counted once
-    (a DTensor itself owns no storage); meta and fake tensors (``torch.compile``'s caches keep
-    some alive) hold no memory and are not counted. Tensors only C++ holds (autograd graphs)
-    are not seen; RSS covers those.
+    (a DTensor owns no storage, nor does a freed gradient); meta and fake tensors
+    (``torch.compile``'s caches keep some alive) hold no memory and are not counted. Tensors
+    only C++ holds (autograd graphs) are not seen; RSS covers those.
     """
     gc.collect()
     count, storages = 0, {}
@@ -114,7 +115,7 @@ def live_tensors() -> tuple[int, int]:
         if not issubclass(cls, torch.Tensor):
             continue
         count += 1
-        if issubclass(cls, DTensor) or not holds_values(obj):
+        if issubclass(cls, (DTensor, FreedGradient)) or not holds_values(obj):
             continue
         storage = obj.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()

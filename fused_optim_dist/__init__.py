@@ -1,5 +1,6 @@
 """Optimizer-in-backward for FSDP2 and DTensor: step each shard as soon as its gradient is ready."""
 
+from fused_optim_dist._freed import is_freed
 from fused_optim_dist._kinds import Stepping, declare_stepping
 from fused_optim_dist._options import InBackwardOptions
 from fused_optim_dist.compact_adamw import CompactAdamW
@@ -22,4 +23,5 @@ __all__ = [
     "clip_grad_norm_",
     "declare_stepping",
     "in_backward",
+    "is_freed",
 ]

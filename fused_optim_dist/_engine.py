@@ -56,6 +56,7 @@ import torch
 
 from fused_optim_dist._class_state import ClassState
 from fused_optim_dist._classes import ClassSteppers
+from fused_optim_dist._freed import FreedGradients, is_freed
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
 from fused_optim_dist._protocol import PendingUpdates, describe
@@ -63,7 +64,6 @@ from fused_optim_dist._stepping import Batch, local_gradients
 from fused_optim_dist._streams import StepEvents, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
     current_backward_id,
-    drop_grads,
     enclosing_backward_node,
     local_tensor,
     queue_end_of_backward,
@@ -107,6 +107,7 @@ class BackwardPass:
         pending: the updates made in backward since the last ``step()``; this pass adds its
             own, and refuses a gradient for a parameter already there. See [Note: the step
             protocol].
+        freed: puts freed gradients on the parameters stepped. See [Note: freed gradients].
         record: account gradients in the norm and the clipping history, and check them against
             ``pending``. ``False`` only for the zero-gradient, zero-lr step
             ``torch.distributed.checkpoint`` runs to create state.
@@ -121,6 +122,7 @@ class BackwardPass:
         param_groups: list[dict[str, Any]],
         state: defaultdict[torch.Tensor, dict],
         pending: PendingUpdates,
+        freed: FreedGradients,
         *,
         record: bool = True,
     ) -> None:
@@ -136,6 +138,7 @@ class BackwardPass:
         self._state = state
         self._record = record
         self._pending = pending
+        self._freed = freed
         # Ids of the parameters whose gradient arrived, per bucket index not yet stepped, and
         # of the parameters already stepped.
         self._arrived: dict[int, set[int]] = {}
@@ -225,6 +228,12 @@ class BackwardPass:
                 del self._arrived[bucket.index]
                 self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
 
+    def refuse_if_stepped(self, param: torch.Tensor) -> None:
+        """Raise if ``param`` was stepped in this backward, still running: a gradient is being
+        added to its freed one (see [Note: freed gradients])."""
+        if self.phase is Phase.COLLECTING and not self.abandoned and id(param) in self._stepped:
+            self._refuse(param, self._plan.bucket_of(id(param)))
+
     @staticmethod
     def _refuse(param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
         if bucket is None:
@@ -274,7 +283,7 @@ class BackwardPass:
                 members = [
                     p
                     for p, grad in zip(bucket.params, read_grads(bucket.params), strict=True)
-                    if grad is not None and id(p) not in stepped
+                    if grad is not None and id(p) not in stepped and not is_freed(grad)
                 ]
                 if members:
                     self._step_bucket(bucket, members)
@@ -348,15 +357,18 @@ class BackwardPass:
     def _release(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None
     ) -> None:
-        """Free the gradients of stepped ``params`` (``grads``: their local tensors, if read).
-        See [Note: streams of the in-backward step]."""
+        """Free the gradients of stepped ``params`` (``grads``: their local tensors, if read),
+        leaving freed ones in their place. See [Note: streams of the in-backward step] and
+        [Note: freed gradients]."""
         if grads is None:
-            grads = [local_tensor(g) for g in read_grads(params) if g is not None]
+            grads = [
+                local_tensor(g) for g in read_grads(params) if g is not None and not is_freed(g)
+            ]
         on_device = [local for local in grads if not (local.is_cpu or local.is_meta)]
         if on_device:
             keep_alive_until_done(on_device)
             self._events.record(on_device[0].device)
-        drop_grads(params)
+        self._freed.put(params)
         self._stepped.update(map(id, params))
         if self._record:
             self._pending.add(params)

@@ -27,8 +27,8 @@ Adam's moments. Here its gradient was consumed in backward, so it holds none and
 move. So once ``zero_grad(set_to_none=False)`` was called, ``step()`` refuses, before it steps
 anything itself, when a parameter stepped since the last ``zero_grad()`` that dropped the
 gradients got none since the last ``step()``.
-A module's ``zero_grad(set_to_none=False)`` leaves no trace here and cannot be refused
-(docs/differences.md).
+A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is refused there
+(see [Note: freed gradients]).
 """
 
 from __future__ import annotations
@@ -94,6 +94,20 @@ class PendingUpdates:
             "through the discriminator), freeze these parameters for that backward "
             "(requires_grad_(False)) or run it under this optimizer's accumulate() and drop "
             "the gradients with zero_grad()."
+        )
+
+    def refuse_dropped(self, dropped: list[torch.Tensor]) -> None:
+        """Raise for ``step()`` when the gradients of ``dropped``, updated in backward, were
+        dropped or replaced since (see [Note: freed gradients])."""
+        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        raise RuntimeError(
+            f"step(): {describe(dropped[0])}{more} was updated in backward, and its gradient "
+            "was dropped or replaced before this step() (model.zero_grad() between backward "
+            "and step()?). A plain optimizer would step no gradient there, or the new one, "
+            "but the update already happened in backward and cannot be undone. Drop "
+            "gradients only after step(); if a backward must not train these parameters, "
+            "freeze them for it (requires_grad_(False)) or run it under this optimizer's "
+            "accumulate(). Restart from the last checkpoint."
         )
 
     def refuse_discard(self) -> None:

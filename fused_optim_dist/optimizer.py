@@ -8,7 +8,7 @@ import gc
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fused_optim_dist._classes import GROUP_CLASS_KEY, ClassSteppers, class_path
 from fused_optim_dist._engine import BackwardPass
+from fused_optim_dist._freed import FreedGradients, Refusal, drop_freed, is_freed, refuse_freed
 from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
@@ -60,6 +61,24 @@ def _grad_ready_hook(optimizer: OptimizerInBackward) -> Callable[[torch.Tensor],
             owner._on_grad_ready(param)
 
     return hook
+
+
+def _freed_refusal(optimizer: OptimizerInBackward) -> Refusal:
+    """What a freed gradient of ``optimizer`` calls to raise; holds it weakly (a parameter's
+    ``.grad`` must not keep an optimizer alive). See [Note: freed gradients]."""
+    ref = weakref.ref(optimizer)
+
+    def refuse(param: torch.Tensor | None, operation: str, func: Any) -> NoReturn:
+        owner = ref()
+        if owner is not None and param is not None and operation == "accumulate":
+            # A second gradient before step(): the protocol's cases, named as such.
+            if owner._pass is not None:
+                owner._pass.refuse_if_stepped(param)
+            if owner._pending.holds(param):
+                owner._pending.refuse_second_gradient(param)
+        refuse_freed(param, operation, func)
+
+    return refuse
 
 
 def _ddp_error(kind: type[Exception] = RuntimeError) -> Exception:
@@ -164,7 +183,10 @@ class OptimizerInBackward(Optimizer):
     parameter. FSDP2 calls these hooks right after it reduce-scatters a unit's gradients; when
     the last gradient of a unit arrives, each rank steps its local shards of the whole unit in
     one call per param group and frees the gradients. Gradients of the whole model are never
-    held at once. See [Note: why buckets follow FSDP units].
+    held at once. See [Note: why buckets follow FSDP units]. Until ``zero_grad()``, a stepped
+    parameter's ``.grad`` holds a freed gradient (no memory), which raises when a loop reads
+    it, keeps it as zeros in place or adds the next backward to it: see [Note: freed
+    gradients].
 
     The object is a ``torch.optim.Optimizer``: ``param_groups`` hold the user's parameters and
     every key ``optimizer_cls`` puts in its groups (values written there, e.g. by an LR
@@ -273,6 +295,8 @@ class OptimizerInBackward(Optimizer):
         # The bucket plan, rebuilt when stale, and the backward pass in progress (or the last).
         self._plan: BucketPlan | None = None
         self._pass: BackwardPass | None = None
+        # What stepped parameters' .grad holds until zero_grad(). See [Note: freed gradients].
+        self._freed = FreedGradients(_freed_refusal(self))
         self._current_plan()
 
     # ------------------------------------------------------------------ the plan and hooks
@@ -318,6 +342,7 @@ class OptimizerInBackward(Optimizer):
             self.param_groups,
             self.state,
             self._pending,
+            self._freed,
             record=record,
         )
 
@@ -410,7 +435,7 @@ class OptimizerInBackward(Optimizer):
         (``copy.deepcopy((model, optim))``) for the copy to step the copied model."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        skip = {"_hook_handles", "_hooked", "_detached", "_plan", "_pass"}
+        skip = {"_hook_handles", "_hooked", "_detached", "_plan", "_pass", "_freed"}
         for key, value in self.__dict__.items():
             if key not in skip:
                 new.__dict__[key] = copy.deepcopy(value, memo)
@@ -419,16 +444,20 @@ class OptimizerInBackward(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; with ``set_to_none`` (the default), without
-        its per-parameter ``__torch_function__`` lookups (usually no gradient is left)."""
+        its per-parameter ``__torch_function__`` lookups. Freed gradients are dropped either
+        way (see [Note: freed gradients])."""
         if self._pending:
             # See [Note: the step protocol].
             self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
             self._pending.refuse_discard()
         self._kept.zeroed(set_to_none)
+        params = [p for group in self.param_groups for p in group["params"]]
         if not set_to_none:
+            # Freed gradients are dropped, the rest kept as zeros: see [Note: gradients kept
+            # as zeros] for what the plain optimizer would step.
+            drop_freed(params, read_grads(params))
             super().zero_grad(set_to_none=False)
             return
-        params = [p for group in self.param_groups for p in group["params"]]
         drop_grads(
             [p for p, grad in zip(params, read_grads(params), strict=True) if grad is not None]
         )
@@ -466,11 +495,17 @@ class OptimizerInBackward(Optimizer):
             # as its end-of-backward callback would have (the gradients that arrived are
             # stepped, the norm completed, group and instance state committed).
             self._pass.finish()
+        if self._pending:
+            # See [Note: freed gradients]: the loop dropped gradients the plain optimizer
+            # would step here.
+            dropped = self._freed.dropped(self._pending.params())
+            if dropped:
+                self._pending.refuse_dropped(dropped)
         plan = self._current_plan()
         ready = [
             p
             for p, grad in zip(plan.trainable, read_grads(plan.trainable), strict=True)
-            if grad is not None
+            if grad is not None and not is_freed(grad)
         ]
         ready_ids = {id(p) for p in ready}
         self._kept.refuse_unstepped(lambda p: self._pending.holds(p) or id(p) in ready_ids)

@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from fused_optim_dist import is_freed
+
 IN_DIM, DIM, HIDDEN, OUT_DIM = 4, 6, 3, 5
 GLOBAL_BATCH = 8
 PLAIN_ATOL = 1e-6
@@ -90,6 +92,12 @@ def rank_slice(t: torch.Tensor) -> torch.Tensor:
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
+
+
+def holds_gradient(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds a gradient still to be stepped (not a freed one, see
+    [Note: freed gradients])."""
+    return param.grad is not None and not is_freed(param.grad)
 
 
 def full(param: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from _frameworks import (
     max_difference,
     tiny_llama,
 )
+from _toy import holds_gradient
 
 accelerate = pytest.importorskip("accelerate")
 from fused_optim_dist import OptimizerInBackward  # noqa: E402
@@ -81,7 +82,7 @@ def _loop(in_backward: bool, accumulation: int, clip: float | None, fsdp: str | 
                     if accelerator.sync_gradients:
                         norms.append(in_backward_optimizer(optim).grad_norm().item())
                         # Stepped in backward: no gradient is left for step().
-                        held = [p for p in model.parameters() if p.grad is not None]
+                        held = [p for p in model.parameters() if holds_gradient(p)]
                         in_backward_steps.append(not held)
                 else:
                     accelerator.backward(loss)

@@ -96,6 +96,7 @@ def _build(config=PRESETS["tiny"], *, steps: int) -> tuple[nn.Module, OptimizerI
     for _ in range(steps):
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optim.step()
+        optim.zero_grad()
     return model, optim
 
 

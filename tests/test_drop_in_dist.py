@@ -346,6 +346,7 @@ def _sub_mesh_body() -> None:
         share = lambda t: t.chunk(2)[rank % 2]  # noqa: E731
         loss_fn(model, share(x), share(y)).backward()
         optim.step()
+        optim.zero_grad()
         loss_fn(reference, share(x), share(y)).backward()
         torch.testing.assert_close(
             float(optim.grad_norm()), _grad_norm(reference), rtol=1e-5, atol=0
@@ -558,6 +559,7 @@ def test_float64_parameters_norm_and_clip():
         x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()
         optim.step()
+        optim.zero_grad()
         reference(x).square().mean().backward()
         expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf)
         assert optim.grad_norm().dtype == torch.float64

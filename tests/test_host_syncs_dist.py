@@ -61,6 +61,7 @@ def _count_host_reads(optimizer: str, kwargs: dict) -> tuple[int, int]:
             with reads:
                 loss.backward()
         optim.step()
+        optim.zero_grad()
     assert optim.grad_norm().isfinite()
     return reads.count, len(optim._current_plan().buckets)
 

@@ -2,7 +2,8 @@
 
 A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
 freezing and unfreezing, groups added later, a backward that raises, a second backward before
-``step()`` (refused), reentrant activation checkpointing, ``step()`` without a backward, LR
+``step()`` (refused), gradients read before ``step()``, kept as zeros by the module or never
+zeroed (refused), reentrant activation checkpointing, ``step()`` without a backward, LR
 changes (lr 0 included), ``state_dict``/``load_state_dict`` round trips; also with a class that
 counts steps in its param groups, with CompactAdamW, and on bfloat16 models. After every rule
 both models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
@@ -13,6 +14,7 @@ derandomised so that both ranks draw the same sequence).
 from __future__ import annotations
 
 import copy
+import math
 from typing import ClassVar
 
 import pytest
@@ -204,9 +206,9 @@ class LoopMachine(RuleBasedStateMachine):
                 self._backward(ours_model, self.step + 1)
             for param, old in zip(ours_model.parameters(), before, strict=True):
                 assert torch.equal(param.detach(), old)
-        ours_model.zero_grad()
         self.ours.step()
         self.ours.zero_grad()
+        ours_model.zero_grad()
         self._backward(plain_model, self.step)
         self.plain.step()
         # Both models drop every gradient, those of parameters outside the optimizers too.
@@ -235,6 +237,73 @@ class LoopMachine(RuleBasedStateMachine):
             optim.step()
             optim.zero_grad()
         self.step += 1
+
+    def _plain_holds(self, which: str) -> bool:
+        """Whether ``which`` (``"any"``/``"all"``) trainable parameter of the plain optimizer
+        holds a gradient: those ours stepped in backward, and holds freed gradients for."""
+        holds = [
+            p.grad is not None
+            for g in self.plain.param_groups
+            for p in g["params"]
+            if p.requires_grad
+        ]
+        return any(holds) if which == "any" else bool(holds) and all(holds)
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def clip_model_parameters(self) -> None:
+        """``clip_grad_norm_(model.parameters())`` between backward and step (at an infinite
+        max_norm, which leaves the plain loop's gradients as they are): refused for ours at
+        the read, naming max_grad_norm; both loops then step as usual."""
+        ours_model, plain_model = self.models
+        self._backward(plain_model, self.step)
+        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), math.inf)
+        self._backward(ours_model, self.step)
+        if self._plain_holds("any"):
+            with pytest.raises(RuntimeError, match=r"max_grad_norm="):
+                torch.nn.utils.clip_grad_norm_(ours_model.parameters(), math.inf)
+        for optim in (self.ours, self.plain):
+            optim.step()
+            optim.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def module_keeps_zeros(self) -> None:
+        """A step, then the module's ``zero_grad(set_to_none=False)``: refused for ours at the
+        call, nothing moved; both loops then drop the gradients (``set_to_none=True``)."""
+        ours_model, plain_model = self.models
+        for model, optim in ((plain_model, self.plain), (ours_model, self.ours)):
+            self._backward(model, self.step)
+            optim.step()
+        if self._plain_holds("any"):
+            with pytest.raises(RuntimeError, match=r"set_to_none=False"):
+                ours_model.zero_grad(set_to_none=False)
+        for model in self.models:
+            model.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: not self.pending and not self.sharded)
+    @rule()
+    def forget_zero_grad(self) -> None:
+        """A step with no ``zero_grad()`` after it: the plain loop would add the next
+        backward's gradients to the kept ones; ours refuses that backward before anything
+        moves (when every parameter holds a freed gradient: one without would be stepped
+        first). Both loops then zero and go on."""
+        ours_model, plain_model = self.models
+        for model, optim in ((plain_model, self.plain), (ours_model, self.ours)):
+            self._backward(model, self.step)
+            optim.step()
+        if self._plain_holds("all"):
+            before = [p.detach().clone() for p in ours_model.parameters()]
+            with pytest.raises(RuntimeError, match=r"never dropped"):
+                self._backward(ours_model, self.step + 1)
+            for param, old in zip(ours_model.parameters(), before, strict=True):
+                assert torch.equal(param.detach(), old)
+        for model, optim in ((ours_model, self.ours), (plain_model, self.plain)):
+            optim.zero_grad()
+            model.zero_grad()
+        self.step += 2
 
     @invariant()
     def same_parameters(self) -> None:

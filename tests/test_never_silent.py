@@ -16,12 +16,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _toy import assert_match, batch, full, loss_fn, make_models, rank_slice, shard
+from _toy import assert_match, batch, full, holds_gradient, loss_fn, make_models, rank_slice, shard
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
-from fused_optim_dist import InBackwardOptions, OptimizerInBackward
+from fused_optim_dist import InBackwardOptions, OptimizerInBackward, is_freed
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
@@ -499,7 +499,7 @@ def test_parameter_swap_is_hooked_from_the_next_backward():
         x, y = _x(step)
         loss_fn(model, x, y).backward()
         if step > 0:  # from the first backward after the swap was seen, in backward
-            assert all(p.grad is None for p in model.parameters())
+            assert all(not holds_gradient(p) for p in model.parameters())
         optim.step()
         optim.zero_grad()
         loss_fn(reference, x, y).backward()
@@ -566,9 +566,109 @@ def test_zero_gradients_kept_equal_plain_where_every_parameter_gets_one():
     _kept_zero_gradients_body()
 
 
+def _freed_gradients_body(sharded: bool = False) -> None:
+    """Loops that use the gradients a plain optimizer holds after backward, against the plain
+    loop on the same model (FSDP2 when ``sharded``): each raises where it uses one, naming the
+    fix; before the fix, each trained differently in silence. See [Note: freed gradients]."""
+    model, reference = make_models()
+    if sharded:
+        shard(model)
+        shard(reference)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    # Clipping over the model's parameters between backward and step (nanoGPT, tutorials):
+    # the plain loop clips; here the gradients were stepped, and clip_grad_norm_ used to
+    # return 0 and clip nothing.
+    loss_fn(model, *_x(0, sharded)).backward()
+    with pytest.raises(RuntimeError, match=r"max_grad_norm="):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=r"optim\.grad_norm\(\)"):
+        sum(p.grad.square().sum() for p in model.parameters())
+    optim.step()
+    optim.zero_grad()
+    loss_fn(reference, *_x(0, sharded)).backward()
+    plain.step()
+    plain.zero_grad()
+    assert_match(model, reference)
+    # The module's zero_grad(set_to_none=False) after step(): refused at the call.
+    for net, opt in ((model, optim), (reference, plain)):
+        loss_fn(net, *_x(1, sharded)).backward()
+        opt.step()
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"model\.zero_grad\(\) \(set_to_none=True"):
+        model.zero_grad(set_to_none=False)
+    _assert_unchanged(model, before)
+    model.zero_grad()
+    reference.zero_grad()
+    assert_match(model, reference)
+    # No zero_grad() at all: the plain optimizer steps the sum of both backwards' gradients;
+    # the second backward is refused before any parameter moves.
+    for net, opt in ((model, optim), (reference, plain)):
+        loss_fn(net, *_x(2, sharded)).backward()
+        opt.step()
+    assert_match(model, reference)
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"never dropped \(no zero_grad\(\) since\)"):
+        loss_fn(model, *_x(3, sharded)).backward()
+    _assert_unchanged(model, before)
+
+
+def test_freed_gradients_refused_where_a_plain_loop_uses_them():
+    _freed_gradients_body()
+
+
+def test_freed_gradients_converted_with_the_module_and_dropped_by_zero_grad():
+    """``Module.to`` converts the gradients it finds (a model cast for export after its last
+    step): freed ones stay freed, and still raise when read; ``zero_grad()`` drops them."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for net, opt in ((model, optim), (reference, plain)):
+        loss_fn(net, *_x(0)).backward()
+        opt.step()
+        net.double()
+    assert_match(model, reference)
+    grad = model.head.weight.grad
+    assert is_freed(grad) and grad.dtype == torch.float64, grad
+    with pytest.raises(RuntimeError, match="cannot read it"):
+        grad.sum()
+    assert reference.head.weight.grad.dtype == torch.float64
+    optim.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_gradients_dropped_by_the_module_before_step_refused():
+    """``model.zero_grad()`` between backward and ``step()``: the plain optimizer then steps
+    nothing; here the update happened in backward, so ``step()`` refuses to commit it."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for net in (model, reference):
+        loss_fn(net, *_x(0)).backward()
+        net.zero_grad()
+    before = _snapshot(reference)
+    plain.step()
+    _assert_unchanged(reference, before)
+    with pytest.raises(RuntimeError, match=r"dropped or replaced before this step\(\)"):
+        optim.step()
+
+
+def test_grad_scaler_unscale_refused():
+    """``scaler.unscale_(optim)`` before clipping (the AMP tutorial's loop) reads the gradients
+    stepped in backward: refused there, naming bf16 autocast."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(loss_fn(model, *_x(0))).backward()
+    with pytest.raises(RuntimeError, match="bf16 autocast"):
+        scaler.unscale_(optim)
+
+
 def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(2, _reentrant_body)
     worlds.run(3, _kept_zero_gradients_body, sharded=True)
+    worlds.run(3, _freed_gradients_body, sharded=True)
+    worlds.run(2, _freed_gradients_body, sharded=True)
     worlds.run(2, _lamb_body)
     worlds.run(3, _lamb_body)
     worlds.run(2, _fsdp_two_backwards_body)

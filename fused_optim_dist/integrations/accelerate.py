@@ -22,8 +22,8 @@ whether the optimizer steps (``accelerator.sync_gradients``) and skips ``optim.s
 otherwise, but an in-backward optimizer steps in backward, before ``step()``: :func:`backward`
 runs the backward of a non-stepping micro-batch under :meth:`OptimizerInBackward.accumulate`.
 The gradients are freed once stepped, so ``accelerator.clip_grad_norm_`` would clip nothing
-and return 0: clip with ``max_grad_norm`` at construction and read the norm with
-``grad_norm()``.
+(it raises: see [Note: freed gradients]): clip with ``max_grad_norm`` at construction and read
+the norm with ``grad_norm()``.
 """
 
 from __future__ import annotations

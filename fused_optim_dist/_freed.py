@@ -1,0 +1,220 @@
+"""What ``.grad`` holds once its gradient was stepped in backward: a freed gradient.
+
+[Note: freed gradients]
+A plain optimizer leaves each gradient on its parameter until ``zero_grad()``, and loops rely
+on it: they read it between backward and ``step()`` (``clip_grad_norm_(model.parameters())``,
+``GradScaler.unscale_``, gradient logging), zero it in place (``model.zero_grad(
+set_to_none=False)``), or never zero it, so that the next backward adds to it and ``step()``
+steps the sum. Here each gradient is stepped and freed in backward; with ``.grad`` left
+``None`` every one of those loops ran on and trained differently in silence (the clip clipped
+nothing and returned 0; a kept zero gradient, which the plain optimizer steps, was not stepped;
+nothing was summed).
+
+So a stepped parameter's ``.grad`` holds a ``FreedGradient`` instead, until ``zero_grad()``
+(ours or the module's, ``set_to_none=True``) drops it as any gradient: a tensor with the
+gradient's shape, dtype and device but no storage (a DTensor wrapping one, for a DTensor
+parameter), which raises, naming the fix, on any operation that would read it, zero it, or add
+to it. The next backward adds to it if nothing dropped it (autograd's ``AccumulateGrad`` runs
+``grad += new``, FSDP2's reduce-scatter ``grad._local_tensor += new``): that raises there,
+before the parameter moves, as a second gradient (no ``step()`` since), or as a gradient never
+zeroed since ``step()``. Conversions (``Module.to`` converting the gradients) give another
+freed gradient. Checks of ``p.grad is None`` see a gradient: it is one, as far as the plain
+loop is concerned; ``is_freed`` tells the two apart.
+
+One freed gradient per parameter, made at its first release and reused while the ``.grad``
+setter accepts it (same dtype, device and size): a backward allocates nothing for them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["FreedGradient", "FreedGradients", "drop_freed", "is_freed", "refuse_freed"]
+
+_aten = torch.ops.aten
+# In-place or out-of-place addition: how the next backward accumulates into a gradient.
+_ACCUMULATING = {_aten.add_.Tensor, _aten.add.Tensor}
+_ZEROING = {_aten.zero_.default, _aten._foreach_zero_.default}
+# Metadata-preserving copies that give another freed gradient (Module.to, detach()).
+_CONVERTING = {_aten._to_copy.default, _aten.detach.default}
+_UNSCALING = _aten._amp_foreach_non_finite_check_and_unscale_.default
+
+Refusal = Callable[[torch.Tensor | None, str, Any], NoReturn]
+"""``(param, operation, func)``: raise for ``operation`` (``"accumulate"``, ``"zero"`` or
+``"read"``, by ``func``) on the freed gradient of ``param`` (``None`` once collected)."""
+
+
+class FreedGradient(torch.Tensor):
+    """The place of a gradient stepped in backward: shape, dtype and device, no storage. Any
+    operation on it raises. See [Note: freed gradients]."""
+
+    _param: weakref.ref[torch.Tensor]
+    _refuse: Refusal
+
+    @staticmethod
+    def __new__(
+        cls,
+        like: torch.Tensor,
+        param: weakref.ref[torch.Tensor],
+        refuse: Refusal,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> FreedGradient:
+        """Shaped like ``like``, with ``dtype`` and ``device`` if given, else ``like``'s."""
+        made = torch.Tensor._make_wrapper_subclass(
+            cls,
+            like.shape,
+            strides=like.stride(),
+            dtype=dtype or like.dtype,
+            device=device or like.device,
+        )
+        made._param = param
+        made._refuse = refuse
+        return made
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        freed = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, FreedGradient))
+        if func in _CONVERTING:
+            kwargs = kwargs or {}
+            return FreedGradient(
+                freed,
+                freed._param,
+                freed._refuse,
+                dtype=kwargs.get("dtype"),
+                device=kwargs.get("device"),
+            )
+        if func in _ACCUMULATING:
+            operation = "accumulate"
+        elif func in _ZEROING:
+            operation = "zero"
+        else:
+            operation = "read"
+        freed._refuse(freed._param(), operation, func)
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """An empty storage: a freed gradient holds no memory, and memory trackers
+        (``FSDPMemTracker``) that read its storage count none."""
+        return torch.UntypedStorage(0, device=self.device)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"FreedGradient(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}: stepped in backward and freed)"
+        )
+
+
+def is_freed(grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` (a parameter's ``.grad``) is a gradient stepped in backward and freed.
+    See [Note: freed gradients]."""
+    if isinstance(grad, DTensor):
+        grad = grad._local_tensor
+    return type(grad) is FreedGradient
+
+
+def refuse_freed(param: torch.Tensor | None, operation: str, func: Any) -> NoReturn:
+    """Raise for ``operation`` on a freed gradient, naming the fix; the protocol's own cases
+    (a second gradient before ``step()``) are the optimizer's, checked before this."""
+    what = "a parameter" if param is None else f"a parameter of shape {tuple(param.shape)}"
+    if operation == "accumulate":
+        raise RuntimeError(
+            f"{what} received a gradient, but its gradient from before the last step() was "
+            "never dropped (no zero_grad() since): a plain optimizer would add the two and "
+            "step the sum. OptimizerInBackward stepped that gradient in backward and freed "
+            "it, so it stops here, before this parameter moves. Call optim.zero_grad() (or "
+            "model.zero_grad()) after each step(); to sum gradients over several backwards "
+            "on purpose, run all but the last under `with optim.accumulate():`."
+        )
+    if operation == "zero":
+        raise RuntimeError(
+            f"{what}: its gradient was stepped in backward and freed by "
+            "OptimizerInBackward, so it cannot be kept as zeros in place "
+            "(model.zero_grad(set_to_none=False) or .grad.zero_()): a plain optimizer would "
+            "step such a kept zero gradient even when the next backward gives the parameter "
+            "none, and this one could not. Call optim.zero_grad() (either set_to_none) or "
+            "model.zero_grad() (set_to_none=True, torch's default) instead."
+        )
+    if func is _UNSCALING:
+        raise RuntimeError(
+            "torch.amp.GradScaler.unscale_ cannot unscale gradients OptimizerInBackward "
+            "already stepped in backward. Train with bf16 autocast, which needs no loss "
+            "scaling, and skip_nonfinite=True; or use the plain optimizer with GradScaler."
+        )
+    raise RuntimeError(
+        f"{what}: its gradient was stepped in backward and freed by OptimizerInBackward, "
+        f"so {func} cannot read it (a plain optimizer would keep it until zero_grad()). "
+        "Clip with max_grad_norm= on the optimizer (torch.nn.utils.clip_grad_norm_ over the "
+        "model would clip nothing here) and read the norm with optim.grad_norm() or "
+        "fused_optim_dist.training.clip_grad_norm_(optim, max_norm); to inspect gradients, "
+        "run the backward under `with optim.accumulate():` and read them before the step's "
+        "last backward; call zero_grad() to drop freed gradients."
+    )
+
+
+class FreedGradients:
+    """Puts freed gradients on stepped parameters, each made once and reused. See [Note:
+    freed gradients].
+
+    Args:
+        refuse: what a freed gradient calls to raise (the optimizer's: it knows whether the
+            parameter is waiting for ``step()``).
+    """
+
+    __slots__ = ("_made", "_refuse")
+
+    def __init__(self, refuse: Refusal) -> None:
+        self._refuse = refuse
+        # id(param) -> (weak reference to param, its freed gradient); the reference tells a
+        # recycled id apart.
+        self._made: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+    def put(self, params: Iterable[torch.Tensor]) -> None:
+        """Set each parameter's ``.grad`` to its freed gradient."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for param in params:
+                made = self._made.get(id(param))
+                if made is None or made[0]() is not param:
+                    made = self._made[id(param)] = self._make(param)
+                try:
+                    param.grad = made[1]
+                except RuntimeError:
+                    # The .grad setter checks dtype, device and size: the parameter changed
+                    # since (Module.to, a reassigned .data).
+                    made = self._made[id(param)] = self._make(param)
+                    param.grad = made[1]
+
+    def dropped(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params``, each given its freed gradient, whose ``.grad`` no longer holds
+        it (dropped by ``model.zero_grad()``, or replaced)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return [
+                param
+                for param in params
+                if (made := self._made.get(id(param))) is None or param.grad is not made[1]
+            ]
+
+    def _make(self, param: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], torch.Tensor]:
+        ref = weakref.ref(param)
+        if isinstance(param, DTensor):
+            local = FreedGradient(param._local_tensor, ref, self._refuse)
+            return ref, DTensor(local, param._spec, requires_grad=False)
+        return ref, FreedGradient(param, ref, self._refuse)
+
+
+def drop_freed(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Set ``.grad = None`` where ``grads`` (the parameters' ``.grad``) is a freed one."""
+    with torch._C.DisableTorchFunctionSubclass():
+        for param, grad in zip(params, grads, strict=True):
+            if grad is not None and is_freed(grad):
+                param.grad = None
