@@ -292,6 +292,8 @@ class BackwardPass:
             # after this backward reads the parameters.
             self._stepper.flush()
             self._class_state.finish()
+            if self._record:
+                self._pending.settle(self._param_groups)
             self._events.wait()
             if self._record:
                 self._gradients.end_of_backward(self._norms)

@@ -13,7 +13,20 @@ loops would train differently without a word. Instead, the updates made in backw
   ``accumulate()``;
 * ``zero_grad()`` would discard gradients whose update already happened (the loop meant to
   throw them away, as the GAN loop and a caught failing backward do): it raises, since an update
-  cannot be undone. ``step()`` first accepts them.
+  cannot be undone. ``step()`` first accepts them;
+* ``load_state_dict()`` would replace the state those updates were made from: it raises, with
+  nothing loaded;
+* at ``step()``, a parameter whose version counter moved since its update
+  (``model.load_state_dict``, an in-place write) would be stepped by the plain optimizer from the
+  written values: ``step()`` raises, as it does when the loop dropped the gradients it would
+  step (see [Note: freed gradients]). A write through ``.data`` moves no version counter and
+  goes unseen;
+* at ``step()``, a value of a group (``lr``, betas) changed since the updates were made (an LR
+  set by hand between backward and ``step()``) would be stepped with by the plain optimizer:
+  ``step()`` raises.
+
+A second ``step()`` with no backward and no ``zero_grad()`` since the first would step the
+held gradients again in the plain optimizer: refused, seeing the freed gradients.
 
 Updates made by ``step()`` itself are committed at once. Parameters are held strongly, and only
 until the next ``step()``: their identity, never a recycled ``id()``, names them.
@@ -34,21 +47,47 @@ A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is ref
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["KeptGradients", "PendingUpdates", "describe"]
+__all__ = ["KeptGradients", "PendingUpdates", "describe", "refuse_stepping_again"]
 
 
 def describe(param: torch.Tensor) -> str:
     return f"a parameter of shape {tuple(param.shape)}"
 
 
+def refuse_stepping_again(freed: list[torch.Tensor]) -> None:
+    """Raise for a ``step()`` with no backward since the last one, where ``freed`` still hold
+    the gradients that step committed (see [Note: freed gradients])."""
+    more = f" (and {len(freed) - 1} more)" if len(freed) > 1 else ""
+    raise RuntimeError(
+        f"step() called again with no backward since the last step(), while {describe(freed[0])}"
+        f"{more} still holds the gradient that step committed (no zero_grad() in between). A "
+        "plain optimizer would step that gradient a second time; here it was stepped once, in "
+        "backward, and freed. Call step() once per backward and zero_grad() after it."
+    )
+
+
+_MISSING = object()
+
+
+def _values(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's values but its params, a tensor by its identity and version counter (an
+    in-place write to a tensor lr changes it)."""
+    return {
+        key: (id(value), value._version) if isinstance(value, torch.Tensor) else value
+        for key, value in group.items()
+        if key != "params"
+    }
+
+
 class PendingUpdates:
     """The parameters updated in backward since the last ``step()``. See [Note: the step
     protocol]."""
 
-    __slots__ = ("_ids", "_params", "_unfinished")
+    __slots__ = ("_groups", "_ids", "_params", "_unfinished", "_versions")
 
     def __init__(self) -> None:
         self._params: list[torch.Tensor] = []
@@ -56,6 +95,10 @@ class PendingUpdates:
         self._ids: set[int] = set()
         # Whether an update belongs to a backward that raised before it finished.
         self._unfinished = False
+        # id -> the parameter's version counter once its update was made (see settle()).
+        self._versions: dict[int, int] = {}
+        # Each param group and its values (not its params) once the updates were made.
+        self._groups: list[tuple[dict[str, Any], dict[str, Any]]] = []
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -65,6 +108,19 @@ class PendingUpdates:
             if id(param) not in self._ids:
                 self._ids.add(id(param))
                 self._params.append(param)
+                self._versions[id(param)] = param._version
+
+    def settle(self, param_groups: list[dict[str, Any]]) -> None:
+        """Read the version counters and the groups' values again once a backward's updates
+        are all applied (the whole-tensor path writes some parameters at its end, a class
+        tracked for group state its groups); a later change is the loop's."""
+        self._versions = {id(param): param._version for param in self._params}
+        self._groups = [(group, _values(group)) for group in param_groups]
+
+    def changed(self) -> list[torch.Tensor]:
+        """The parameters written in place since their update (``model.load_state_dict``, an
+        in-place edit between backward and ``step()``)."""
+        return [p for p in self._params if p._version != self._versions[id(p)]]
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids
@@ -79,6 +135,8 @@ class PendingUpdates:
         """``step()``: the pending updates are the step's, as the plain optimizer's would be."""
         self._params.clear()
         self._ids.clear()
+        self._versions.clear()
+        self._groups.clear()
         self._unfinished = False
 
     def refuse_second_gradient(self, param: torch.Tensor) -> None:
@@ -94,6 +152,46 @@ class PendingUpdates:
             "through the discriminator), freeze these parameters for that backward "
             "(requires_grad_(False)) or run it under this optimizer's accumulate() and drop "
             "the gradients with zero_grad()."
+        )
+
+    def refuse_changed_groups(self) -> None:
+        """Raise for ``step()`` when a value of a group holding pending updates (its ``lr``,
+        betas, ...) was changed since those updates were made."""
+        for index, (group, values) in enumerate(self._groups):
+            if not any(id(p) in self._ids for p in group["params"]):
+                continue
+            now = _values(group)
+            for key in sorted(values.keys() | now.keys()):
+                if values.get(key, _MISSING) != now.get(key, _MISSING):
+                    raise RuntimeError(
+                        f"step(): param_groups[{index}][{key!r}] was changed between backward "
+                        "and step(). A plain optimizer steps with the new value; here this "
+                        "step's update was made in backward, with the old one. Set it before "
+                        "backward (at the top of the loop, or after step(), where LR "
+                        "schedulers set it). The updates cannot be undone: restart from the "
+                        "last checkpoint."
+                    )
+
+    def refuse_changed(self, changed: list[torch.Tensor]) -> None:
+        """Raise for ``step()`` when ``changed``, updated in backward, were written since."""
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise RuntimeError(
+            f"step(): {describe(changed[0])}{more} was updated in backward and written in "
+            "place since (model.load_state_dict(), a checkpoint load or an in-place edit "
+            "between backward and step()?). A plain optimizer would step the written values "
+            "with the gradient; here the gradient was stepped in backward, before the write, "
+            "which replaced or changed its update. Load checkpoints and edit parameters before "
+            "backward or after step(). Restart from the last checkpoint."
+        )
+
+    def refuse_load(self) -> None:
+        """Raise for ``load_state_dict()`` while updates are pending."""
+        raise RuntimeError(
+            f"load_state_dict() called while {len(self._ids)} parameter(s) hold updates made "
+            "in backward with no optimizer.step() since. A plain optimizer would step the "
+            "loaded state with this backward's gradients; here they were already stepped "
+            "with the state before. Load the optimizer state before backward or after "
+            "step(); nothing was loaded."
         )
 
     def refuse_dropped(self, dropped: list[torch.Tensor]) -> None:

@@ -23,7 +23,7 @@ from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
-from fused_optim_dist._protocol import KeptGradients, PendingUpdates
+from fused_optim_dist._protocol import KeptGradients, PendingUpdates, refuse_stepping_again
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     current_backward_id,
@@ -429,6 +429,13 @@ class OptimizerInBackward(Optimizer):
             }
         super().__setstate__(state)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``; refused, with nothing loaded, while
+        updates made in backward await ``step()`` (see [Note: the step protocol])."""
+        if self._pending:
+            self._pending.refuse_load()
+        super().load_state_dict(state_dict)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizerInBackward:
         """A working copy on the copied parameters (hooked), as ``copy.deepcopy`` of a plain
         optimizer copies its parameters and state. Deep-copy the model in the same call
@@ -497,14 +504,23 @@ class OptimizerInBackward(Optimizer):
             self._pass.finish()
         if self._pending:
             # See [Note: freed gradients]: the loop dropped gradients the plain optimizer
-            # would step here.
+            # would step here, or wrote parameters it would step from.
             dropped = self._freed.dropped(self._pending.params())
             if dropped:
                 self._pending.refuse_dropped(dropped)
+            changed = self._pending.changed()
+            if changed:
+                self._pending.refuse_changed(changed)
+            self._pending.refuse_changed_groups()
         plan = self._current_plan()
+        grads = read_grads(plan.trainable)
+        if not self._stepped_since_step:
+            freed = [p for p, g in zip(plan.trainable, grads, strict=True) if is_freed(g)]
+            if freed:
+                refuse_stepping_again(freed)
         ready = [
             p
-            for p, grad in zip(plan.trainable, read_grads(plan.trainable), strict=True)
+            for p, grad in zip(plan.trainable, grads, strict=True)
             if grad is not None and not is_freed(grad)
         ]
         ready_ids = {id(p) for p in ready}

@@ -2,10 +2,11 @@
 
 A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
 freezing and unfreezing, groups added later, a backward that raises, a second backward before
-``step()`` (refused), gradients read before ``step()``, kept as zeros by the module or never
-zeroed (refused), reentrant activation checkpointing, ``step()`` without a backward, LR
-changes (lr 0 included), ``state_dict``/``load_state_dict`` round trips; also with a class that
-counts steps in its param groups, with CompactAdamW, and on bfloat16 models. After every rule
+``step()``, gradients read before ``step()``, kept as zeros by the module or never zeroed, an
+optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused), reentrant
+activation checkpointing, ``step()`` without a backward, LR changes (lr 0 included),
+``state_dict``/``load_state_dict`` round trips; also with a class that counts steps in its
+param groups, with CompactAdamW, and on bfloat16 models. After every rule
 both models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
@@ -281,6 +282,62 @@ class LoopMachine(RuleBasedStateMachine):
                 ours_model.zero_grad(set_to_none=False)
         for model in self.models:
             model.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def load_between_backward_and_step(self) -> None:
+        """The optimizer's state loaded between backward and ``step()`` (a rollback): refused
+        for ours, with nothing loaded; both loops then step without it."""
+        ours_model, plain_model = self.models
+        saved = copy.deepcopy(self.ours.state_dict())
+        self._backward(plain_model, self.step)
+        self._backward(ours_model, self.step)
+        if self._plain_holds("any"):
+            with pytest.raises(RuntimeError, match=r"load_state_dict\(\) called while"):
+                self.ours.load_state_dict(saved)
+        for optim in (self.ours, self.plain):
+            optim.step()
+            optim.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: not self.pending)
+    @rule(lr=st.sampled_from([1e-3, 3e-2]))
+    def set_lr_between_backward_and_step(self, lr: float) -> None:
+        """The LR set between backward and ``step()``: refused for ours; the loop sets it back,
+        steps (as the plain one at the old LR), then sets it for the next step."""
+        ours_model, plain_model = self.models
+        self._backward(plain_model, self.step)
+        self._backward(ours_model, self.step)
+        old = [g["lr"] for g in self.ours.param_groups]
+        for group in self.ours.param_groups:
+            group["lr"] = lr
+        if self._plain_holds("any") and any(o != lr for o in old):
+            with pytest.raises(RuntimeError, match=r"was changed between backward and step"):
+                self.ours.step()
+        for group, value in zip(self.ours.param_groups, old, strict=True):
+            group["lr"] = value
+        for optim in (self.ours, self.plain):
+            optim.step()
+            optim.zero_grad()
+            for group in optim.param_groups:
+                group["lr"] = lr
+        self.step += 1
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def step_twice(self) -> None:
+        """A second ``step()`` on one backward's gradients: refused for ours (the plain
+        optimizer would step them again); both loops then zero and go on."""
+        ours_model, plain_model = self.models
+        for model, optim in ((plain_model, self.plain), (ours_model, self.ours)):
+            self._backward(model, self.step)
+            optim.step()
+        if self._plain_holds("any"):
+            with pytest.raises(RuntimeError, match=r"step\(\) called again with no backward"):
+                self.ours.step()
+        for optim in (self.ours, self.plain):
+            optim.zero_grad()
         self.step += 1
 
     @precondition(lambda self: not self.pending and not self.sharded)

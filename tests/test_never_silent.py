@@ -16,7 +16,17 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _toy import assert_match, batch, full, holds_gradient, loss_fn, make_models, rank_slice, shard
+from _toy import (
+    assert_match,
+    assert_same_state_dict,
+    batch,
+    full,
+    holds_gradient,
+    loss_fn,
+    make_models,
+    rank_slice,
+    shard,
+)
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
@@ -653,6 +663,78 @@ def test_gradients_dropped_by_the_module_before_step_refused():
         optim.step()
 
 
+def _loaded_between_backward_and_step_body(sharded: bool = False) -> None:
+    """A checkpoint loaded between backward and ``step()`` (a rollback after a loss spike):
+    the plain optimizer steps the loaded parameters and state with the backward's gradients;
+    here the gradients were stepped before the load. Refused: the optimizer's load before
+    anything is loaded; the model's (a write into parameters updated in backward) at
+    ``step()``. On FSDP2 (3 ranks, uneven shards) when ``sharded``."""
+    model, reference = make_models()
+    if sharded:
+        shard(model)
+        shard(reference)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for net, opt in ((model, optim), (reference, plain)):
+        loss_fn(net, *_x(0, sharded)).backward()
+        opt.step()
+        opt.zero_grad()
+    saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved_optim = copy.deepcopy(optim.state_dict())
+    loss_fn(model, *_x(1, sharded)).backward()
+    state_before = copy.deepcopy(optim.state_dict())
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) called while"):
+        optim.load_state_dict(saved_optim)
+    assert_same_state_dict(optim.state_dict(), state_before, path="nothing loaded")
+    model.load_state_dict(saved_model)
+    with pytest.raises(RuntimeError, match=r"written in place since"):
+        optim.step()
+
+
+def test_lr_set_between_backward_and_step_refused():
+    """The LR set by hand between backward and ``step()`` (build-nanogpt's ``train_gpt2.py``
+    sets it after clipping): the plain optimizer steps with the new LR; here the update was
+    made in backward with the old one: refused at that ``step()``. Setting it back steps as
+    the plain optimizer at the old LR."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    loss_fn(model, *_x(0)).backward()
+    optim.param_groups[0]["lr"] = 2e-2
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] was changed between"):
+        optim.step()
+    optim.param_groups[0]["lr"] = ADAMW["lr"]
+    optim.step()
+    optim.zero_grad()
+    loss_fn(reference, *_x(0)).backward()
+    plain.step()
+    plain.zero_grad()
+    assert_match(model, reference)
+
+
+def test_second_step_without_backward_refused():
+    """``step()`` twice on one backward's gradients (a helper that steps, then the loop): the
+    plain optimizer steps them twice; refused at the second, before anything moves."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for net, opt in ((model, optim), (reference, plain)):
+        loss_fn(net, *_x(0)).backward()
+        opt.step()
+    assert_match(model, reference)
+    before = _snapshot(reference)
+    plain.step()
+    assert not torch.equal(reference.head.weight, before["head.weight"])
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"step\(\) called again with no backward"):
+        optim.step()
+    _assert_unchanged(model, before)
+
+
+def test_checkpoint_loaded_between_backward_and_step_refused():
+    _loaded_between_backward_and_step_body()
+
+
 def test_grad_scaler_unscale_refused():
     """``scaler.unscale_(optim)`` before clipping (the AMP tutorial's loop) reads the gradients
     stepped in backward: refused there, naming bf16 autocast."""
@@ -669,6 +751,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _kept_zero_gradients_body, sharded=True)
     worlds.run(3, _freed_gradients_body, sharded=True)
     worlds.run(2, _freed_gradients_body, sharded=True)
+    worlds.run(3, _loaded_between_backward_and_step_body, sharded=True)
     worlds.run(2, _lamb_body)
     worlds.run(3, _lamb_body)
     worlds.run(2, _fsdp_two_backwards_body)
