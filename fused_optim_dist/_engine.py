@@ -293,7 +293,7 @@ class BackwardPass:
             self._stepper.flush()
             self._class_state.finish()
             if self._record:
-                self._pending.settle(self._param_groups)
+                self._pending.settle(self._param_groups, self._state)
             self._events.wait()
             if self._record:
                 self._gradients.end_of_backward(self._norms)

@@ -16,7 +16,7 @@ loops would train differently without a word. Instead, the updates made in backw
   cannot be undone. ``step()`` first accepts them;
 * ``load_state_dict()`` would replace the state those updates were made from: it raises, with
   nothing loaded;
-* at ``step()``, a parameter whose version counter moved since its update
+* at ``step()``, a parameter whose version counter, or whose state's, moved since its update
   (``model.load_state_dict``, an in-place write) would be stepped by the plain optimizer from the
   written values: ``step()`` raises, as it does when the loop dropped the gradients it would
   step (see [Note: freed gradients]). A write through ``.data`` moves no version counter and
@@ -73,6 +73,16 @@ def refuse_stepping_again(freed: list[torch.Tensor]) -> None:
 _MISSING = object()
 
 
+def _fingerprint(entry: dict[str, Any] | None) -> tuple:
+    """A parameter's optimizer state, each tensor by its identity and version counter."""
+    if not entry:
+        return ()
+    return tuple(
+        (key, id(value), value._version) if isinstance(value, torch.Tensor) else (key, value)
+        for key, value in entry.items()
+    )
+
+
 def _values(group: dict[str, Any]) -> dict[str, Any]:
     """A group's values but its params, a tensor by its identity and version counter (an
     in-place write to a tensor lr changes it)."""
@@ -95,8 +105,9 @@ class PendingUpdates:
         self._ids: set[int] = set()
         # Whether an update belongs to a backward that raised before it finished.
         self._unfinished = False
-        # id -> the parameter's version counter once its update was made (see settle()).
-        self._versions: dict[int, int] = {}
+        # id -> the version counters of the parameter and of its state once its update was
+        # made (see settle()); the state's None until then.
+        self._versions: dict[int, tuple[int, tuple | None]] = {}
         # Each param group and its values (not its params) once the updates were made.
         self._groups: list[tuple[dict[str, Any], dict[str, Any]]] = []
 
@@ -108,19 +119,29 @@ class PendingUpdates:
             if id(param) not in self._ids:
                 self._ids.add(id(param))
                 self._params.append(param)
-                self._versions[id(param)] = param._version
+                self._versions[id(param)] = (param._version, None)
 
-    def settle(self, param_groups: list[dict[str, Any]]) -> None:
-        """Read the version counters and the groups' values again once a backward's updates
-        are all applied (the whole-tensor path writes some parameters at its end, a class
-        tracked for group state its groups); a later change is the loop's."""
-        self._versions = {id(param): param._version for param in self._params}
+    def settle(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict]) -> None:
+        """Read the version counters (of the parameters and their state) and the groups'
+        values again once a backward's updates are all applied (the whole-tensor path writes
+        some at its end, a class tracked for group state its groups); a later change is the
+        loop's."""
+        self._versions = {
+            id(param): (param._version, _fingerprint(state.get(param))) for param in self._params
+        }
         self._groups = [(group, _values(group)) for group in param_groups]
 
-    def changed(self) -> list[torch.Tensor]:
-        """The parameters written in place since their update (``model.load_state_dict``, an
-        in-place edit between backward and ``step()``)."""
-        return [p for p in self._params if p._version != self._versions[id(p)]]
+    def changed(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
+        """The parameters written in place since their update, or whose optimizer state was
+        (``model.load_state_dict``, an in-place edit between backward and ``step()``)."""
+        changed = []
+        for param in self._params:
+            version, entry = self._versions[id(param)]
+            if param._version != version or (
+                entry is not None and _fingerprint(state.get(param)) != entry
+            ):
+                changed.append(param)
+        return changed
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids
@@ -176,12 +197,13 @@ class PendingUpdates:
         """Raise for ``step()`` when ``changed``, updated in backward, were written since."""
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
         raise RuntimeError(
-            f"step(): {describe(changed[0])}{more} was updated in backward and written in "
-            "place since (model.load_state_dict(), a checkpoint load or an in-place edit "
-            "between backward and step()?). A plain optimizer would step the written values "
-            "with the gradient; here the gradient was stepped in backward, before the write, "
-            "which replaced or changed its update. Load checkpoints and edit parameters before "
-            "backward or after step(). Restart from the last checkpoint."
+            f"step(): {describe(changed[0])}{more} was updated in backward, and it or its "
+            "optimizer state was written in place since (model.load_state_dict(), a "
+            "checkpoint load, an in-place edit of the parameter or of optimizer.state between "
+            "backward and step()?). A plain optimizer would step the written values with the "
+            "gradient; here the gradient was stepped in backward, before the write, which "
+            "replaced or changed its update. Load checkpoints and edit parameters or state "
+            "before backward or after step(). Restart from the last checkpoint."
         )
 
     def refuse_load(self) -> None:

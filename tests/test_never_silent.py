@@ -731,6 +731,26 @@ def test_second_step_without_backward_refused():
     _assert_unchanged(model, before)
 
 
+def test_optimizer_state_edited_between_backward_and_step_refused():
+    """Adam's moments reset between backward and ``step()`` (after a loss spike): the plain
+    optimizer steps from the reset moments; here the step was taken before the reset."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(2):
+        for net, opt in ((model, optim), (reference, plain)):
+            loss_fn(net, *_x(step)).backward()
+            if step == 1:
+                for entry in opt.state.values():
+                    entry["exp_avg"].zero_()
+            if opt is optim and step == 1:
+                with pytest.raises(RuntimeError, match=r"optimizer state was written in place"):
+                    opt.step()
+            else:
+                opt.step()
+                opt.zero_grad()
+
+
 def test_checkpoint_loaded_between_backward_and_step_refused():
     _loaded_between_backward_and_step_body()
 
