@@ -46,6 +46,7 @@ A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is ref
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -73,16 +74,6 @@ def refuse_stepping_again(freed: list[torch.Tensor]) -> None:
 _MISSING = object()
 
 
-def _fingerprint(entry: dict[str, Any] | None) -> tuple:
-    """A parameter's optimizer state, each tensor by its identity and version counter."""
-    if not entry:
-        return ()
-    return tuple(
-        (key, id(value), value._version) if isinstance(value, torch.Tensor) else (key, value)
-        for key, value in entry.items()
-    )
-
-
 def _values(group: dict[str, Any]) -> dict[str, Any]:
     """A group's values but its params, a tensor by its identity and version counter (an
     in-place write to a tensor lr changes it)."""
@@ -93,11 +84,71 @@ def _values(group: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class _Written:
+    """The version counters of parameters and of their optimizer state at one moment, to find
+    the ones written since: a parameter's own counter, its state entry (identity, size) and
+    each value in it (identity; a tensor's counter too). Compared list against list, in C, at
+    every ``step()``; the parameters are named only when something differs."""
+
+    __slots__ = ("_entries", "_keys", "_owners", "_params", "_tensors", "_values", "_versions")
+
+    def __init__(self, params: list[torch.Tensor], state: dict[torch.Tensor, dict]) -> None:
+        self._params = params
+        self._entries = _entries(params, state)
+        self._keys = [(e, k) for e in self._entries if e for k in e]
+        self._owners = [i for i, e in enumerate(self._entries) if e for _ in e]
+        self._values = [entry[key] for entry, key in self._keys]
+        self._tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
+        self._versions = self._read_versions()
+
+    def _read_versions(self) -> list[int]:
+        return [p._version for p in self._params] + [t._version for t in self._tensors]
+
+    def written(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
+        entries = _entries(self._params, state)
+        values = [entry.get(key, _MISSING) for entry, key in self._keys]
+        if (
+            not any(map(operator.is_not, entries, self._entries))
+            and [len(e) for e in entries if e] == [len(e) for e in self._entries if e]
+            and not any(map(operator.is_not, values, self._values))
+            and self._read_versions() == self._versions
+        ):
+            return []
+        # Something was written: name the parameters.
+        written = {
+            i
+            for i, (now, then) in enumerate(zip(entries, self._entries, strict=True))
+            if now is not then or (now and len(now) != len(then))
+        }
+        # self._versions holds the parameters' counters, then the tensors'.
+        written.update(
+            i
+            for i, (param, version) in enumerate(zip(self._params, self._versions, strict=False))
+            if param._version != version
+        )
+        counters = dict(
+            zip(map(id, self._tensors), self._versions[len(self._params) :], strict=True)
+        )
+        for owner, now, then in zip(self._owners, values, self._values, strict=True):
+            if now is not then or (
+                isinstance(then, torch.Tensor) and then._version != counters[id(then)]
+            ):
+                written.add(owner)
+        return [self._params[i] for i in sorted(written)]
+
+
+def _entries(params: list[torch.Tensor], state: dict[torch.Tensor, dict]) -> list[dict | None]:
+    """Each parameter's state entry, or None; found by id, read off the state's keys (looking a
+    parameter up hashes it in Python)."""
+    by_id = {id(key): entry for key, entry in state.items()}
+    return [by_id.get(id(param)) for param in params]
+
+
 class PendingUpdates:
     """The parameters updated in backward since the last ``step()``. See [Note: the step
     protocol]."""
 
-    __slots__ = ("_groups", "_ids", "_params", "_unfinished", "_versions")
+    __slots__ = ("_groups", "_ids", "_params", "_unfinished", "_written")
 
     def __init__(self) -> None:
         self._params: list[torch.Tensor] = []
@@ -105,9 +156,8 @@ class PendingUpdates:
         self._ids: set[int] = set()
         # Whether an update belongs to a backward that raised before it finished.
         self._unfinished = False
-        # id -> the version counters of the parameter and of its state once its update was
-        # made (see settle()); the state's None until then.
-        self._versions: dict[int, tuple[int, tuple | None]] = {}
+        # The parameters' and their state's version counters once the updates were made.
+        self._written: _Written | None = None
         # Each param group and its values (not its params) once the updates were made.
         self._groups: list[tuple[dict[str, Any], dict[str, Any]]] = []
 
@@ -119,29 +169,19 @@ class PendingUpdates:
             if id(param) not in self._ids:
                 self._ids.add(id(param))
                 self._params.append(param)
-                self._versions[id(param)] = (param._version, None)
 
     def settle(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict]) -> None:
-        """Read the version counters (of the parameters and their state) and the groups'
-        values again once a backward's updates are all applied (the whole-tensor path writes
+        """Note the version counters (of the parameters and their state) and the groups'
+        values once a backward's updates are all applied (the whole-tensor path writes
         some at its end, a class tracked for group state its groups); a later change is the
         loop's."""
-        self._versions = {
-            id(param): (param._version, _fingerprint(state.get(param))) for param in self._params
-        }
+        self._written = _Written(list(self._params), state)
         self._groups = [(group, _values(group)) for group in param_groups]
 
     def changed(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
         """The parameters written in place since their update, or whose optimizer state was
         (``model.load_state_dict``, an in-place edit between backward and ``step()``)."""
-        changed = []
-        for param in self._params:
-            version, entry = self._versions[id(param)]
-            if param._version != version or (
-                entry is not None and _fingerprint(state.get(param)) != entry
-            ):
-                changed.append(param)
-        return changed
+        return [] if self._written is None else self._written.written(state)
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids
@@ -156,7 +196,7 @@ class PendingUpdates:
         """``step()``: the pending updates are the step's, as the plain optimizer's would be."""
         self._params.clear()
         self._ids.clear()
-        self._versions.clear()
+        self._written = None
         self._groups.clear()
         self._unfinished = False
 
