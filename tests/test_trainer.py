@@ -166,6 +166,19 @@ def _adamw_in_backward(model: nn.Module) -> torch.optim.Optimizer:
     )
 
 
+def test_plain_trainer_clipping_with_an_in_backward_optimizer_refused(tmp_path):
+    """Trainer without the integration, given an in-backward optimizer, with its default
+    clipping: its ``clip_grad_norm_`` after backward would clip nothing (the gradients were
+    stepped and freed); refused at the first step, naming the integration."""
+    with pytest.raises(RuntimeError, match=r"in_backward_trainer"):
+        _train(
+            transformers.Trainer,
+            tmp_path / "plain",
+            optimizer=lambda m: OptimizerInBackward(m.parameters(), torch.optim.AdamW, lr=1e-2),
+            max_grad_norm=1.0,
+        )
+
+
 @pytest.mark.parametrize("given", ["optimizers", "optimizer_cls_and_kwargs"])
 def test_trainer_with_the_optimizer_given(tmp_path, given):
     """Built by the user (``optimizers=``) or from ``optimizer_cls_and_kwargs`` with
