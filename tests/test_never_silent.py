@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -43,6 +44,14 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
     for name, param in model.named_parameters():
         assert torch.equal(full(param).detach(), before[name]), f"{name} moved"
+
+
+def _refused_unmoved(model: nn.Module, match: str, action: Callable[[], object]) -> None:
+    """``action()`` raises a RuntimeError matching ``match``, and ``model`` did not move."""
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=match):
+        action()
+    _assert_unchanged(model, before)
 
 
 def _x(step: int, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -604,10 +613,11 @@ def _freed_gradients_body(sharded: bool = False) -> None:
     for net, opt in ((model, optim), (reference, plain)):
         loss_fn(net, *_x(1, sharded)).backward()
         opt.step()
-    before = _snapshot(model)
-    with pytest.raises(RuntimeError, match=r"model\.zero_grad\(\) \(set_to_none=True"):
-        model.zero_grad(set_to_none=False)
-    _assert_unchanged(model, before)
+    _refused_unmoved(
+        model,
+        r"model\.zero_grad\(\) \(set_to_none=True",
+        lambda: model.zero_grad(set_to_none=False),
+    )
     model.zero_grad()
     reference.zero_grad()
     assert_match(model, reference)
@@ -617,10 +627,11 @@ def _freed_gradients_body(sharded: bool = False) -> None:
         loss_fn(net, *_x(2, sharded)).backward()
         opt.step()
     assert_match(model, reference)
-    before = _snapshot(model)
-    with pytest.raises(RuntimeError, match=r"never dropped \(no zero_grad\(\) since\)"):
-        loss_fn(model, *_x(3, sharded)).backward()
-    _assert_unchanged(model, before)
+    _refused_unmoved(
+        model,
+        r"never dropped \(no zero_grad\(\) since\)",
+        lambda: loss_fn(model, *_x(3, sharded)).backward(),
+    )
 
 
 def test_freed_gradients_refused_where_a_plain_loop_uses_them():
@@ -725,10 +736,7 @@ def test_second_step_without_backward_refused():
     before = _snapshot(reference)
     plain.step()
     assert not torch.equal(reference.head.weight, before["head.weight"])
-    before = _snapshot(model)
-    with pytest.raises(RuntimeError, match=r"step\(\) called again with no backward"):
-        optim.step()
-    _assert_unchanged(model, before)
+    _refused_unmoved(model, r"step\(\) called again with no backward", optim.step)
 
 
 def test_optimizer_state_edited_between_backward_and_step_refused():
