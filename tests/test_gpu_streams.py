@@ -64,6 +64,7 @@ def test_gpu_stream_ordering_matches_plain(nccl_world, variant):
             ours.set_is_last_backward(False)
         ours(x).square().mean().backward()
         optim.step()
+        optim.zero_grad()
         reference(x).square().mean().backward()
         norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), float("inf"))
         torch.testing.assert_close(optim.grad_norm(), norm.full_tensor(), rtol=1e-4, atol=0)
