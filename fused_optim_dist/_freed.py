@@ -19,7 +19,11 @@ to it. The next backward adds to it if nothing dropped it (autograd's ``Accumula
 before the parameter moves, as a second gradient (no ``step()`` since), or as a gradient never
 zeroed since ``step()``. Conversions (``Module.to`` converting the gradients) give another
 freed gradient. Checks of ``p.grad is None`` see a gradient: it is one, as far as the plain
-loop is concerned; ``is_freed`` tells the two apart.
+loop is concerned; ``is_freed`` tells the two apart. ``step()`` reads them too: a parameter
+updated in backward whose freed gradient is gone by ``step()`` had its gradient dropped
+(``model.zero_grad()`` between backward and ``step()``, where the plain optimizer steps
+nothing), and freed gradients still in place at a ``step()`` with no backward since the last
+would be stepped a second time by the plain optimizer: both raise.
 
 One freed gradient per parameter, made at its first release and reused while the ``.grad``
 setter accepts it (same dtype, device and size): a backward allocates nothing for them.
