@@ -487,7 +487,12 @@ class OptimizerInBackward(Optimizer):
             TypeError: if a closure is passed.
             RuntimeError: if ``torch.amp.GradScaler`` called it (the gradients were stepped
                 scaled, in backward); if a parameter holding a gradient was already updated in
-                backward since the last ``step()``; or if no gradient ever reached this
+                backward since the last ``step()``; if, since the updates made in backward,
+                their gradients were dropped or their parameters, state or group values
+                written (the plain optimizer would step differently: see [Note: the step
+                protocol]); if called again with no backward since the last while the
+                gradients it committed are held (see [Note: freed gradients]); or if no
+                gradient ever reached this
                 optimizer and none of its parameters is registered on a live module: it was
                 built on parameters that ``fully_shard`` replaced, so nothing would ever train.
         """
