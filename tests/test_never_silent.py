@@ -29,6 +29,7 @@ from _toy import (
     shard,
 )
 from torch import nn
+from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
@@ -57,6 +58,26 @@ def _refused_unmoved(model: nn.Module, match: str, action: Callable[[], object])
 def _x(step: int, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = batch(step)
     return (rank_slice(x), rank_slice(y)) if sharded else (x, y)
+
+
+def _adamw_loops(sharded: bool) -> tuple[nn.Module, nn.Module, OptimizerInBackward, Optimizer]:
+    """Two identical models (sharded by FSDP2 if ``sharded``), ours and plain AdamW on them."""
+    model, reference = make_models()
+    if sharded:
+        shard(model)
+        shard(reference)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    return model, reference, optim, torch.optim.AdamW(reference.parameters(), **ADAMW)
+
+
+def _step_both(loops: tuple, step: int, sharded: bool = False, *, zero: bool) -> None:
+    """A backward on batch ``step`` and a ``step()`` in each ``(model, optimizer)`` loop, then
+    ``zero_grad()`` if ``zero``."""
+    for net, opt in loops:
+        loss_fn(net, *_x(step, sharded)).backward()
+        opt.step()
+        if zero:
+            opt.zero_grad()
 
 
 # ------------------------------------------------------------- 1. reentrant checkpointing
@@ -560,12 +581,7 @@ def _kept_zero_gradients_body(sharded: bool = False) -> None:
     """``zero_grad(set_to_none=False)`` in a loop where every parameter gets a gradient, and
     ``zero_grad()`` before a block is frozen: as the plain optimizer (on the same FSDP2 model
     when ``sharded``). Then kept zero gradients and the block frozen: refused on every rank."""
-    model, reference = make_models()
-    if sharded:
-        shard(model)
-        shard(reference)
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model, reference, optim, plain = _adamw_loops(sharded)
     for step in range(5):
         for net, opt in ((model, optim), (reference, plain)):
             net.layers[2].requires_grad_(step != 3)
@@ -589,12 +605,7 @@ def _freed_gradients_body(sharded: bool = False) -> None:
     """Loops that use the gradients a plain optimizer holds after backward, against the plain
     loop on the same model (FSDP2 when ``sharded``): each raises where it uses one, naming the
     fix; before the fix, each trained differently in silence. See [Note: freed gradients]."""
-    model, reference = make_models()
-    if sharded:
-        shard(model)
-        shard(reference)
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model, reference, optim, plain = _adamw_loops(sharded)
     # Clipping over the model's parameters between backward and step (nanoGPT, tutorials):
     # the plain loop clips; here the gradients were stepped, and clip_grad_norm_ used to
     # return 0 and clip nothing.
@@ -610,9 +621,7 @@ def _freed_gradients_body(sharded: bool = False) -> None:
     plain.zero_grad()
     assert_match(model, reference)
     # The module's zero_grad(set_to_none=False) after step(): refused at the call.
-    for net, opt in ((model, optim), (reference, plain)):
-        loss_fn(net, *_x(1, sharded)).backward()
-        opt.step()
+    _step_both(((model, optim), (reference, plain)), 1, sharded, zero=False)
     _refused_unmoved(
         model,
         r"model\.zero_grad\(\) \(set_to_none=True",
@@ -623,9 +632,7 @@ def _freed_gradients_body(sharded: bool = False) -> None:
     assert_match(model, reference)
     # No zero_grad() at all: the plain optimizer steps the sum of both backwards' gradients;
     # the second backward is refused before any parameter moves.
-    for net, opt in ((model, optim), (reference, plain)):
-        loss_fn(net, *_x(2, sharded)).backward()
-        opt.step()
+    _step_both(((model, optim), (reference, plain)), 2, sharded, zero=False)
     assert_match(model, reference)
     _refused_unmoved(
         model,
@@ -680,16 +687,8 @@ def _loaded_between_backward_and_step_body(sharded: bool = False) -> None:
     here the gradients were stepped before the load. Refused: the optimizer's load before
     anything is loaded; the model's (a write into parameters updated in backward) at
     ``step()``. On FSDP2 (3 ranks, uneven shards) when ``sharded``."""
-    model, reference = make_models()
-    if sharded:
-        shard(model)
-        shard(reference)
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    for net, opt in ((model, optim), (reference, plain)):
-        loss_fn(net, *_x(0, sharded)).backward()
-        opt.step()
-        opt.zero_grad()
+    model, reference, optim, plain = _adamw_loops(sharded)
+    _step_both(((model, optim), (reference, plain)), 0, sharded, zero=True)
     saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
     saved_optim = copy.deepcopy(optim.state_dict())
     loss_fn(model, *_x(1, sharded)).backward()
@@ -729,9 +728,7 @@ def test_second_step_without_backward_refused():
     model, reference = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for net, opt in ((model, optim), (reference, plain)):
-        loss_fn(net, *_x(0)).backward()
-        opt.step()
+    _step_both(((model, optim), (reference, plain)), 0, zero=False)
     assert_match(model, reference)
     before = _snapshot(reference)
     plain.step()
