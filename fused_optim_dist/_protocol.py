@@ -14,8 +14,11 @@ loops would train differently without a word. Instead, the updates made in backw
 * ``zero_grad()`` would discard gradients whose update already happened (the loop meant to
   throw them away, as the GAN loop and a caught failing backward do): it raises, since an update
   cannot be undone. ``step()`` first accepts them;
-* ``load_state_dict()`` would replace the state those updates were made from: it raises, with
-  nothing loaded;
+* ``load_state_dict()`` replaces the state those updates were made from: ``step()`` then
+  raises (the plain optimizer would step the loaded state with the gradients), and
+  ``zero_grad()`` discards the updates only once every updated parameter was written too (the
+  model restored with the optimizer: a rollback, equal to the plain loop's load and
+  ``zero_grad()``);
 * at ``step()``, a parameter whose version counter, or whose state's, moved since its update
   (``model.load_state_dict``, an in-place write) would be stepped by the plain optimizer from the
   written values: ``step()`` raises, as it does when the loop dropped the gradients it would
@@ -104,6 +107,10 @@ class _Written:
     def _read_versions(self) -> list[int]:
         return [p._version for p in self._params] + [t._version for t in self._tensors]
 
+    def rewritten(self) -> bool:
+        """Whether every parameter was written in place since (a model restored)."""
+        return all(map(operator.ne, [p._version for p in self._params], self._versions))
+
     def written(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
         entries = _entries(self._params, state)
         values = [entry.get(key, _MISSING) for entry, key in self._keys]
@@ -148,10 +155,13 @@ class PendingUpdates:
     """The parameters updated in backward since the last ``step()``. See [Note: the step
     protocol]."""
 
-    __slots__ = ("_groups", "_ids", "_params", "_unfinished", "_written")
+    __slots__ = ("_added", "_groups", "_ids", "_loaded", "_params", "_unfinished", "_written")
 
     def __init__(self) -> None:
         self._params: list[torch.Tensor] = []
+        # Each parameter's version counter when its update was made (before settle(), as a
+        # backward that raised never settles).
+        self._added: list[int] = []
         # id -> held in _params, so the ids cannot be recycled while they are here.
         self._ids: set[int] = set()
         # Whether an update belongs to a backward that raised before it finished.
@@ -160,6 +170,8 @@ class PendingUpdates:
         self._written: _Written | None = None
         # Each param group and its values (not its params) once the updates were made.
         self._groups: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        # Whether the optimizer's state was loaded since the updates were made.
+        self._loaded = False
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -169,6 +181,7 @@ class PendingUpdates:
             if id(param) not in self._ids:
                 self._ids.add(id(param))
                 self._params.append(param)
+                self._added.append(param._version)
 
     def settle(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict]) -> None:
         """Note the version counters (of the parameters and their state) and the groups'
@@ -195,9 +208,11 @@ class PendingUpdates:
     def commit(self) -> None:
         """``step()``: the pending updates are the step's, as the plain optimizer's would be."""
         self._params.clear()
+        self._added.clear()
         self._ids.clear()
         self._written = None
         self._groups.clear()
+        self._loaded = False
         self._unfinished = False
 
     def refuse_second_gradient(self, param: torch.Tensor) -> None:
@@ -246,15 +261,31 @@ class PendingUpdates:
             "before backward or after step(). Restart from the last checkpoint."
         )
 
-    def refuse_load(self) -> None:
-        """Raise for ``load_state_dict()`` while updates are pending."""
-        raise RuntimeError(
-            f"load_state_dict() called while {len(self._ids)} parameter(s) hold updates made "
-            "in backward with no optimizer.step() since. A plain optimizer would step the "
-            "loaded state with this backward's gradients; here they were already stepped "
-            "with the state before. Load the optimizer state before backward or after "
-            "step(); nothing was loaded."
-        )
+    def loaded(self) -> None:
+        """``load_state_dict()`` while updates are pending: ``step()`` will refuse, and
+        ``zero_grad()`` discard them only once the model was restored too (a rollback)."""
+        self._loaded = True
+
+    def rolled_back(self) -> bool:
+        """Whether the pending updates were overwritten: the optimizer's state loaded and
+        every updated parameter written since (the checkpoint the plain loop would restore
+        and then drop its gradients, as ``zero_grad()`` here)."""
+        if not self._loaded:
+            return False
+        if self._written is not None:
+            return self._written.rewritten()
+        return all(map(operator.ne, [p._version for p in self._params], self._added))
+
+    def refuse_loaded(self) -> None:
+        """Raise for ``step()`` when the optimizer's state was loaded since the updates."""
+        if self._loaded:
+            raise RuntimeError(
+                f"step(): the optimizer state was loaded while {len(self._ids)} parameter(s) "
+                "held updates made in backward. A plain optimizer would step the loaded state "
+                "with this backward's gradients; here they were already stepped with the state "
+                "before. Load before backward or after step(); to roll this backward back, "
+                "load the checkpoint into both the model and the optimizer, then zero_grad()."
+            )
 
     def refuse_dropped(self, dropped: list[torch.Tensor]) -> None:
         """Raise for ``step()`` when the gradients of ``dropped``, updated in backward, were
@@ -278,8 +309,9 @@ class PendingUpdates:
                 "A backward raised after updating them: a plain optimizer would discard that "
                 "backward's gradients, but these updates cannot be undone. Call optim.step() to "
                 "keep them and step the gradients that arrived but were not stepped yet (the "
-                "plain optimizer stepping the partial gradients), then zero_grad(); or restore "
-                "the last checkpoint."
+                "plain optimizer stepping the partial gradients), then zero_grad(); or, to roll "
+                "back, load the last checkpoint into both the model and the optimizer, then "
+                "zero_grad()."
             )
         else:
             cause = (

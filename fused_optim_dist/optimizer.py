@@ -430,11 +430,12 @@ class OptimizerInBackward(Optimizer):
         super().__setstate__(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``; refused, with nothing loaded, while
-        updates made in backward await ``step()`` (see [Note: the step protocol])."""
-        if self._pending:
-            self._pending.refuse_load()
+        """As ``torch.optim.Optimizer.load_state_dict``. While updates made in backward await
+        ``step()``, that ``step()`` then refuses, and ``zero_grad()`` discards the updates once
+        the model was restored too (see [Note: the step protocol])."""
         super().load_state_dict(state_dict)
+        if self._pending:
+            self._pending.loaded()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizerInBackward:
         """A working copy on the copied parameters (hooked), as ``copy.deepcopy`` of a plain
@@ -455,8 +456,12 @@ class OptimizerInBackward(Optimizer):
         way (see [Note: freed gradients])."""
         if self._pending:
             # See [Note: the step protocol].
-            self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
-            self._pending.refuse_discard()
+            if self._pending.rolled_back():
+                self._pending.commit()
+                self._pass = None
+            else:
+                self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
+                self._pending.refuse_discard()
         self._kept.zeroed(set_to_none)
         params = [p for group in self.param_groups for p in group["params"]]
         if not set_to_none:
@@ -510,6 +515,7 @@ class OptimizerInBackward(Optimizer):
         if self._pending:
             # See [Note: freed gradients]: the loop dropped gradients the plain optimizer
             # would step here, or wrote parameters it would step from.
+            self._pending.refuse_loaded()
             dropped = self._freed.dropped(self._pending.params())
             if dropped:
                 self._pending.refuse_dropped(dropped)

@@ -3,8 +3,9 @@
 A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
 freezing and unfreezing, groups added later, a backward that raises, a second backward before
 ``step()``, gradients read before ``step()``, kept as zeros by the module or never zeroed, an
-optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused), reentrant
-activation checkpointing, ``step()`` without a backward, LR changes (lr 0 included),
+optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the
+load then rolled back), reentrant activation checkpointing, ``step()`` without a backward, LR
+changes (lr 0 included),
 ``state_dict``/``load_state_dict`` round trips; also with a class that counts steps in its
 param groups, with CompactAdamW, and on bfloat16 models. After every rule
 both models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
@@ -287,19 +288,27 @@ class LoopMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.pending)
     @rule()
     def load_between_backward_and_step(self) -> None:
-        """The optimizer's state loaded between backward and ``step()`` (a rollback): refused
-        for ours, with nothing loaded; both loops then step without it."""
+        """A checkpoint loaded between backward and ``step()`` (a rollback): ``step()`` refused
+        for ours once the optimizer's state was loaded; loading the model too and zeroing
+        rolls both loops back alike."""
+        saved = [
+            (copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict()))
+            for model, optim in zip(self.models, (self.ours, self.plain), strict=True)
+        ]
         ours_model, plain_model = self.models
-        saved = copy.deepcopy(self.ours.state_dict())
         self._backward(plain_model, self.step)
         self._backward(ours_model, self.step)
+        self.ours.load_state_dict(saved[0][1])
         if self._plain_holds("any"):
-            with pytest.raises(RuntimeError, match=r"load_state_dict\(\) called while"):
-                self.ours.load_state_dict(saved)
-        for optim in (self.ours, self.plain):
-            optim.step()
+            with pytest.raises(RuntimeError, match=r"optimizer state was loaded while"):
+                self.ours.step()
+        for model, optim, (model_state, optim_state) in zip(
+            self.models, (self.ours, self.plain), saved, strict=True
+        ):
+            model.load_state_dict(model_state)
+            optim.load_state_dict(optim_state)
             optim.zero_grad()
-        self.step += 1
+            model.zero_grad()
 
     @precondition(lambda self: not self.pending)
     @rule(lr=st.sampled_from([1e-3, 3e-2]))
@@ -312,7 +321,10 @@ class LoopMachine(RuleBasedStateMachine):
         old = [g["lr"] for g in self.ours.param_groups]
         for group in self.ours.param_groups:
             group["lr"] = lr
-        if self._plain_holds("any") and any(o != lr for o in old):
+        # Refused where a group's LR changed and it holds an update made in backward (its
+        # plain counterpart holds a gradient).
+        stepped = [any(q.grad is not None for q in g["params"]) for g in self.plain.param_groups]
+        if any(o != lr and s for o, s in zip(old, stepped, strict=True)):
             with pytest.raises(RuntimeError, match=r"was changed between backward and step"):
                 self.ours.step()
         for group, value in zip(self.ours.param_groups, old, strict=True):
