@@ -709,6 +709,57 @@ def _loaded_between_backward_and_step_body(sharded: bool = False) -> None:
     )
 
 
+def test_second_step_without_backward_refused():
+    """``step()`` twice on one backward's gradients (a helper that steps, then the loop): the
+    plain optimizer steps them twice; refused at the second, before anything moves."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _step_both(((model, optim), (reference, plain)), 0, zero=False)
+    assert_match(model, reference)
+    before = _snapshot(reference)
+    plain.step()
+    assert not torch.equal(reference.head.weight, before["head.weight"])
+    _refused_unmoved(model, r"step\(\) called again with no backward", optim.step)
+
+
+def test_optimizer_state_edited_between_backward_and_step_refused():
+    """Adam's moments reset between backward and ``step()`` (after a loss spike): the plain
+    optimizer steps from the reset moments; here the step was taken before the reset."""
+    model, reference, optim, plain = _adamw_loops(sharded=False)
+    for step in range(2):
+        for net, opt in ((model, optim), (reference, plain)):
+            loss_fn(net, *_x(step)).backward()
+            if step == 1:
+                for entry in opt.state.values():
+                    entry["exp_avg"].zero_()
+            if opt is optim and step == 1:
+                with pytest.raises(RuntimeError, match=r"optimizer state was written in place"):
+                    opt.step()
+            else:
+                opt.step()
+                opt.zero_grad()
+
+
+def test_lr_set_between_backward_and_step_refused():
+    """The LR set by hand between backward and ``step()`` (build-nanogpt's ``train_gpt2.py``
+    sets it after clipping): the plain optimizer steps with the new LR; here the update was
+    made in backward with the old one: refused at that ``step()``. Setting it back steps as
+    the plain optimizer at the old LR."""
+    model, reference, optim, plain = _adamw_loops(sharded=False)
+    loss_fn(model, *_x(0)).backward()
+    optim.param_groups[0]["lr"] = 2e-2
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] was changed between"):
+        optim.step()
+    optim.param_groups[0]["lr"] = ADAMW["lr"]
+    optim.step()
+    optim.zero_grad()
+    loss_fn(reference, *_x(0)).backward()
+    plain.step()
+    plain.zero_grad()
+    assert_match(model, reference)
+
+
 def test_checkpoint_loaded_between_backward_and_step_refused():
     _loaded_between_backward_and_step_body()
 
