@@ -1,18 +1,12 @@
 """Peak memory of one training step, by kind, and its analytic lower bound.
 
-The tracker is PyTorch's ``FSDPMemTracker`` (``torch.distributed._tools``): a
-``TorchDispatchMode`` that accounts every tensor storage and frees it through weakref
-finalizers, and that labels FSDP2's sharded/unsharded parameters and gradients and its
-communication buffers by hooking FSDP2's pre-forward and post-backward. It works on CPU, with
-our hooks and with the per-parameter hooks, since it sees every allocation whatever runs it.
-Two things are adapted here:
-
-* Optimizer state is labelled by identity: the tensors in the optimizers' ``state`` (created
-  during warm-up) are marked as optimizer state on entry. ``FSDPMemTracker`` would instead
-  label by the optimizer's step hooks, which an in-backward step never fires, and it would
-  count the plain step's temporaries as state.
-* Allocations made while the training loop runs the optimizer after backward (``phase``) are
-  temporaries, like those of an in-backward step.
+The tracker is the fine-tuning application's ``StepMemoryTracker``
+(:mod:`fused_optim_dist_recipes.memory_tracking`): PyTorch's ``FSDPMemTracker``, a
+``TorchDispatchMode`` that sees every allocation whatever runs it (our hooks, the per-parameter
+hooks, a plain step), with optimizer state labelled by identity and what the loop runs after
+backward labelled temporary. The benchmarks add two readings: the peak of one device type
+only (on CUDA, host tensors such as optimizers' ``step`` counters are tracked apart and left
+out), and the largest activation memory seen at once.
 
 On CUDA the allocator's peak (``max_memory_allocated`` above what was allocated before the
 method was built) is recorded next to the tracker's.
@@ -20,17 +14,16 @@ method was built) is recorded next to the tracker's.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fused_optim_dist_recipes.memory_tracking import KINDS
+from fused_optim_dist_recipes.memory_tracking import KINDS, StepMemoryTracker
 
 __all__ = ["KINDS", "StepTracker", "lower_bound"]
 
@@ -38,8 +31,8 @@ __all__ = ["KINDS", "StepTracker", "lower_bound"]
 _TOTAL = "Total"
 
 
-class StepTracker(FSDPMemTracker):
-    """``FSDPMemTracker`` with optimizer state labelled by identity (see the module docstring).
+class StepTracker(StepMemoryTracker):
+    """``StepMemoryTracker`` read on one device type, with the activation peak.
 
     Args:
         model: the root ``fully_shard`` module.
@@ -49,30 +42,10 @@ class StepTracker(FSDPMemTracker):
     """
 
     def __init__(self, model: nn.Module, state: Iterable[torch.Tensor], device: str) -> None:
-        super().__init__(model, None)
-        self._state = list(state)
+        super().__init__(model, state)
         self._device = device
-        self._after_backward = False
         self.activation_peak = 0
         """Largest activation memory (activations and inputs) seen at once, in bytes."""
-
-    def __enter__(self) -> StepTracker:
-        super().__enter__()
-        for tensor in self._state:
-            self._update_and_maybe_create_winfos(tensor, _FSDPRefType.OPT)
-        return self
-
-    @contextlib.contextmanager
-    def after_backward(self) -> Iterator[None]:
-        """Label what the loop allocates after backward (optimizer step, clipping) temporary."""
-        self._after_backward = True
-        try:
-            yield
-        finally:
-            self._after_backward = False
-
-    def _track(self, reftype: _FSDPRefType, t: torch.Tensor) -> None:
-        super()._track(_FSDPRefType.TEMP if self._after_backward else reftype, t)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
@@ -81,7 +54,7 @@ class StepTracker(FSDPMemTracker):
                 active = sum(snap.get(ref, 0) for ref in KINDS["activations"])
                 self.activation_peak = max(self.activation_peak, active)
 
-    def peak(self) -> tuple[int, dict[str, int], dict[str, int]]:
+    def peak(self) -> tuple[int, dict[str, int], dict[str, int]]:  # type: ignore[override]
         """The peak total in bytes and, at that moment, the bytes of each of ``KINDS`` and of
         each of the tracker's own categories."""
         snaps = [s for d, s in self.get_tracker_snapshot("peak").items() if d.type == self._device]

@@ -7,13 +7,16 @@ every CI run (hypothesis' ``derandomize``): CI fails for a change, not for the e
 happened to draw; run them locally (without ``CI``) to explore new ones.
 """
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from _world import WorldPool
 from hypothesis import settings
 
+REPO = Path(__file__).resolve().parents[1]
 SKIPS_FAIL = bool(os.environ.get("CI"))
 settings.register_profile("ci", derandomize=True)
 if SKIPS_FAIL:
@@ -26,6 +29,16 @@ def worlds():
     pool = WorldPool()
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small data file for the fine-tuning job, this package's own source: reading the
+    default corpus (the standard library) costs seconds per process."""
+    docs = [f.read_text() for f in sorted((REPO / "fused_optim_dist").glob("*.py"))]
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    return path
 
 
 def pytest_collection_modifyitems(config, items):

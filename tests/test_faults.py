@@ -15,7 +15,6 @@ The reference is the same job run without a fault in the session's 2-rank world.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
 import re
@@ -132,16 +131,6 @@ def test_a_fault_waits_for_the_commit_it_names(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- the job
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A small data file, this package's own source: reading the default corpus (the standard
-    library) costs seconds per process."""
-    docs = [f.read_text() for f in sorted((REPO / "fused_optim_dist").glob("*.py"))]
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
-    return path
 
 
 @pytest.fixture(scope="module")

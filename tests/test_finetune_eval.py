@@ -10,13 +10,12 @@ from __future__ import annotations
 import copy
 import io
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_finetune import PNG_MAGIC, REPO, TINY, _heldout_losses, _run_main, finetune
+from test_finetune import PNG_MAGIC, TINY, _heldout_losses, _run_main, finetune
 
 from fused_optim_dist_recipes.data import ByteTokenizer, split_held_out
 from fused_optim_dist_recipes.evaluation import evaluating, generate, held_out_loss
@@ -155,16 +154,6 @@ def test_held_out_loss_and_generation_match_one_process_on_any_world_size(worlds
 
 
 # ---------------------------------------------------------------------------------- the job
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A small data file, this package's own source: reading the default corpus (the standard
-    library) costs seconds per process."""
-    docs = [f.read_text() for f in sorted((REPO / "fused_optim_dist").glob("*.py"))]
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
-    return path
 
 
 @pytest.mark.slow
