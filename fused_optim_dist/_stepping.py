@@ -38,28 +38,20 @@ replace those of every set sharing a parameter with it, so at most one set per p
 When a step creates or replaces state (lazy initialisation on the first step), the new values
 are placed back into the facade's state and the views are re-derived at the next step.
 
-[Note: the fastest kernel of the same update]
-Where the user left both ``foreach`` and ``fused`` unset, torch.optim picks a kernel by device
-(the per-tensor loop on the CPU, ``foreach`` on CUDA). The local shards are plain tensors on one
-device, so the ``fused=True`` kernel of the same class runs instead: one kernel over the whole
-bucket, on the CPU too. It computes the same update, equal to rounding (the equivalence tests
-compare with the plain optimizer at 1e-6), for float32 and float64 parameters only: on bfloat16
-and float16 ones the fused kernels compute in float32 and round once, where the plain ones
-round every op to the parameter's dtype (measured: bfloat16 AdamW 3.5e-3 apart after five
-steps, float16 AdamW NaN in the plain loop, where eps underflows, and finite in the fused one),
-so there the class's own default runs. It is used only where it keeps the state exactly as the
-plain optimizer stores it, so that state dicts stay interchangeable both ways:
-
-* Adam/AdamW: fused keeps ``step`` as a float32 scalar on the parameter's device; the plain
-  optimizer keeps it as a scalar of the default dtype on the CPU (unless ``capturable``). So:
-  on the CPU when the default dtype is float32; on an accelerator only with ``capturable=True``
-  (where the plain optimizer keeps ``step`` on the device too). On CUDA without ``capturable``
-  the class's own default (``foreach``) runs, and ``step`` stays a CPU scalar.
-* SGD keeps no ``step`` (every device with a fused kernel); Adagrad creates its state at
-  construction, as the plain optimizer does, and has a fused kernel on the CPU only.
-
-A user's explicit ``foreach``/``fused`` is always kept, and the group the user sees keeps
-``None``: the substitution happens only in what the wrapped step receives.
+[Note: the plain optimizer's own kernel]
+The local shards are plain tensors on one device, so a ``fused=True`` kernel could run over a
+whole bucket where the user left ``foreach`` and ``fused`` unset (torch.optim then picks the
+per-tensor loop on the CPU, ``foreach`` on CUDA). It is not substituted: the fused kernels
+round differently from the per-tensor and ``foreach`` ones (an FMA, another order of ops), and
+a last-bit difference does not stay one. Measured while it was substituted: a Hugging Face
+Trainer run with ``bf16=True`` (autocast rounds the weights to bfloat16 in every forward, so a
+one-ulp difference in a weight can flip a rounding) ended 4e-5 from the plain run after four
+steps, without an error. So the wrapped step receives the group as the user wrote it and runs
+the kernel the plain optimizer runs: bit for bit the plain update of each element, whatever the
+bucket (the kernels are elementwise, and ``foreach`` over a bucket computes what it computes
+over every parameter). ``fused=True`` set by the user runs the fused kernel, bit for bit the
+plain ``fused=True`` optimizer's; on the CPU it is several times faster than the per-tensor
+loop over a bucket of small tensors.
 
 [Note: the update without the class's per-parameter loop]
 ``Adam.step`` (AdamW's too) walks the parameters in Python before its kernel runs: it gathers
@@ -93,7 +85,6 @@ from torch.optim.adam import adam
 
 from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._torch_internals import (
-    fused_kernel_devices,
     local_tensor,
     placed_alike,
     read_grads,
@@ -107,19 +98,6 @@ __all__ = ["Batch", "BucketStepper", "Stepper", "local_gradients"]
 # is left out: a skipped first step leaves its momentum buffer uninitialised (``empty_like``).
 _FOUND_INF_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
-# Device types where each class's fused kernel keeps the state as the plain optimizer's default
-# kernel does, and (Adam/AdamW) those where it does with ``capturable=True``. See [Note: the
-# fastest kernel of the same update].
-_FUSED_DEVICES: dict[type[Optimizer], frozenset[str]] = {
-    torch.optim.Adam: frozenset({"cpu"}),
-    torch.optim.AdamW: frozenset({"cpu"}),
-    torch.optim.SGD: fused_kernel_devices(),
-    torch.optim.Adagrad: frozenset({"cpu"}),
-}
-_CAPTURABLE_FUSED_DEVICES: dict[type[Optimizer], frozenset[str]] = {
-    torch.optim.Adam: fused_kernel_devices(),
-    torch.optim.AdamW: fused_kernel_devices(),
-}
 # Classes whose step is ``Adam.step``, run through the cached lists. See [Note: the update
 # without the class's per-parameter loop].
 _ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
@@ -347,14 +325,13 @@ class _LocalViews:
     """The local views of one set of parameters stepped together. See [Note: cached local
     views]."""
 
-    __slots__ = ("_sources", "adam", "fusable", "params", "shards", "state_dict")
+    __slots__ = ("_sources", "adam", "params", "shards", "state_dict")
 
     def __init__(
         self,
         batches: Sequence[Batch],
         state: dict[torch.Tensor, dict],
         *,
-        fused_devices: frozenset[str],
         adam: bool,
     ) -> None:
         self.params = [_ParamView(p, state.get(p)) for batch in batches for p in batch.params]
@@ -367,8 +344,6 @@ class _LocalViews:
         for view in self.params:
             if view.state is not None:
                 self.state_dict[view.shard] = view.state
-        # Per batch: whether every shard may take the fused kernel by default.
-        self.fusable = [_fusable(shards, fused_devices) for shards in self.shards]
         # Per batch, Adam's lists; None while any batch's state is incomplete.
         lists = [_AdamLists.of(batch) for batch in per_batch] if adam else [None]
         self.adam: list[_AdamLists] | None = None if None in lists else lists
@@ -377,17 +352,6 @@ class _LocalViews:
 
     def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
         return self._sources.match(state)
-
-
-_SAME_UPDATE_DTYPES = (torch.float32, torch.float64)
-"""Parameter dtypes where a fused kernel computes the plain kernels' update to rounding. See
-[Note: the fastest kernel of the same update]."""
-
-
-def _fusable(tensors: Sequence[torch.Tensor], devices: frozenset[str]) -> bool:
-    return bool(devices) and all(
-        t.dtype in _SAME_UPDATE_DTYPES and t.device.type in devices for t in tensors
-    )
 
 
 class BucketStepper:
@@ -406,17 +370,9 @@ class BucketStepper:
         step = type(optimizer).step
         # Optimizer._patch_step_function wraps ``step`` with profiling and the global hooks.
         self._step = step.__wrapped__ if getattr(step, "hooked", False) else step
-        # Device types where the fused kernel may replace an unset foreach/fused, without and
-        # with ``capturable`` (none for a class without one, or a subclass, which may change
-        # the update). See [Note: the fastest kernel of the same update].
-        cls = type(optimizer) if local_shards else None
-        self._fused_devices = _FUSED_DEVICES.get(cls, frozenset())
-        self._capturable_fused_devices = self._fused_devices | _CAPTURABLE_FUSED_DEVICES.get(
-            cls, frozenset()
-        )
-        # Whether the step may run through cached lists. See [Note: the update without the
-        # class's per-parameter loop].
-        self._adam = cls in _ADAM_CLASSES
+        # Whether the step may run through cached lists (not for a subclass, which may change
+        # the update). See [Note: the update without the class's per-parameter loop].
+        self._adam = local_shards and type(optimizer) in _ADAM_CLASSES
         # Cached local views by parameter set, and the set each parameter was last seen in.
         self._views: dict[_Key, _LocalViews] = {}
         self._key_of: dict[int, _Key] = {}
@@ -426,41 +382,13 @@ class BucketStepper:
         copied parameters would no longer alias them."""
         return type(self)(copy.deepcopy(self.optimizer, memo), local_shards=self.local_shards)
 
-    def _fused(
-        self,
-        group: dict[str, Any],
-        tensors: Sequence[torch.Tensor],
-        fusable: bool | None = None,
-    ) -> bool:
-        """Whether the fused kernel replaces ``group``'s unset ``foreach``/``fused`` for
-        ``tensors``; ``fusable``: ``_fusable(tensors, self._fused_devices)`` if known. See
-        [Note: the fastest kernel of the same update]."""
-        if not (
-            group.get("fused", False) is None
-            and group.get("foreach", False) is None
-            and not group.get("differentiable", False)
-            and torch.get_default_dtype() == torch.float32
-        ):
-            return False
-        if fusable is None:
-            fusable = _fusable(tensors, self._fused_devices)
-        return fusable or (
-            bool(group.get("capturable", False))
-            and _fusable(tensors, self._capturable_fused_devices)
-        )
-
     def takes_found_inf(self, batches: Sequence[Batch]) -> bool:
         """Whether a ``found_inf`` flag makes this step skip the update on the device."""
         optimizer = self.optimizer
         if isinstance(optimizer, _FOUND_INF_CLASSES):
-            return all(
-                group.get("fused") or self._fused(group, params) for group, params, _ in batches
-            )
+            return all(group.get("fused") for group, _, _ in batches)
         if type(optimizer) is torch.optim.SGD:
-            return all(
-                (group.get("fused") or self._fused(group, params)) and group["momentum"] == 0
-                for group, params, _ in batches
-            )
+            return all(group.get("fused") and group["momentum"] == 0 for group, _, _ in batches)
         return False
 
     def flush(self) -> None:
@@ -515,9 +443,7 @@ class BucketStepper:
         if views is not None and views.is_current(state):
             return key, views
         with traced("fused_optim_dist::derive_local_views"):
-            views = self._views[key] = _LocalViews(
-                batches, state, fused_devices=self._fused_devices, adam=self._adam
-            )
+            views = self._views[key] = _LocalViews(batches, state, adam=self._adam)
             # At most one cached set per parameter. See [Note: cached local views].
             for ids in key:
                 for pid in ids:
@@ -535,19 +461,14 @@ class BucketStepper:
     ) -> list[dict[str, Any]] | None:
         key, views = self._local_views(batches, state)
         groups = [batch.group for batch in batches]
-        fused = [
-            self._fused(group, shards, fusable)
-            for group, shards, fusable in zip(groups, views.shards, views.fusable, strict=True)
-        ]
         adam = views.adam
         if adam is not None and all(map(_adam_lists_apply, groups, adam)):
             with traced("fused_optim_dist::update"):
-                for batch, lists, use_fused in zip(batches, adam, fused, strict=True):
-                    self._adam_update(batch.group, lists, batch.grads, use_fused, found_inf)
+                for batch, lists in zip(batches, adam, strict=True):
+                    self._adam_update(batch.group, lists, batch.grads, found_inf)
             return None
         local_groups = [
-            {**group, "params": shards, "fused": True} if use_fused else {**group, "params": shards}
-            for group, shards, use_fused in zip(groups, views.shards, fused, strict=True)
+            {**group, "params": shards} for group, shards in zip(groups, views.shards, strict=True)
         ]
         grads = [grad for batch in batches for grad in batch.grads]
         dtensor_views = []
@@ -570,7 +491,6 @@ class BucketStepper:
         group: dict[str, Any],
         lists: _AdamLists,
         grads: Sequence[torch.Tensor],
-        fused: bool,
         found_inf: torch.Tensor | None,
     ) -> None:
         """``Adam.step`` of one group, on the cached lists. See [Note: the update without the
@@ -578,7 +498,7 @@ class BucketStepper:
         grad_scale = getattr(self.optimizer, "grad_scale", None)
         beta1, beta2 = group["betas"]
         max_exp_avg_sqs = lists.max_exp_avg_sqs if group["amsgrad"] else []
-        direct = fused and lists.steps is not None and _numbers(group["lr"], beta1, beta2)
+        direct = group["fused"] and lists.steps is not None and _numbers(group["lr"], beta1, beta2)
         if direct:
             # What torch.optim.adam._fused_adam does for tensors of one device and dtype,
             # with the step count incremented (and restored when skipped) in one op.
@@ -621,7 +541,7 @@ class BucketStepper:
             foreach=group["foreach"],
             capturable=group["capturable"],
             differentiable=False,
-            fused=True if fused else group["fused"],
+            fused=group["fused"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
 

@@ -94,7 +94,6 @@ __all__ = [
     "flatten",
     "fsdp_gradient_slots",
     "fsdp_units",
-    "fused_kernel_devices",
     "global_step_pre_hooks",
     "local_tensor",
     "observes_only",
@@ -215,13 +214,6 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     from torch._utils import _flatten_dense_tensors
 
     return _flatten_dense_tensors(tensors)
-
-
-def fused_kernel_devices() -> frozenset[str]:
-    """Device types the ``fused=True`` kernels of ``torch.optim`` support."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    return frozenset(_get_fused_kernels_supported_devices())
 
 
 _DDP_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -181,8 +181,8 @@ def assert_same_state_dict(
 ) -> None:
     """Same keys, nesting, dtypes and devices, DTensors placed alike, and tensors equal: bitwise
     by default (a round trip of the same optimizer), or to ``atol`` (and ``rtol=1e-5``) where
-    ours is compared with the plain optimizer, whose kernel may round the last bit differently
-    (see [Note: the fastest kernel of the same update])."""
+    ours is compared with the plain optimizer on gradients reduced otherwise (another number of
+    ranks, an unsharded reference), which differ in the last bit."""
     assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
     if isinstance(expected, dict):
         assert actual.keys() == expected.keys(), f"{path}: {actual.keys()} != {expected.keys()}"

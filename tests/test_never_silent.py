@@ -301,14 +301,25 @@ def test_lr_zero_step_skips_a_nonfinite_gradient():
 # ------------------------------------- 4-6. a second backward before step(): refused at once
 
 
-def test_two_losses_two_backwards_refused_before_the_second_moves():
+@pytest.mark.parametrize(
+    ("kernel", "message"),
+    [
+        # The class's default kernels update the parameters in place, which moves their
+        # version counters, so autograd refuses the retained graph's saved weights first.
+        ({}, "modified by an inplace operation"),
+        # The fused kernel moves no version counter: the second gradient reaches the hook.
+        ({"fused": True}, r"accumulate\(\)"),
+    ],
+    ids=["default", "fused"],
+)
+def test_two_losses_two_backwards_refused_before_the_second_moves(kernel, message):
     model, _ = make_models()
-    _optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    _optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, **kernel)
     x, y = _x(0)
     out = model(x)
     nn.functional.mse_loss(out, y).backward(retain_graph=True)
     after_first = _snapshot(model)
-    with pytest.raises(RuntimeError, match=r"accumulate\(\)"):
+    with pytest.raises(RuntimeError, match=message):
         out.square().mean().backward()
     _assert_unchanged(model, after_first)
 

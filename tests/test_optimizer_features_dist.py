@@ -387,8 +387,7 @@ def test_mixed_precision(worlds):
 def _bfloat16_parameters_body() -> None:
     """Parameters held in bfloat16 and sharded (the model cast before ``fully_shard``): every
     op of the update rounds to bfloat16, as the plain optimizer's on the same FSDP2 model
-    does, not the fused kernel, which rounds once. See [Note: the fastest kernel of the same
-    update]."""
+    does (a fused kernel would round once). See [Note: the plain optimizer's own kernel]."""
     for name, kwargs in (("AdamW", ADAMW), ("SGD", SGD_MOMENTUM)):
         cls = getattr(torch.optim, name)
         model, plain_model = (shard(make_models()[0].to(torch.bfloat16)) for _ in range(2))
