@@ -4,9 +4,10 @@
 * ``per-param``: the PyTorch tutorial / torchtune / torchtitan pattern, reimplemented: one
   non-foreach AdamW per parameter, stepped from a post-accumulate-grad hook registered on each
   sharded DTensor parameter after ``fully_shard``, its gradient set to ``None`` after.
-* ``ours``: ``fused_optim_dist.OptimizerInBackward(AdamW)``, library defaults (foreach/fused
-  unset: the fused kernel on the local shards; the total gradient norm tracked for
-  ``grad_norm()``, which ``plain`` does not compute).
+* ``ours``: ``fused_optim_dist.OptimizerInBackward(AdamW, fused=True)``: the fused kernel on
+  each bucket's local shards (unset, the library runs the plain optimizer's own kernel, the
+  per-tensor loop on the CPU: see [Note: the plain optimizer's own kernel]); the total
+  gradient norm tracked for ``grad_norm()``, which ``plain`` does not compute.
 * ``ours-update-only``: ``ours`` with ``track_grad_norm=False``: the same work as ``plain``.
 * ``none``: forward and backward with no optimizer (gradients dropped): the baseline that the
   optimizer's own cost is measured against (``optimizer_cost.py``).
@@ -127,6 +128,7 @@ class _Ours(Runner):
             _trainable(model),
             AdamW,
             lr=config.lr,
+            fused=True,
             max_grad_norm=config.max_grad_norm if clip else None,
             track_grad_norm=track_grad_norm,
         )

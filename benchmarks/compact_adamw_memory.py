@@ -3,7 +3,7 @@
 On ``--nproc`` CPU ranks (gloo, FSDP2, one unit per block), for each model shape and method:
 
 * ``adamw-fp32-plain``: ``torch.optim.AdamW`` after backward, float32 weights;
-* ``adamw-fp32-in-backward``: ``OptimizerInBackward(AdamW)``, float32 weights;
+* ``adamw-fp32-in-backward``: ``OptimizerInBackward(AdamW, fused=True)``, float32 weights;
 * ``compact-in-backward``: ``OptimizerInBackward(CompactAdamW)``, bfloat16 weights;
 * ``compact-4bit-in-backward``: the same with ``variance_bits=4``.
 
@@ -98,7 +98,7 @@ def _build(config: Any, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         return model, OptimizerInBackward(
             model.parameters(), CompactAdamW, lr=1e-4, variance_bits=COMPACT[method]
         )
-    return model, OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-4)
+    return model, OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
 
 
 def _step(model: nn.Module, optim: torch.optim.Optimizer, vocab: int, step: int) -> None:

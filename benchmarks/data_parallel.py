@@ -13,8 +13,9 @@ rank (no sharding):
 * ``replicate``: ``replicate`` from ``torch.distributed._composable.replicate_with_fsdp``
   (FSDP2's data-parallel twin: one unit per block and the root, all-reduce instead of
   reduce-scatter) and ``torch.optim.AdamW`` after backward.
-* ``replicate+ours``: the same with ``fused_optim_dist.OptimizerInBackward(AdamW)``: each unit
-  is stepped as soon as its all-reduce is done, and its gradients freed.
+* ``replicate+ours``: the same with ``fused_optim_dist.OptimizerInBackward(AdamW,
+  fused=True)``: each unit is stepped as soon as its all-reduce is done, and its gradients
+  freed.
 
 Per method and rank, after one warm-up step (which creates the optimizer state): the bytes of
 gradients still held when backward returns (counted tensor by tensor: what ``step()`` will
@@ -102,7 +103,7 @@ def _wrap(model: nn.Module, method: str, shape: Shape) -> nn.Module:
 
 def _optimizer(model: nn.Module, method: str, lr: float) -> torch.optim.Optimizer:
     if method == "replicate+ours":
-        return OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=lr)
+        return OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=lr, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
 
 

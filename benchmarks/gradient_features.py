@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, options in VARIANTS.items():
         torch.manual_seed(0)
         model = apply_fsdp(Llama(config))
-        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-4, **options)
+        optim = OptimizerInBackward(
+            model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True, **options
+        )
         runs[name] = (model, optim)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     generator = torch.Generator().manual_seed(0)
