@@ -54,6 +54,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import inspect
 import json
 import math
 import os
@@ -74,6 +75,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from fused_optim_dist import build_optimizer, checkpoint, clip_grad_norm_
 from fused_optim_dist._checkpoint_layout import DCP_METADATA_FILE
+from fused_optim_dist._validation import resolve_optimizer_class
 from fused_optim_dist.training import backward_micro_batches
 from fused_optim_dist_recipes import hf
 from fused_optim_dist_recipes.data import (
@@ -266,8 +268,21 @@ class JobConfig:
             )
 
     def optimizer_arguments(self) -> dict[str, Any]:
-        """Keyword arguments of ``build_optimizer`` besides the class and ``in_backward``."""
+        """Keyword arguments of ``build_optimizer`` besides the class and ``in_backward``.
+
+        A class with a ``fused`` kernel (torch.optim's AdamW, the default) on float32 weights
+        gets ``fused=True`` unless ``--optimizer-kwargs`` chooses ``foreach`` or ``fused``: one
+        kernel per bucket, where the class's default on the CPU is a per-tensor loop (slower,
+        and a full-size temporary per tensor at its peak). In and after backward alike, so the
+        two runs take the same update."""
         options: dict[str, Any] = {"max_grad_norm": self.max_grad_norm or None}
+        accepted = inspect.signature(resolve_optimizer_class(self.optimizer)).parameters
+        if (
+            "fused" in accepted
+            and not {"foreach", "fused"} & self.optimizer_kwargs.keys()
+            and self.param_dtype == "float32"
+        ):
+            options["fused"] = True
         if self.clip_grad_value is not None:
             options["clip_grad_value"] = self.clip_grad_value
         if self.skip_nonfinite:
