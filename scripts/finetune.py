@@ -272,9 +272,9 @@ class JobConfig:
 
         A class with a ``fused`` kernel (torch.optim's AdamW, the default) on float32 weights
         gets ``fused=True`` unless ``--optimizer-kwargs`` chooses ``foreach`` or ``fused``: one
-        kernel per bucket, where the class's default on the CPU is a per-tensor loop (slower,
-        and a full-size temporary per tensor at its peak). In and after backward alike, so the
-        two runs take the same update."""
+        kernel per bucket, where the class's default on the CPU is a per-tensor loop, several
+        times slower per update. In and after backward alike, so the two runs take the same
+        update."""
         options: dict[str, Any] = {"max_grad_norm": self.max_grad_norm or None}
         accepted = inspect.signature(resolve_optimizer_class(self.optimizer)).parameters
         if (
