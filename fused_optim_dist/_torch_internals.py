@@ -54,8 +54,6 @@ Everything else in the package uses public APIs. What this module relies on, for
   without comparing placements.
 * ``torch._utils._flatten_dense_tensors`` concatenates tensors of any shapes into one flat
   tensor in one C++ call (DDP and FSDP1 bucket with it), with type promotion as ``torch.cat``.
-* ``torch.optim.optimizer._get_fused_kernels_supported_devices`` lists the device types the
-  ``fused=True`` kernels of ``torch.optim`` run on.
 * Reading or writing ``.grad`` or ``.requires_grad`` of a tensor subclass (every FSDP2
   parameter is a DTensor) first looks for a ``__torch_function__`` override, which costs a few
   hundred nanoseconds per access, repeated for every parameter in every backward. DTensor and

@@ -675,6 +675,8 @@ def estimate_job_memory(job: Any, *, llama: LlamaConfig | None) -> dict[str, Any
         optimizer=job.optimizer,
         optimizer_kwargs=job.optimizer_kwargs,
         max_grad_norm=job.max_grad_norm or None,
+        # The kernel the job runs, where its optimizer arguments choose one.
+        **({"kernel": "fused"} if job.optimizer_kwargs.get("fused") else {}),
     )
     gpu_gib = (
         torch.cuda.get_device_properties(0).total_memory / GIB

@@ -230,6 +230,17 @@ class JobConfig:
         if self.param_dtype is None:
             compact = self.optimizer in COMPACT_OPTIMIZERS
             self.param_dtype = "bfloat16" if compact else "float32"
+        # A class with a fused kernel (torch.optim's AdamW, the default) on float32 weights
+        # runs it unless --optimizer-kwargs chooses a kernel: one kernel per bucket, where the
+        # class's default on the CPU is a per-tensor loop, several times slower per update. In
+        # and after backward alike, so the two runs take the same update; resolved here so
+        # that config.json and the memory estimate see it.
+        if (
+            self.param_dtype == "float32"
+            and not {"foreach", "fused"} & self.optimizer_kwargs.keys()
+            and _has_fused_kernel(self.optimizer)
+        ):
+            self.optimizer_kwargs = {**self.optimizer_kwargs, "fused": True}
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"--batch-size {self.batch_size} is not a multiple of --grad-accum "
@@ -268,26 +279,22 @@ class JobConfig:
             )
 
     def optimizer_arguments(self) -> dict[str, Any]:
-        """Keyword arguments of ``build_optimizer`` besides the class and ``in_backward``.
-
-        A class with a ``fused`` kernel (torch.optim's AdamW, the default) on float32 weights
-        gets ``fused=True`` unless ``--optimizer-kwargs`` chooses ``foreach`` or ``fused``: one
-        kernel per bucket, where the class's default on the CPU is a per-tensor loop, several
-        times slower per update. In and after backward alike, so the two runs take the same
-        update."""
+        """Keyword arguments of ``build_optimizer`` besides the class and ``in_backward``."""
         options: dict[str, Any] = {"max_grad_norm": self.max_grad_norm or None}
-        accepted = inspect.signature(resolve_optimizer_class(self.optimizer)).parameters
-        if (
-            "fused" in accepted
-            and not {"foreach", "fused"} & self.optimizer_kwargs.keys()
-            and self.param_dtype == "float32"
-        ):
-            options["fused"] = True
         if self.clip_grad_value is not None:
             options["clip_grad_value"] = self.clip_grad_value
         if self.skip_nonfinite:
             options["skip_nonfinite"] = True
         return {"lr": self.lr, **self.optimizer_kwargs, **options}
+
+
+def _has_fused_kernel(optimizer: str) -> bool:
+    """Whether the class at ``optimizer`` takes ``fused=``; ``False`` for a path that does not
+    name an optimizer class (the argument check reports it)."""
+    try:
+        return "fused" in inspect.signature(resolve_optimizer_class(optimizer)).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _default(field: str) -> Any:

@@ -289,8 +289,22 @@ def test_config_from_flags(tmp_path):
         ["--optimizer", "sgd", "--optimizer-kwargs", '{"momentum": 0.9}', "--no-in-backward", *out]
     )
     assert isinstance(cfg, finetune.JobConfig)
-    assert (cfg.optimizer, cfg.optimizer_kwargs) == ("torch.optim.SGD", {"momentum": 0.9})
+    # A class with a fused kernel on float32 weights runs it, unless a kernel is chosen.
+    assert (cfg.optimizer, cfg.optimizer_kwargs) == (
+        "torch.optim.SGD",
+        {"momentum": 0.9, "fused": True},
+    )
     assert not cfg.in_backward and cfg.output_dir == tmp_path
+    for kwargs, dtype, kernel in (
+        ('{"foreach": true}', "float32", {"foreach": True}),
+        ("{}", "bfloat16", {}),
+    ):
+        chosen = finetune.parse_args(
+            ["--optimizer-kwargs", kwargs, "--param-dtype", dtype, *out]
+        ).optimizer_kwargs
+        assert chosen == kernel, (kwargs, dtype, chosen)
+    compact = finetune.parse_args(["--optimizer", "compactadamw", *out])
+    assert compact.optimizer_kwargs == {}  # no fused kernel to choose
     # The default warmup fits any run; an explicit one must (see the bad-flags cases).
     for max_steps, warmup in ((1, 0), (20, 2), (300, finetune.DEFAULT_WARMUP_STEPS)):
         assert finetune.parse_args(["--max-steps", str(max_steps), *out]).warmup_steps == warmup
