@@ -1,7 +1,7 @@
 """CompactAdamW's flat update compiled with ``torch.compile`` (``kernel="compile"``).
 
 [Note: compiling the flat update]
-The eager update of a batch (``compact_adamw._update_flat``) is about fifty whole-tensor ops on
+The eager update of a batch (``_compact_update.update_flat``) is about fifty whole-tensor ops on
 flat buffers. Compiled, Inductor fuses them into a few loops (C++ on the CPU, Triton on CUDA).
 The gather of a unit's tensors into the flat buffers and the copies back stay eager: compiling
 them would guard on every tensor of the unit. The compiled function must give eager's bits, as
@@ -18,7 +18,7 @@ Inductor's defaults would break that, so they are turned off for this function o
   (a second moment of a tiny gradient is subnormal).
 
 The graph takes its square roots in float32, not through eager's float64 route on the CPU:
-Inductor's are correctly rounded, so the bits are the same (``compact_adamw._sqrt``).
+Inductor's are correctly rounded, so the bits are the same (``_compact_codes.sqrt_rn``).
 
 Measured on the CPU, the bits are the same as eager's on every layout
 (``tests/test_compact_compiled.py``) and not with Inductor's defaults. On CUDA the same test is
@@ -53,5 +53,5 @@ OPTIONS = {
 
 @functools.cache
 def compiled(update_flat: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``update_flat`` (``compact_adamw._update_flat``) compiled, once per process."""
+    """``update_flat`` (``_compact_update.update_flat``) compiled, once per process."""
     return torch.compile(update_flat, dynamic=True, options=OPTIONS)

@@ -11,16 +11,18 @@ import torch
 from torch import nn
 
 from fused_optim_dist import OptimizerInBackward, _kinds
+from fused_optim_dist._compact_codes import (
+    Groups,
+    decode_momentum,
+    decode_root,
+    encode_momentum,
+    encode_root,
+    join24,
+    split24,
+)
 from fused_optim_dist.compact_adamw import (
     GROUP_SIZE,
     CompactAdamW,
-    _decode_momentum,
-    _decode_root,
-    _encode_momentum,
-    _encode_root,
-    _Groups,
-    _join24,
-    _split24,
     load_master_weight,
     master_weight,
     to_adamw_state_dict,
@@ -36,9 +38,9 @@ def _heavy_tailed(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_24_bit_values_keep_16_significant_bits():
     x = _heavy_tailed(4096) * 1e-3
-    high, error = _split24(x)
+    high, error = split24(x)
     assert high.dtype == torch.bfloat16 and error.dtype == torch.int8
-    joined = _join24(high, error)
+    joined = join24(high, error)
     # bf16 keeps 8 significant bits, the error 8 more: |x - joined| <= ulp(x) / 512.
     assert ((joined - x).abs() <= x.abs() * 2**-15).all()
     # The bfloat16 part is x rounded to nearest (ties aside).
@@ -53,9 +55,9 @@ def test_24_bit_values_are_the_nearest_24_bits_of_every_pattern():
     low = torch.arange(1 << 16, dtype=torch.int64)
     bits = torch.cat([0x3F810000 + low, 0xBF810000 + low])  # 1.0078.. and -1.0078..
     x = bits.to(torch.uint32).view(torch.int32).view(torch.float32)
-    high, error = _split24(x)
+    high, error = split24(x)
     rounded = (bits + 0x80) & ~0xFF
-    joined = _join24(high, error).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    joined = join24(high, error).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     assert torch.equal(joined, rounded)
     nearest = ((rounded + 0x8000) >> 16).to(torch.uint16)
     assert torch.equal(high.view(torch.uint16).to(torch.int64), nearest.to(torch.int64))
@@ -64,7 +66,7 @@ def test_24_bit_values_are_the_nearest_24_bits_of_every_pattern():
 def _codes(values: torch.Tensor, encode, dtype: torch.dtype, *args):
     """Encode ``values`` (shape (rows, n)) with flat code and scale buffers; return the
     groups, codes and scales."""
-    groups = _Groups([values.shape])
+    groups = Groups([values.shape])
     code = torch.empty(values.numel(), dtype=dtype)
     scale = torch.empty(groups.count, dtype=torch.bfloat16)
     encode(groups.view(values.reshape(-1)), groups, code, scale, *args)
@@ -75,8 +77,8 @@ def _codes(values: torch.Tensor, encode, dtype: torch.dtype, *args):
 @pytest.mark.parametrize("row", [64, 70])
 def test_momentum_codes_within_half_a_step(compand, row):
     m = _heavy_tailed(16 * row).view(16, row)
-    groups, code, scale = _codes(m, _encode_momentum, torch.int8, compand)
-    decoded = _decode_momentum(code, scale, groups, compand).reshape(16, row)
+    groups, code, scale = _codes(m, encode_momentum, torch.int8, compand)
+    decoded = decode_momentum(code, scale, groups, compand).reshape(16, row)
     s = (groups.expand(scale.float()) * torch.ones_like(groups.view(code))).reshape(16, row)
     # Largest code step: 1/127 of the scale linear; companded 2/127 near the scale (slope
     # 1/2 there), 1/254 near zero. Plus the bf16 rounding of the scale (2**-8 relative).
@@ -84,9 +86,7 @@ def test_momentum_codes_within_half_a_step(compand, row):
     assert ((decoded - m).abs() <= step / 2 + m.abs() * 2**-8).all()
     if compand:  # finer than linear near zero
         small = m.abs() < s / 8
-        linear = _decode_momentum(
-            *_codes(m, _encode_momentum, torch.int8, False)[1:], groups, False
-        )
+        linear = decode_momentum(*_codes(m, encode_momentum, torch.int8, False)[1:], groups, False)
         linear = linear.reshape(16, row)
         assert (decoded - m)[small].abs().mean() < (linear - m)[small].abs().mean()
 
@@ -95,9 +95,9 @@ def test_root_codes_never_zero_for_positive_variance():
     root = _heavy_tailed(64 * GROUP_SIZE).abs().view(-1, GROUP_SIZE)
     root[0, 3] = 0.0
     root[1, 5] = root[1].max() * 1e-6
-    groups, code, scale = _codes(root, _encode_root, torch.uint8, 8)
+    groups, code, scale = _codes(root, encode_root, torch.uint8, 8)
     code = code.view(-1, GROUP_SIZE)
-    decoded = _decode_root(code.reshape(-1), scale, groups, 8)
+    decoded = decode_root(code.reshape(-1), scale, groups, 8)
     assert code[0, 3] == 0 and code[1, 5] == 1
     assert ((code > 0) == (root > 0)).all()
     big = code > 1
@@ -135,15 +135,15 @@ def test_4_bit_root_codes(row):
     root = _heavy_tailed(8 * row).abs().view(8, row)
     root[0, 3] = 0.0
     root[1, 5] = root[1].max() * 1e-6
-    groups = _Groups([root.shape], packed=True)
+    groups = Groups([root.shape], packed=True)
     code = torch.empty(8, -(-row // 2), dtype=torch.uint8)
     scale = torch.empty(groups.count, dtype=torch.bfloat16)
-    _encode_root(groups.view(root.reshape(-1)), groups, code.view(-1), scale, 4)
+    encode_root(groups.view(root.reshape(-1)), groups, code.view(-1), scale, 4)
     levels = _nibbles_by_the_rule(code, row)
     assert torch.equal(groups.unpack4(code.view(-1)).view(8, row), levels)
     assert levels[0, 3] == 0 and levels[1, 5] == 1
     assert ((levels > 0) == (root > 0)).all() and levels.max() == 15
-    decoded = _decode_root(code.view(-1), scale, groups, 4).reshape(8, row)
+    decoded = decode_root(code.view(-1), scale, groups, 4).reshape(8, row)
     s = groups.expand(scale.float()) * torch.ones_like(groups.view(root.reshape(-1)))
     s = s.reshape(8, row)
     big = levels > 1
@@ -151,7 +151,7 @@ def test_4_bit_root_codes(row):
     assert (error[big].abs() <= 0.5 / 15 + 1e-3).all()
     # Encoding the decoded roots again gives the same codes.
     again = torch.empty_like(code)
-    _encode_root(groups.view(decoded.reshape(-1)), groups, again.view(-1), scale, 4)
+    encode_root(groups.view(decoded.reshape(-1)), groups, again.view(-1), scale, 4)
     assert torch.equal(again, code)
 
 

@@ -65,7 +65,7 @@ def test_same_bits_as_eager_on_cuda(weight_dtype, grad_dtype, correction, compan
 @pytest.mark.parametrize("weight_dtype,grad_dtype,correction,compand", LAYOUTS)
 def test_cuda_eager_same_bits_as_cpu(weight_dtype, grad_dtype, correction, compand, variance_bits):
     """The eager path on CUDA takes float32 square roots where the CPU's takes them in float64
-    (see ``compact_adamw._sqrt``): both correctly rounded, so the same bits."""
+    (see ``_compact_codes.sqrt_rn``): both correctly rounded, so the same bits."""
     args = (weight_dtype, grad_dtype, correction, compand)
     cuda = train("eager", *args, device="cuda", variance_bits=variance_bits)
     assert_same_run(cuda, train("eager", *args, variance_bits=variance_bits))

@@ -1,6 +1,6 @@
 /* CompactAdamW's update in one pass over each parameter: decode, AdamW, encode.
  *
- * The same arithmetic as the eager path of fused_optim_dist/compact_adamw.py, op for op, in
+ * The same arithmetic as the eager path of fused_optim_dist/_compact_update.py, op for op, in
  * float32 and integer operations that are correctly rounded (or exact), so the bits are the
  * same as eager's: that is what the tests check. It must be compiled without contracting
  * a * b + c into an FMA (-ffp-contract=off) and without -ffast-math; see _compact_kernel.py.
@@ -106,7 +106,7 @@ INLINE uint16_t float_to_bf16(float f) {
     return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* [Note: 24-bit weights] of compact_adamw.py: bits(x) = bits(high) << 16 + error << 8. */
+/* [Note: 24-bit weights] of _compact_codes.py: bits(x) = bits(high) << 16 + error << 8. */
 INLINE float join24(uint16_t high, int8_t error) {
     return bits_to_float(((uint32_t)high << 16) + ((uint32_t)(int32_t)error << 8));
 }
@@ -174,7 +174,7 @@ INLINE float adamw(float x, float g, float *m, float *v, float *root, Hyper h) {
 
 /* [Note: 4-bit codes in the kernel]
  * Byte k of a group holds code k in its low nibble and code k + half in its high one (half =
- * ceil(size / 2); see [Note: 4-bit variance] in compact_adamw.py). A whole group's 16 bytes
+ * ceil(size / 2); see [Note: 4-bit variance] in _compact_codes.py). A whole group's 16 bytes
  * are unpacked and packed eight at a time in 64-bit integers (a code is at most 15, so a
  * shift by 4 moves each into the high nibble of its byte), and the element loops stay 32
  * long, as with 8-bit codes: loops over each half of a group, 16 long, were compiled into

@@ -1,0 +1,170 @@
+"""CompactAdamW's calls of its C kernel: a batch's table of addresses, and a group's plan that
+reuses it from step to step. See [Note: the C kernel] in ``_compact_kernel.py``."""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from fused_optim_dist import _compact_kernel
+from fused_optim_dist._compact_update import Hyper, Param
+from fused_optim_dist._state_identity import StateEntries
+from fused_optim_dist._torch_internals import holds_values
+
+_GRAD_DTYPES = (torch.bfloat16, torch.float32)
+"""Gradient dtypes the kernel reads."""
+
+
+class KernelTable(NamedTuple):
+    """A batch's arguments to the C kernel: ``_compact_kernel.FIELDS`` int64 per parameter
+    (its tensors' addresses, shape and flags) and its gradients' addresses."""
+
+    fields: ctypes.Array
+    grads: ctypes.Array
+
+    def run(self, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
+        h = Hyper.of(group)
+        _compact_kernel.kernel()(  # type: ignore[misc]
+            self.fields,
+            self.grads,
+            len(self.grads),
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.eps,
+            h.weight_decay,
+            int(h.compand),
+        )
+        # Written through pointers: tell autograd the weights changed, as an in-place op does.
+        torch.autograd.graph.increment_version(weights)
+
+
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_grad = operator.attrgetter("grad")
+_dtype = operator.attrgetter("dtype")
+_is_cpu = operator.attrgetter("is_cpu")
+_PLAIN = {torch.Tensor}
+
+
+class KernelPlan:
+    """A param group's C-kernel table, reused at the next step while nothing it points to has
+    changed.
+
+    [Note: reused kernel tables]
+    Reading eight data pointers and checking eight tensors per parameter costs more in Python
+    than the kernel spends on a small tensor. A plan keeps one table for the whole group (the
+    kernel takes every layout in one call), in the group's order; only the gradients'
+    addresses are written at each step. It is reused while the group holds the same
+    parameters at the same addresses, their state entries hold the same tensors in the same
+    order ([Note: checking state by identity] in ``_state_identity.py``: ``load_state_dict``,
+    state created or converted, a tensor replaced, added or removed, an entry dropped: the step
+    takes the full path and makes a new plan), and every parameter has a contiguous CPU
+    gradient of the dtype its table row says; otherwise nothing is stepped through it. The
+    checks are C-level ``map``s over the parameters (a Python loop cost about 3 us per
+    parameter). A plan holds the tensors it points to, so none is freed while it is kept (nor
+    its address reused), and there is one plan per parameter (``CompactAdamW._remember``).
+    """
+
+    __slots__ = ("addresses", "dtypes", "entries", "options", "params", "table", "weights")
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        state: dict[torch.Tensor, dict[str, Any]],
+        tables: Sequence[tuple[list[int], KernelTable, list[Param]]],
+        options: tuple[bool, int],
+    ) -> None:
+        self.params = tuple(params)
+        self.options = options
+        self.addresses = list(map(_data_ptr, params))
+        self.entries = StateEntries(params, state)
+        # The batches' rows, back in the group's order.
+        width = _compact_kernel.FIELDS
+        rows = sorted(
+            (
+                (index, table.fields[row * width : (row + 1) * width], item)
+                for indices, table, batch in tables
+                for row, (index, item) in enumerate(zip(indices, batch, strict=True))
+            ),
+            key=operator.itemgetter(0),
+        )
+        fields = [field for _, row, _ in rows for field in row]
+        self.table = KernelTable(
+            (ctypes.c_int64 * len(fields))(*fields), (ctypes.c_int64 * len(rows))()
+        )
+        items = [item for _, _, item in rows]
+        self.weights = [item.weight for item in items]
+        self.dtypes = [item.grad.dtype for item in items]
+        if any(item.param is not item.weight for item in items):
+            self.params = ()  # DTensors: their local tensors are not the group's tensors
+
+    @staticmethod
+    def options_of(group: dict[str, Any]) -> tuple[bool, int]:
+        """The group's options a plan's tables were built for, ``weight_correction`` and
+        ``variance_bits``: a change sends the step to the full path (which refuses a state of
+        another ``variance_bits``)."""
+        return group["weight_correction"], group["variance_bits"]
+
+    def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
+        """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
+        params = group["params"]
+        if not (
+            self.options_of(group) == self.options
+            and len(params) == len(self.params)
+            and all(map(operator.is_, params, self.params))
+            and self.entries.match(state)
+            and list(map(_data_ptr, params)) == self.addresses
+        ):
+            return False
+        grads = list(map(_grad, params))
+        if not (
+            set(map(type, grads)) == _PLAIN  # none missing
+            and all(map(operator.is_, map(_dtype, grads), self.dtypes))
+            and all(map(_is_cpu, grads))
+            and all(map(_is_contiguous, grads))
+        ):
+            return False
+        self.table.grads[:] = list(map(_data_ptr, grads))
+        self.table.run(self.weights, group)
+        return True
+
+
+def kernel_table(
+    params: Sequence[Param], keys: Sequence[str], grouped: bool, variance_bits: int
+) -> KernelTable | None:
+    """The C kernel's table of ``params``, or ``None`` if it cannot take one of them."""
+    correction = "weight_error" in keys
+    fields: list[int] = []
+    for p in params:
+        weight, grad, step = p.weight, p.grad, p.state["step"]
+        state = [p.state[k] for k in keys]
+        if not (
+            grad.dtype in _GRAD_DTYPES
+            and step.dtype == torch.float32
+            and step.device.type == "cpu"
+            and holds_values(weight)
+            and _compact_kernel.takes([weight, grad, *state])
+        ):
+            return None
+        flags = _compact_kernel.FLAG_GROUPED if grouped else 0
+        if grouped and variance_bits == 4:
+            flags |= _compact_kernel.FLAG_ROOT4
+        if weight.dtype == torch.bfloat16:
+            flags |= _compact_kernel.FLAG_WEIGHT_BF16
+        if grad.dtype == torch.bfloat16:
+            flags |= _compact_kernel.FLAG_GRAD_BF16
+        rows = len(weight) if grouped else 1
+        length = weight.numel() // max(rows, 1) if grouped else weight.numel()
+        pointers = [t.data_ptr() for t in state]
+        if not correction:
+            pointers.insert(0, 0)
+        fields += [weight.data_ptr(), *pointers, step.data_ptr(), rows, length, flags]
+    grads = [p.grad.data_ptr() for p in params]
+    return KernelTable(
+        (ctypes.c_int64 * len(fields))(*fields), (ctypes.c_int64 * len(grads))(*grads)
+    )
