@@ -34,6 +34,15 @@ buckets still to come had in the previous stepping backward. So:
 * in the first backward there is no history, and ``predicted`` is zero;
 * a bucket skipped by ``skip_nonfinite`` adds nothing to ``seen`` and keeps its previous
   history, so one bad unit never scales the others by NaN.
+* when the trainable set changes (a parameter frozen or unfrozen, a group added), the plan is
+  rebuilt and the history of buckets it no longer has is dropped; it would otherwise be
+  predicted in every backward and never arrive.
+
+So clipping is exact with one bucket, and the buckets are what the user chose: FSDP units, or
+runs of ``bucket_numel`` elements of the parameters outside them when ``bucket_numel`` is
+given. By default those parameters are one bucket when clipping by norm: their gradients are
+held until the last one arrives, as a plain optimizer holds them, and clipped exactly; giving
+``bucket_numel`` trades that exactness for releasing them bucket by bucket.
 """
 
 from __future__ import annotations
@@ -309,14 +318,19 @@ class GradientProcessor:
     def load_state_dict(self, state: dict[str, Any], bucket_keys: Sequence[str]) -> None:
         """Restore :meth:`state_dict`. History of buckets this run does not have (another
         wrapping of the model) is dropped: those buckets clip as on a first step."""
-        keys = set(bucket_keys)
         self._previous_sq = {
-            str(k): torch.tensor(float(v))
-            for k, v in state["previous_sq"].items()
-            if str(k) in keys
+            str(k): torch.tensor(float(v)) for k, v in state["previous_sq"].items()
         }
-        self._previous_total = sum(self._previous_sq.values(), 0.0)
+        self.keep_history_of(bucket_keys)
         self._nonfinite = int(state["nonfinite_steps"])
+
+    def keep_history_of(self, bucket_keys: Sequence[str]) -> None:
+        """Drop the clipping history of every bucket but those ``bucket_keys`` name (the
+        buckets of a new plan). What is dropped would otherwise be predicted to come in every
+        backward and never arrive: with one bucket, a coefficient other than the exact one."""
+        keys = set(bucket_keys)
+        self._previous_sq = {k: v for k, v in self._previous_sq.items() if k in keys}
+        self._previous_total = sum(self._previous_sq.values(), 0.0)
 
     def grad_norm(self) -> torch.Tensor:
         if not self._needs_norm:

@@ -30,8 +30,12 @@ class InBackwardOptions:
     or ``None``: the way declared for the class (:func:`fused_optim_dist.declare_stepping`),
     else the default."""
 
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
-    """Elements per bucket for parameters that no ``fully_shard`` manages."""
+    bucket_numel: int | None = None
+    """Elements per bucket for parameters that no ``fully_shard`` manages. ``None``: one bucket
+    for all of them when clipping by norm, so that their clipping is exact (their gradients are
+    then held until the last one arrives, as a plain optimizer holds them), else
+    ``DEFAULT_BUCKET_NUMEL``. A number is the choice of per-bucket clipping for them, see
+    [Note: clipping inside one backward]."""
 
     max_grad_norm: float | None = None
     """Clip by norm in backward, see [Note: clipping inside one backward]; ``None``: off."""
@@ -46,12 +50,14 @@ class InBackwardOptions:
     """Compute the total norm that ``grad_norm()`` returns."""
 
     def __post_init__(self) -> None:
-        if (
+        if self.bucket_numel is not None and (
             isinstance(self.bucket_numel, bool)
             or not isinstance(self.bucket_numel, int)
             or self.bucket_numel < 1
         ):
-            raise ValueError(f"bucket_numel must be a positive int, not {self.bucket_numel!r}")
+            raise ValueError(
+                f"bucket_numel must be a positive int or None, not {self.bucket_numel!r}"
+            )
         for name in ("max_grad_norm", "clip_grad_value"):
             value = getattr(self, name)
             if value is None:
@@ -67,6 +73,14 @@ class InBackwardOptions:
         for name in ("skip_nonfinite", "track_grad_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, not {getattr(self, name)!r}")
+
+    @property
+    def plain_bucket_numel(self) -> int | None:
+        """``bucket_numel`` resolved: ``None`` means one bucket for every parameter outside
+        FSDP units."""
+        if self.bucket_numel is None:
+            return None if self.max_grad_norm is not None else DEFAULT_BUCKET_NUMEL
+        return self.bucket_numel
 
 
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(InBackwardOptions))

@@ -11,7 +11,8 @@ gradient arrives, and then the whole buffer is released.
 Parameters no ``fully_shard`` manages (a plain module, or tensor-parallel DTensors) get their
 gradients from autograd one at a time; they are bucketed in runs of consecutive parameters of
 about ``bucket_numel`` elements, so that each run completes as backward passes the layers that
-own it.
+own it. Clipping by norm keeps them in one bucket unless ``bucket_numel`` is given: see
+[Note: clipping inside one backward] in ``_gradients.py``.
 
 [Note: a plan is derived, never patched]
 The plan is a pure function of ``param_groups`` (which parameters, in which group) and each
@@ -72,7 +73,9 @@ class Bucket:
 class BucketPlan:
     """The buckets of the trainable parameters of ``param_groups``, in stepping order."""
 
-    def __init__(self, param_groups: Sequence[dict[str, Any]], bucket_numel: int) -> None:
+    def __init__(self, param_groups: Sequence[dict[str, Any]], bucket_numel: int | None) -> None:
+        """``bucket_numel``: elements per bucket of the parameters outside FSDP units;
+        ``None``: one bucket for all of them."""
         # The signature the plan is derived from: each group's parameters (by identity) and
         # every parameter's requires_grad.
         self._group_params = tuple(tuple(g["params"]) for g in param_groups)
@@ -110,7 +113,7 @@ class BucketPlan:
         return read_requires_grad(self._all_params) == self._requires_grad
 
 
-def _split(params: Sequence[torch.Tensor], bucket_numel: int) -> list[list[torch.Tensor]]:
+def _split(params: Sequence[torch.Tensor], bucket_numel: int | None) -> list[list[torch.Tensor]]:
     """One bucket per FSDP unit, then runs of about ``bucket_numel`` remaining parameters."""
     units = fsdp_units(params)
     in_units = {id(p) for unit in units for p in unit}
@@ -122,7 +125,7 @@ def _split(params: Sequence[torch.Tensor], bucket_numel: int) -> list[list[torch
             continue
         run.append(param)
         run_numel += param.numel()
-        if run_numel >= bucket_numel:
+        if bucket_numel is not None and run_numel >= bucket_numel:
             buckets.append(run)
             run, run_numel = [], 0
     if run:

@@ -322,7 +322,9 @@ class OptimizerInBackward(Optimizer):
         plan = self._plan
         if plan is not None and plan.is_current(self.param_groups):
             return plan
-        plan = self._plan = BucketPlan(self.param_groups, self.options.bucket_numel)
+        plan = self._plan = BucketPlan(self.param_groups, self.options.plain_bucket_numel)
+        # History of buckets this plan no longer has must not be predicted to come.
+        self._gradients.keep_history_of([bucket.key for bucket in plan.buckets])
         new = [p for p in plan.trainable if p not in self._hooked]
         if new and not self._detached:
             self._check_not_driven_elsewhere(new)

@@ -86,6 +86,9 @@ class LoopMachine(RuleBasedStateMachine):
     optimizer_kwargs: ClassVar[dict] = ADAMW
     dtype = torch.float32
     """Of the models' parameters and of the batches."""
+    max_grad_norm: float | None = None
+    """Clip by norm: ours in backward, the plain loop with ``clip_grad_norm_`` before step."""
+    bucket_numel: int | None = 24
 
     @initialize()
     def build(self) -> None:
@@ -101,7 +104,13 @@ class LoopMachine(RuleBasedStateMachine):
         body = [p for n, p in ours_model.named_parameters() if not n.startswith("head")]
         ref_body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
         cls, kwargs = self.optimizer_cls, self.optimizer_kwargs
-        self.ours = OptimizerInBackward(body, cls, bucket_numel=24, **kwargs)
+        self.ours = OptimizerInBackward(
+            body,
+            cls,
+            max_grad_norm=self.max_grad_norm,
+            bucket_numel=self.bucket_numel,
+            **kwargs,
+        )
         self.plain = cls(ref_body, **kwargs)
         self.head_added = False
         self.pending = False  # gradients accumulated, not yet stepped
@@ -113,14 +122,21 @@ class LoopMachine(RuleBasedStateMachine):
             x, y = rank_slice(x), rank_slice(y)
         loss_fn(model, x, y).backward()
 
+    def _step(self, optim: torch.optim.Optimizer) -> None:
+        """``optim.step()``; the plain loop clips its optimizer's gradients first."""
+        if optim is self.plain and self.max_grad_norm is not None:
+            params = [p for group in optim.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        optim.step()
+
     @rule()
     def train(self) -> None:
         ours_model, plain_model = self.models
         self._backward(ours_model, self.step)
-        self.ours.step()
+        self._step(self.ours)
         self.ours.zero_grad()
         self._backward(plain_model, self.step)
-        self.plain.step()
+        self._step(self.plain)
         self.plain.zero_grad()
         self.pending = False
         self.step += 1
@@ -138,7 +154,7 @@ class LoopMachine(RuleBasedStateMachine):
     def step_without_backward(self) -> None:
         # With accumulated gradients this steps them, as the plain optimizer does.
         for optim in (self.ours, self.plain):
-            optim.step()
+            self._step(optim)
             optim.zero_grad()
         self.pending = False
 
@@ -191,7 +207,7 @@ class LoopMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError, match="A backward raised after updating them"):
                 self.ours.zero_grad()
         for optim in (self.ours, self.plain):
-            optim.step()
+            self._step(optim)
             optim.zero_grad()
         self.step += 1
 
@@ -208,11 +224,11 @@ class LoopMachine(RuleBasedStateMachine):
                 self._backward(ours_model, self.step + 1)
             for param, old in zip(ours_model.parameters(), before, strict=True):
                 assert torch.equal(param.detach(), old)
-        self.ours.step()
+        self._step(self.ours)
         self.ours.zero_grad()
         ours_model.zero_grad()
         self._backward(plain_model, self.step)
-        self.plain.step()
+        self._step(self.plain)
         # Both models drop every gradient, those of parameters outside the optimizers too.
         plain_model.zero_grad()
         self.step += 2
@@ -236,7 +252,7 @@ class LoopMachine(RuleBasedStateMachine):
                 self._backward(model, self.step)
             finally:
                 model.forward = forward
-            optim.step()
+            self._step(optim)
             optim.zero_grad()
         self.step += 1
 
@@ -265,7 +281,7 @@ class LoopMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError, match=r"max_grad_norm="):
                 torch.nn.utils.clip_grad_norm_(ours_model.parameters(), math.inf)
         for optim in (self.ours, self.plain):
-            optim.step()
+            self._step(optim)
             optim.zero_grad()
         self.step += 1
 
@@ -277,7 +293,7 @@ class LoopMachine(RuleBasedStateMachine):
         ours_model, plain_model = self.models
         for model, optim in ((plain_model, self.plain), (ours_model, self.ours)):
             self._backward(model, self.step)
-            optim.step()
+            self._step(optim)
         if self._plain_holds("any"):
             with pytest.raises(RuntimeError, match=r"set_to_none=False"):
                 ours_model.zero_grad(set_to_none=False)
@@ -330,7 +346,7 @@ class LoopMachine(RuleBasedStateMachine):
         for group, value in zip(self.ours.param_groups, old, strict=True):
             group["lr"] = value
         for optim in (self.ours, self.plain):
-            optim.step()
+            self._step(optim)
             optim.zero_grad()
             for group in optim.param_groups:
                 group["lr"] = lr
@@ -344,7 +360,7 @@ class LoopMachine(RuleBasedStateMachine):
         ours_model, plain_model = self.models
         for model, optim in ((plain_model, self.plain), (ours_model, self.ours)):
             self._backward(model, self.step)
-            optim.step()
+            self._step(optim)
         if self._plain_holds("any"):
             with pytest.raises(RuntimeError, match=r"step\(\) called again with no backward"):
                 self.ours.step()
@@ -362,7 +378,7 @@ class LoopMachine(RuleBasedStateMachine):
         ours_model, plain_model = self.models
         for model, optim in ((plain_model, self.plain), (ours_model, self.ours)):
             self._backward(model, self.step)
-            optim.step()
+            self._step(optim)
         if self._plain_holds("all"):
             before = [p.detach().clone() for p in ours_model.parameters()]
             with pytest.raises(RuntimeError, match=r"never dropped"):
@@ -387,6 +403,15 @@ class LoopMachine(RuleBasedStateMachine):
 
 class ShardedLoopMachine(LoopMachine):
     sharded = True
+
+
+class ClippedLoopMachine(LoopMachine):
+    """The same loops clipped by norm, the plain module one bucket (the default when
+    clipping): each step clipped by exactly ``clip_grad_norm_``'s coefficient, also after the
+    trainable set changed."""
+
+    max_grad_norm = 0.05
+    bucket_numel = None
 
 
 class GroupCounterLoopMachine(LoopMachine):
@@ -439,6 +464,10 @@ def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> Non
 
 def test_random_loops_plain_module():
     _run(LoopMachine, examples=25, steps=15)
+
+
+def test_random_loops_clipped():
+    _run(ClippedLoopMachine, examples=15, steps=15)
 
 
 def test_random_loops_group_counter():

@@ -102,7 +102,7 @@ def test_refuses_bad_parameter_lists():
     # Across groups torch.optim's own check speaks first; either message names the problem.
     with pytest.raises(ValueError, match=r"more than one parameter group|listed twice"):
         OptimizerInBackward([{"params": [w]}, {"params": [b, w], "lr": 1.0}], torch.optim.AdamW)
-    with pytest.raises(ValueError, match="bucket_numel must be a positive int, not 0"):
+    with pytest.raises(ValueError, match="bucket_numel must be a positive int or None, not 0"):
         OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=0)
     _assert_untouched(model)
 

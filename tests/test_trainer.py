@@ -353,6 +353,56 @@ def test_given_optimizer_must_be_in_backward_and_clip_as_the_arguments(tmp_path)
         in_backward_trainer(torch.optim.AdamW)
 
 
+def _decoder_layers(model: nn.Module) -> list[torch.Tensor]:
+    return [p for name, p in model.named_parameters() if ".layers." in name]
+
+
+def test_trainable_parameters_outside_the_optimizer(tmp_path):
+    """An optimizer given on part of the model (its decoder layers), the rest trainable:
+    Trainer clips and logs the norm over every trainable parameter, ours over the optimizer's
+    (it was 3e-3 apart, logged norm 0.39 against 1.58), so refused before the first backward,
+    nothing moved. With the rest frozen, as plain."""
+    model = tiny_llama()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optim = OptimizerInBackward(
+        _decoder_layers(model), torch.optim.AdamW, lr=1e-2, max_grad_norm=CLIP
+    )
+    with accelerate_on_cpu():
+        trainer = in_backward_trainer(transformers.Trainer)(
+            model=model,
+            args=_args(tmp_path / "refused", max_grad_norm=CLIP),
+            train_dataset=TokenDataset(),
+            optimizers=(optim, None),
+        )
+        with pytest.raises(ValueError, match=r"not in the optimizer.*Freeze"):
+            trainer.train()
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), f"{name} moved"
+
+    def frozen_but_layers(model: nn.Module, cls: Callable[..., torch.optim.Optimizer]):
+        model.requires_grad_(False)
+        for param in _decoder_layers(model):
+            param.requires_grad_(True)
+        return cls(_decoder_layers(model))
+
+    kwargs = dict(max_grad_norm=CLIP)
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer=lambda m: frozen_but_layers(m, lambda p: torch.optim.AdamW(p, lr=1e-2)),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer=lambda m: frozen_but_layers(
+            m, lambda p: OptimizerInBackward(p, torch.optim.AdamW, lr=1e-2, max_grad_norm=CLIP)
+        ),
+        **kwargs,
+    )
+    print(f"decoder layers trained, the rest frozen: {_assert_parity(ours, plain):.2e}")
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 

@@ -22,6 +22,9 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
   ``fused_optim_dist/_gradients.py``.
 * Checkpoints hold the optimizer state as Trainer saves it and, beside it, the clipping history
   (:meth:`~fused_optim_dist.OptimizerInBackward.gradient_state_dict`); resuming restores both.
+* Every trainable parameter of the model must be in the optimizer: Trainer clips and logs the
+  norm over all of them, the optimizer over its own. Others are refused before the backward
+  (freeze them, or add them to the optimizer).
 * Data parallel: FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2}``) is supported;
   DistributedDataParallel, Trainer's default under ``torchrun``, is refused when the Trainer is
   built, before any update.
@@ -73,6 +76,22 @@ def _in_backward_cls_and_kwargs(
     # apart even for a class taking an argument named max_grad_norm.
     options = InBackwardOptions(max_grad_norm=max_grad_norm)
     return in_backward(optimizer_cls), {**kwargs, "options": options}
+
+
+def _check_holds_trainable(optimizer: OptimizerInBackward, model: nn.Module) -> None:
+    """Refuse, before the backward, trainable parameters of ``model`` that ``optimizer`` does
+    not hold. Trainer clips and logs the norm over all of them, the optimizer (clipping in
+    backward) over its own: the coefficient, so the update, would differ without an error."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside:
+        more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+        raise ValueError(
+            f"{', '.join(outside[:3])}{more} require grad but are not in the optimizer. "
+            "Trainer clips and logs the gradient norm over every trainable parameter of the "
+            "model, while the OptimizerInBackward clips and measures its own, in backward. "
+            "Freeze them (requires_grad_(False)) or add them to the optimizer"
+        )
 
 
 class _HookSwappedParameters(TrainerCallback):
@@ -151,9 +170,11 @@ class InBackwardTrainerMixin:
         """Trainer's step; a micro-batch that does not end an optimizer step
         (``accelerator.sync_gradients`` false, set by Trainer before each one) only
         accumulates its gradients."""
+        optimizer = self._in_backward_optimizer(self.optimizer)
+        _check_holds_trainable(optimizer, model)
         if self.accelerator.sync_gradients:
             return super().training_step(model, inputs, num_items_in_batch)
-        with self._in_backward_optimizer(self.optimizer).accumulate():
+        with optimizer.accumulate():
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
