@@ -119,12 +119,16 @@ class _Shares:
         # Summed in fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is
         # (a gradient has its parameter's dtype).
         self._dtype = (
-            torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+            torch.float64
+            if any(p.dtype in (torch.float64, torch.complex128) for p in params)
+            else torch.float32
         )
 
     def squares(self, grads: Sequence[torch.Tensor]) -> list[tuple[_ReduceKey, torch.Tensor]]:
         """Each reduce key's share of the squared norm of ``grads``."""
         dtype = self._dtype
+        # A complex gradient's norm is that of its real and imaginary parts.
+        grads = [torch.view_as_real(g) if g.is_complex() else g for g in grads]
         out = []
         for key, small, large in self._by_key:
             share: torch.Tensor | None = None
