@@ -25,8 +25,9 @@ loops would train differently without a word. Instead, the updates made in backw
   step (see [Note: freed gradients]). A write through ``.data`` moves no version counter and
   goes unseen;
 * at ``step()``, a value of a group (``lr``, betas) changed since the updates were made (an LR
-  set by hand between backward and ``step()``) would be stepped with by the plain optimizer:
-  ``step()`` raises.
+  set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
+  parameter moved to a group with other values) would be stepped with by the plain optimizer,
+  and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises.
 
 A second ``step()`` with no backward and no ``zero_grad()`` since the first would step the
 held gradients again in the plain optimizer: refused, seeing the freed gradients.
@@ -168,8 +169,9 @@ class PendingUpdates:
         self._unfinished = False
         # The parameters' and their state's version counters once the updates were made.
         self._written: _Written | None = None
-        # Each param group and its values (not its params) once the updates were made.
-        self._groups: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        # id(param) -> the index and values (not the params) of the group holding it, once
+        # the updates were made.
+        self._groups: dict[int, tuple[int, dict[str, Any]]] = {}
         # Whether the optimizer's state was loaded since the updates were made.
         self._loaded = False
 
@@ -189,7 +191,19 @@ class PendingUpdates:
         some at its end, a class tracked for group state its groups); a later change is the
         loop's."""
         self._written = _Written(list(self._params), state)
-        self._groups = [(group, _values(group)) for group in param_groups]
+        self._groups = self._holding_groups(param_groups)
+
+    def _holding_groups(
+        self, param_groups: list[dict[str, Any]]
+    ) -> dict[int, tuple[int, dict[str, Any]]]:
+        """Each updated parameter's group: its index and values, by the parameter's id."""
+        holding = {}
+        for index, group in enumerate(param_groups):
+            ids = [id(p) for p in group["params"] if id(p) in self._ids]
+            if ids:
+                values = _values(group)
+                holding.update((i, (index, values)) for i in ids)
+        return holding
 
     def changed(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
         """The parameters written in place since their update, or whose optimizer state was
@@ -230,23 +244,46 @@ class PendingUpdates:
             "the gradients with zero_grad()."
         )
 
-    def refuse_changed_groups(self) -> None:
-        """Raise for ``step()`` when a value of a group holding pending updates (its ``lr``,
-        betas, ...) was changed since those updates were made."""
-        for index, (group, values) in enumerate(self._groups):
-            if not any(id(p) in self._ids for p in group["params"]):
+    def refuse_changed_groups(self, param_groups: list[dict[str, Any]]) -> None:
+        """Raise for ``step()`` when a parameter updated in backward would now be stepped with
+        other group values than its update was made with: a value of its group (``lr``,
+        betas, ...) changed, in place or by replacing the group's dict; the parameter moved to
+        a group with other values; or it left ``param_groups``, where the plain optimizer
+        would not step it at all."""
+        now = self._holding_groups(param_groups)
+        for param in self._params:
+            then = self._groups.get(id(param))
+            if then is None:
                 continue
-            now = _values(group)
-            for key in sorted(values.keys() | now.keys()):
-                if values.get(key, _MISSING) != now.get(key, _MISSING):
-                    raise RuntimeError(
-                        f"step(): param_groups[{index}][{key!r}] was changed between backward "
-                        "and step(). A plain optimizer steps with the new value; here this "
-                        "step's update was made in backward, with the old one. Set it before "
-                        "backward (at the top of the loop, or after step(), where LR "
-                        "schedulers set it). The updates cannot be undone: restart from the "
-                        "last checkpoint."
-                    )
+            if id(param) not in now:
+                raise RuntimeError(
+                    f"step(): {describe(param)} was updated in backward and removed from "
+                    "param_groups before this step(). A plain optimizer would not step it; "
+                    "here its update was made in backward and cannot be undone. Change "
+                    "param_groups before backward or after step(), and restart from the last "
+                    "checkpoint."
+                )
+            (index, values), (index_now, values_now) = then, now[id(param)]
+            changed = [
+                key
+                for key in sorted(values.keys() | values_now.keys())
+                if values.get(key, _MISSING) != values_now.get(key, _MISSING)
+            ]
+            if not changed:
+                continue
+            where = (
+                f"param_groups[{index}][{changed[0]!r}] was changed"
+                if index == index_now
+                else f"{describe(param)} moved from param_groups[{index}] to "
+                f"param_groups[{index_now}], whose {changed[0]!r} differs,"
+            )
+            raise RuntimeError(
+                f"step(): {where} between backward and step(). A plain optimizer steps with "
+                "the new value; here this step's update was made in backward, with the old "
+                "one. Set group values and move parameters before backward (at the top of "
+                "the loop, or after step(), where LR schedulers set them). The updates cannot "
+                "be undone: restart from the last checkpoint."
+            )
 
     def refuse_changed(self, changed: list[torch.Tensor]) -> None:
         """Raise for ``step()`` when ``changed``, updated in backward, were written since."""

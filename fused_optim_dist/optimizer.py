@@ -524,7 +524,7 @@ class OptimizerInBackward(Optimizer):
             changed = self._pending.changed(self.state)
             if changed:
                 self._pending.refuse_changed(changed)
-            self._pending.refuse_changed_groups()
+            self._pending.refuse_changed_groups(self.param_groups)
         plan = self._current_plan()
         grads = read_grads(plan.trainable)
         if not self._stepped_since_step:

@@ -252,6 +252,58 @@ def _lamb_body() -> None:
     _counters(True, GroupStepLamb, {})
 
 
+class GlobalClipSGD(torch.optim.Optimizer):
+    """SGD clipping every gradient by the norm of all of them inside ``step()``, as timm's
+    ``Lamb`` and apex's ``FusedLAMB`` do with their own ``max_grad_norm``; it writes nothing
+    to its groups or itself."""
+
+    def __init__(self, params, lr: float = 0.1, max_grad_norm: float = 0.1):
+        super().__init__(params, dict(lr=lr, max_grad_norm=max_grad_norm))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for group in self.param_groups:
+            coef = torch.clamp(group["max_grad_norm"] / (norm + 1e-6), max=1.0)
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad * coef, alpha=-group["lr"])
+
+
+def _global_clip(sharded: bool) -> None:
+    """Several buckets: refused at the first backward, before anything moves, on every rank."""
+    model, _ = make_models()
+    if sharded:
+        shard(model)
+    _optim = OptimizerInBackward(model.parameters(), GlobalClipSGD, bucket_numel=20)
+    _refused_unmoved(
+        model,
+        r"reduces over all the parameters it steps",
+        lambda: loss_fn(model, *_x(0, sharded)).backward(),
+    )
+
+
+def test_class_clipping_inside_its_step_refused_with_several_buckets():
+    """A class clipping by the norm of all its gradients inside ``step()``: each bucket's call
+    would clip by its own bucket's norm (1.1e-4 apart after one step on a 16.8M-parameter
+    module cut into two buckets, with no error, before the check). Refused before anything
+    moves; with one bucket, its call sees every gradient and trains as the plain optimizer."""
+    _global_clip(sharded=False)
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), GlobalClipSGD, bucket_numel=1 << 20)
+    plain = GlobalClipSGD(reference.parameters())
+    for step in range(3):
+        _step_both(((model, optim), (reference, plain)), step, zero=True)
+    assert_match(model, reference)
+
+
+def _global_clip_body() -> None:
+    _global_clip(sharded=True)
+
+
 # --------------------------------------------------------- 3. a warmup from lr 0
 
 
@@ -771,6 +823,84 @@ def test_lr_set_between_backward_and_step_refused():
     assert_match(model, reference)
 
 
+def _two_group_loops() -> tuple[nn.Module, nn.Module, OptimizerInBackward, Optimizer]:
+    """``_adamw_loops`` with the head's weight in a second group, without weight decay."""
+    model, reference = make_models()
+    groups = [
+        lambda net: [p for n, p in net.named_parameters() if n != "head.weight"],
+        lambda net: [net.head.weight],
+    ]
+
+    def param_groups(net: nn.Module) -> list[dict]:
+        return [{"params": groups[0](net)}, {"params": groups[1](net), "weight_decay": 0.0}]
+
+    optim = OptimizerInBackward(param_groups(model), torch.optim.AdamW, **ADAMW)
+    return model, reference, optim, torch.optim.AdamW(param_groups(reference), **ADAMW)
+
+
+def _replace_group(lr: float) -> Callable[[Optimizer], Callable[[], None]]:
+    """An edit replacing ``param_groups[0]`` by a new dict with ``lr``; it returns its undo."""
+
+    def edit(optim: Optimizer) -> Callable[[], None]:
+        old = optim.param_groups[0]
+        optim.param_groups[0] = {**old, "lr": lr}
+        return lambda: optim.param_groups.__setitem__(0, old)
+
+    return edit
+
+
+def _move_head_weight(to: int | None) -> Callable[[Optimizer], Callable[[], None]]:
+    """An edit moving the head's weight from ``param_groups[1]`` to ``param_groups[to]``, or
+    out of every group; it returns its undo."""
+
+    def edit(optim: Optimizer) -> Callable[[], None]:
+        params = optim.param_groups[1]["params"]
+        weight = params.pop()
+        if to is not None:
+            optim.param_groups[to]["params"].append(weight)
+
+        def undo() -> None:
+            if to is not None:
+                optim.param_groups[to]["params"].pop()
+            params.append(weight)
+
+        return undo
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_replace_group(5e-2), r"param_groups\[0\]\['lr'\] was changed"),
+        (_move_head_weight(0), r"moved from param_groups\[1\] to param_groups\[0\]"),
+        (_move_head_weight(None), r"removed from param_groups"),
+        (_replace_group(ADAMW["lr"]), None),
+    ],
+    ids=["group-dict-replaced", "moved-to-another-group", "removed", "replaced-same-values"],
+)
+def test_param_groups_edited_between_backward_and_step(edit, match):
+    """``param_groups`` edited between backward and ``step()`` in its structure, not a value
+    in place: a group's dict replaced with another LR, a parameter moved into a group with
+    weight decay, or removed from every group. The plain optimizer steps with the new groups;
+    here the updates were made in backward with the old ones: refused at that ``step()``
+    (before, the first two ended 4.0e-2 and 1.6e-3 apart without an error, the third raised a
+    misleading error a backward later). Undoing the edit steps as the plain optimizer; a dict
+    replaced with the same values changes nothing."""
+    model, reference, optim, plain = _two_group_loops()
+    for step in range(3):
+        for net, opt in ((model, optim), (reference, plain)):
+            loss_fn(net, *_x(step)).backward()
+            if opt is optim and step == 1:
+                undo = edit(opt)
+                if match is not None:
+                    _refused_unmoved(model, match, opt.step)
+                    undo()
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference)
+
+
 def test_checkpoint_loaded_between_backward_and_step_refused():
     _loaded_between_backward_and_step_body()
 
@@ -794,6 +924,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _loaded_between_backward_and_step_body, sharded=True)
     worlds.run(2, _lamb_body)
     worlds.run(3, _lamb_body)
+    worlds.run(3, _global_clip_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _replicate_body)
