@@ -24,8 +24,8 @@ in ``state[p]``, as this library's ``CompactAdamW`` does):
   norm, a count of parameters) and is refused with nothing moved; otherwise the held buckets
   are stepped. One whose writes depend on gradient values in a way the halves do not show can
   still disagree in a later backward, and is refused then;
-* groups no bucket stepped in this pass get the class's step with no parameters, as the plain
-  optimizer's ``step()`` visits groups whose parameters have no gradient;
+* groups no bucket stepped in this pass get the class's step on their parameters, none of
+  which holds a gradient, as the plain optimizer's ``step()`` visits them;
 * when the pass finishes, the changed values are written back once, into the optimizer's
   groups and the instance.
 
@@ -319,8 +319,9 @@ class ClassState:
         )
 
     def finish(self) -> None:
-        """Step the tracked groups no bucket stepped with no parameters (the plain optimizer's
-        ``step()`` visits them too), then write what the buckets changed back, once."""
+        """Step the tracked groups no bucket stepped, none of whose parameters holds a gradient
+        (the plain optimizer's ``step()`` visits them too), then write what the buckets
+        changed back, once."""
         if not self.tracked:
             return
         untouched = [
@@ -328,7 +329,7 @@ class ClassState:
         ]
         if untouched:
             groups = [self.group(i) for i in untouched]
-            self.run(untouched, lambda: self._steppers.step_without_params(groups))
+            self.run(untouched, lambda: self._steppers.step_without_gradients(groups))
         for index, changes in self._group_changes.items():
             self._groups[index].update(changes)
         for key, changes in self._instance_changes.items():

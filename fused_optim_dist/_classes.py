@@ -82,8 +82,8 @@ class ClassSteppers:
         assert isinstance(stepper, BucketStepper), "whole-tensor classes are not tracked"
         return stepper
 
-    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [self.tracked(group).step_without_params([group])[0] for group in groups]
+    def step_without_gradients(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [self.tracked(group).step_without_gradients([group])[0] for group in groups]
 
     def flush(self) -> None:
         for stepper in self.steppers.values():

@@ -99,7 +99,9 @@ class FreedGradient(torch.Tensor):
                 dtype=kwargs.get("dtype"),
                 device=kwargs.get("device"),
             )
-        if func in _ACCUMULATING:
+        if func in _ACCUMULATING and args and args[0] is freed:
+            # Autograd adds a new gradient to the held one as ``held + new`` (in place or
+            # not); ``param.add_(grad)`` (another optimizer's step) only reads it.
             operation = "accumulate"
         elif func in _ZEROING:
             operation = "zero"
@@ -164,7 +166,8 @@ def refuse_freed(param: torch.Tensor | None, operation: str, func: Any) -> NoRet
         "use fused_optim_dist.integrations.transformers.in_backward_trainer, in accelerate "
         "fused_optim_dist.integrations.accelerate. To inspect gradients, run the backward "
         "under `with optim.accumulate():` and read them before the step's last backward; "
-        "call zero_grad() to drop freed gradients."
+        "call zero_grad() to drop freed gradients. Another optimizer cannot step parameters "
+        "this one steps in backward: give each optimizer its own parameters."
     )
 
 

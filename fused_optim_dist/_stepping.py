@@ -382,6 +382,14 @@ class BucketStepper:
         copied parameters would no longer alias them."""
         return type(self)(copy.deepcopy(self.optimizer, memo), local_shards=self.local_shards)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled as what it was built from: the cached views would not alias the unpickled
+        parameters, and the unwrapped ``step`` is no importable object."""
+        return {"optimizer": self.optimizer, "local_shards": self.local_shards}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["optimizer"], local_shards=state["local_shards"])
+
     def takes_found_inf(self, batches: Sequence[Batch]) -> bool:
         """Whether a ``found_inf`` flag makes this step skip the update on the device."""
         optimizer = self.optimizer
@@ -394,9 +402,11 @@ class BucketStepper:
     def flush(self) -> None:
         """Apply updates still in flight: none, every update is applied in :meth:`step`."""
 
-    def step_without_params(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Run the class's ``step`` on ``groups`` with no parameters; the groups it received."""
-        return self._run([{**group, "params": []} for group in groups], defaultdict(dict), None)
+    def step_without_gradients(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run the class's ``step`` on ``groups``, none of whose parameters holds a gradient,
+        with a scratch state (as the plain optimizer's step skips parameters without one, but
+        may read a group's parameters, e.g. ``params[0].device``); the groups it received."""
+        return self._run([dict(group) for group in groups], defaultdict(dict), None)
 
     @torch.no_grad()
     def step_copies(

@@ -63,6 +63,9 @@ Everything else in the package uses public APIs. What this module relies on, for
   ten microseconds per range on the CPU); ``torch.autograd._profiler_enabled()`` tells whether
   a profiler is recording on this thread, and the autograd engine propagates that state to its
   device threads.
+* A tensor's post-accumulate-grad hooks are kept in ``tensor._post_accumulate_grad_hooks``, an
+  ordered dict by the id of each hook's ``RemovableHandle``, and run in that order; so the hook
+  registered last is its last key.
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
@@ -273,6 +276,21 @@ def observes_only(hook: Callable[..., object]) -> bool:
     """Whether ``hook`` is one of torch's memory trackers' (``torch.distributed._tools``):
     they note the optimizer phase and change nothing."""
     return getattr(hook, "__module__", "").startswith("torch.distributed._tools")
+
+
+def hooked_after(param: torch.Tensor, handle_id: int) -> bool:
+    """Whether a post-accumulate-grad hook (other than a memory tracker's, which only notes
+    the gradient's storage) was registered on ``param`` after the one whose handle has
+    ``handle_id``."""
+    hooks = param._post_accumulate_grad_hooks
+    if not hooks or next(reversed(hooks)) == handle_id:
+        return False
+    for key in reversed(hooks):
+        if key == handle_id:
+            return False
+        if not observes_only(hooks[key]):
+            return True
+    return False
 
 
 def global_step_pre_hooks() -> bool:

@@ -23,7 +23,12 @@ from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
-from fused_optim_dist._protocol import KeptGradients, PendingUpdates, refuse_stepping_again
+from fused_optim_dist._protocol import (
+    KeptGradients,
+    PendingUpdates,
+    describe,
+    refuse_stepping_again,
+)
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     current_backward_id,
@@ -31,6 +36,7 @@ from fused_optim_dist._torch_internals import (
     ddp_wrapped,
     drop_grads,
     global_step_pre_hooks,
+    hooked_after,
     observes_only,
     read_grads,
     watch_ddp,
@@ -176,6 +182,12 @@ def _as_group(param_group: dict[str, Any]) -> dict[str, Any]:
     return {**param_group, "params": params}
 
 
+_REATTACHED = frozenset(
+    {"_hook_handles", "_hooked", "_hook_ids", "_detached", "_plan", "_pass", "_freed"}
+)
+"""What ``_attach_hooks`` builds anew for a copy: never copied or pickled."""
+
+
 class OptimizerInBackward(Optimizer):
     """Step ``optimizer_cls`` on each parameter as soon as its gradient is ready, in backward.
 
@@ -290,6 +302,9 @@ class OptimizerInBackward(Optimizer):
         self._hook_handles: list[RemovableHandle] = []
         # The hooked parameters, by identity (weakly: never a recycled id()).
         self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # The id of each hooked parameter's hook handle, by id(param) (looked up for the
+        # parameters of the current plan only, which holds them).
+        self._hook_ids: dict[int, int] = {}
         self._detached = False
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         # The bucket plan, rebuilt when stale, and the backward pass in progress (or the last).
@@ -330,8 +345,10 @@ class OptimizerInBackward(Optimizer):
             self._check_not_driven_elsewhere(new)
             hook = _grad_ready_hook(self)
             for param in new:
-                self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
+                handle = param.register_post_accumulate_grad_hook(hook)
+                self._hook_handles.append(handle)
                 self._hooked[param] = True
+                self._hook_ids[id(param)] = handle.id
                 _OWNERS[param] = weakref.ref(self)
         return plan
 
@@ -400,7 +417,18 @@ class OptimizerInBackward(Optimizer):
             )
         return super().register_step_pre_hook(hook)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the hooks and what hangs on them, as :meth:`__deepcopy__` copies:
+        unpickled, the optimizer hooks the unpickled parameters (pickle the model in the
+        same call, ``pickle.dumps((model, optim))``, for it to step the unpickled model)."""
+        return {k: v for k, v in self.__dict__.items() if k not in _REATTACHED}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_stepper" in state:
+            # Unpickling what __getstate__ returned.
+            self.__dict__.update(state)
+            self._attach_hooks()
+            return
         steppers = self.__dict__.get("_stepper")
         if steppers is not None:
             # load_state_dict: let each wrapped class fill in its groups' keys and convert
@@ -445,9 +473,8 @@ class OptimizerInBackward(Optimizer):
         (``copy.deepcopy((model, optim))``) for the copy to step the copied model."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        skip = {"_hook_handles", "_hooked", "_detached", "_plan", "_pass", "_freed"}
         for key, value in self.__dict__.items():
-            if key not in skip:
+            if key not in _REATTACHED:
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._attach_hooks()
         return new
@@ -605,6 +632,19 @@ class OptimizerInBackward(Optimizer):
         plan = self._current_plan()
         if plan.plain_trainable and ddp_wrapped(plan.plain_trainable):
             raise _ddp_error()
+        if not self._detached:
+            ids = self._hook_ids
+            later = [p for p in plan.trainable if hooked_after(p, ids[id(p)])]
+            if later:
+                more = f" (and {len(later) - 1} more)" if len(later) > 1 else ""
+                raise RuntimeError(
+                    f"{describe(later[0])}{more} has a post-accumulate-grad hook registered "
+                    "after OptimizerInBackward's own: hooks run in the order they were "
+                    "registered, so it would run after this optimizer stepped the gradient "
+                    "and freed it, where a plain optimizer's step() comes after every hook. "
+                    "Register it before building the optimizer (it then runs first, and the "
+                    "step uses the gradient it leaves), or do its work on the loss."
+                )
 
     def _check_alive(self, plan: BucketPlan) -> None:
         if plan.trainable and not _held_by_a_module(plan.trainable):
@@ -687,6 +727,7 @@ class OptimizerInBackward(Optimizer):
         """
         _remove_hooks(self._hook_handles)
         self._hooked.clear()
+        self._hook_ids.clear()
         self._detached = True
         for group in self.param_groups:
             for param in group["params"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -236,6 +237,46 @@ def test_group_step_counter_trains_like_plain():
 
 def test_instance_counter_trains_like_plain():
     _counters(False, InstanceCountSGD, {})
+
+
+class DeviceReadingLamb(GroupStepLamb):
+    """Reads its first group's first parameter at the top of ``step()``, as timm's ``Lamb``
+    does for its device."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.param_groups[0]["params"][0].device  # noqa: B018
+        return super().step(closure)
+
+
+def test_group_without_gradients_stepped_with_its_parameters():
+    """Two param groups, a branch not taken in one step (its group gets no gradient): the
+    class's step visits that group with its parameters, as the plain optimizer's does (given
+    none, it raised an IndexError after the other group moved)."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(nn.ModuleDict({"a": nn.Linear(6, 3), "side": nn.Linear(6, 3)}))
+    model, reference = models
+
+    def groups(net: nn.Module) -> list[dict]:
+        return [
+            {"params": list(net["a"].parameters())},
+            {"params": list(net["side"].parameters()), "lr": 3e-3},
+        ]
+
+    optim = OptimizerInBackward(groups(model), DeviceReadingLamb)
+    plain = DeviceReadingLamb(groups(reference))
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)
+        for net, opt in ((model, optim), (reference, plain)):
+            out = net["a"](x) + (net["side"](x) if step != 1 else 0)
+            (out - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference)
+    assert [g["step"] for g in optim.param_groups] == [g["step"] for g in plain.param_groups]
 
 
 def test_group_state_depending_on_parameters_is_refused():
@@ -529,6 +570,61 @@ def test_global_step_pre_hook_refused_before_anything_moves():
     finally:
         handle.remove()
     _assert_unchanged(model, before)
+
+
+def _double_gradient(param: torch.Tensor) -> None:
+    param.grad.mul_(2)
+
+
+def test_gradient_hook_registered_after_the_optimizer_refused_before_it_equal():
+    """A user's post-accumulate-grad hook (gradient scaling, noise) runs before a plain
+    optimizer's ``step()``. Registered after ours, it would run after the gradient was stepped
+    and freed (it used to raise there, with the parameters moved): refused at the first
+    backward, before anything moves. Registered before ours, it runs first and the update
+    uses the gradient it leaves: equal to the plain loop."""
+    model, _ = make_models()
+    _late = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    model.head.weight.register_post_accumulate_grad_hook(_double_gradient)
+    _refused_unmoved(
+        model, "registered after OptimizerInBackward", lambda: loss_fn(model, *_x(0)).backward()
+    )
+    model, reference = make_models()
+    for param in (*model.parameters(), *reference.parameters()):
+        param.register_post_accumulate_grad_hook(_double_gradient)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        _step_both(((model, optim), (reference, plain)), step, zero=True)
+    assert_match(model, reference)
+
+
+def test_another_optimizer_on_the_same_parameters_refused_at_its_step():
+    """A plain optimizer built beside ours on the same parameters (a warmup phase with SGD):
+    its ``step()`` reads gradients ours stepped and freed, and is refused there, naming the
+    fix (it was refused at the next backward, as if a second backward came before ours'
+    ``step()``)."""
+    model, _ = make_models()
+    _ours = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    warmup = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn(model, *_x(0)).backward()
+    with pytest.raises(RuntimeError, match="Another optimizer cannot step parameters"):
+        warmup.step()
+
+
+def test_pickled_with_its_model_trains_as_plain():
+    """``pickle.dumps((model, optim))`` mid-run (a checkpoint by ``torch.save`` of both
+    objects): the unpickled pair trains on as the plain pair does (it raised an
+    AttributeError at the next step)."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _step_both(((model, optim), (reference, plain)), 0, zero=True)
+    model, optim = pickle.loads(pickle.dumps((model, optim)))
+    reference, plain = pickle.loads(pickle.dumps((reference, plain)))
+    for step in range(1, 4):
+        _step_both(((model, optim), (reference, plain)), step, zero=True)
+    assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain.state_dict())
 
 
 def test_load_state_dict_hooks_run_as_plain():

@@ -257,18 +257,18 @@ def test_plain_module_buckets_step_during_backward_and_flush_unused():
     model, reference = make_models(freeze=("layers.0.up",))
     frozen = [model.layers[0].up.weight, model.layers[0].up.bias]
     frozen_before = [p.clone() for p in frozen]
-    # About one Block's worth of elements per bucket: several buckets, each completing while
-    # backward is still running through the layers below it.
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=30, **ADAMW)
-    ref_optim = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    assert all(_hooks(p) == 0 for p in frozen)
-
     # inp.weight's gradient is the last to arrive; by then the head must have been stepped.
+    # (Registered before the optimizer, whose hook must run last: see test_never_silent.)
     head_seen: list[bool] = []
     head_before: list[torch.Tensor] = []
     model.inp.weight.register_post_accumulate_grad_hook(
         lambda _: head_seen.append(not torch.equal(model.head.weight, head_before[-1]))
     )
+    # About one Block's worth of elements per bucket: several buckets, each completing while
+    # backward is still running through the layers below it.
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=30, **ADAMW)
+    ref_optim = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    assert all(_hooks(p) == 0 for p in frozen)
     # Step 1 skips a norm (part of a bucket), step 2 a whole Block: those parameters get no
     # gradient, their buckets never complete, and end of backward steps the rest.
     skips = {1: lambda m: [m.layers[1].norm], 2: lambda m: [m.layers[2]]}

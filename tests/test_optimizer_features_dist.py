@@ -433,13 +433,14 @@ def _activation_checkpointing_body() -> None:
     model, reference = make_models()
     runs = _checkpoint_blocks(model)
     shard(model)
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    # Registered after the optimizer's hooks: counts the gradients each parameter receives.
+    # Counts the gradients each parameter receives (registered before the optimizer's hooks,
+    # which must run last).
     arrivals: dict[str, int] = {}
     for name, param in model.named_parameters():
         param.register_post_accumulate_grad_hook(
             lambda _, name=name: arrivals.__setitem__(name, arrivals.get(name, 0) + 1)
         )
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     for step in range(STEPS):
         arrivals.clear()
         runs.clear()
