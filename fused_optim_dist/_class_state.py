@@ -23,23 +23,14 @@ in ``state[p]``, as this library's ``CompactAdamW`` does):
   instance differently, the class writes something that depends on the parameters stepped (a
   norm, a count of parameters) and is refused with nothing moved; otherwise the held buckets
   are stepped. One whose writes depend on gradient values in a way the halves do not show can
-  still disagree in a later backward, and is refused then;
+  still disagree in a later backward, and is refused then. (A class stepped jointly, in one
+  call per backward, needs no such check: see [Note: classes stepped jointly] in
+  ``_engine.py``. Only classes declared ``"elementwise"`` or ``"dtensor"`` are stepped bucket
+  by bucket and checked.);
 * groups no bucket stepped in this pass get the class's step on their parameters, none of
   which holds a gradient, as the plain optimizer's ``step()`` visits them;
 * when the pass finishes, the changed values are written back once, into the optimizer's
   groups and the instance.
-
-[Note: parameters stepped together]
-A class may also reduce over the parameters it is given without writing anything: timm's
-``Lamb`` and apex's ``FusedLAMB`` clip every gradient by the norm of all of them inside
-``step()``. The plain optimizer's one call sees every gradient; here each bucket's call sees
-its own, so the parameters would move differently, with nothing written to disagree on. So when
-the first backward held buckets of such a class in more than one bucket, the check above also
-steps, on copies, the class's first batch of two different buckets apart and together, once
-with the backward's gradients and once with every gradient element 100 (a norm over the pair
-then exceeds either's and any clipping threshold in use). Where any copy moves differently
-(relative 1e-5, on any rank), the class is refused with nothing moved. With one bucket the
-class's call sees every gradient, as the plain one does, and is not refused.
 """
 
 from __future__ import annotations
@@ -52,10 +43,8 @@ import torch
 from torch.optim import Optimizer
 
 from fused_optim_dist._classes import ClassSteppers
-from fused_optim_dist._gradients import on_any_rank
 from fused_optim_dist._kinds import keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
-from fused_optim_dist._torch_internals import local_tensor
 
 __all__ = ["ClassState"]
 
@@ -180,6 +169,7 @@ class ClassState:
         """Whether a class of the groups ``indices`` is tracked and not yet checked."""
         return self.tracked and any(
             self._tracked[index]
+            and not self._steppers.is_joint(self._groups[index])
             and self._steppers.key_of(self._groups[index]) not in self._steppers.probed
             for index in indices
         )
@@ -193,7 +183,7 @@ class ClassState:
             (index, batch)
             for indices, batches in held
             for index, batch in zip(indices, batches, strict=True)
-            if self._tracked[index]
+            if self._tracked[index] and not self._steppers.is_joint(batch.group)
         ]
         self._steppers.probed |= {self._steppers.key_of(batch.group) for _, batch in chosen}
         # Each held batch, in two halves where it has two parameters or more: every piece must
@@ -219,62 +209,7 @@ class ClassState:
             self._agree(groups, index, changes, f"in param group {index}")
             changes = _changes(self._instance_snapshot[owner], _instance_attrs(self._owners[index]))
             self._agree(objects, owner, changes, "on the optimizer instance")
-        if len(held) > 1:
-            self._refuse_coupled(held)
         self._restore(set(self._instances))
-
-    def _refuse_coupled(self, held: Sequence[tuple[Sequence[int], Sequence[Batch]]]) -> None:
-        """Refuse a class whose step moves a parameter differently when it steps others with
-        it: each class's first batch in two different held buckets is stepped on copies apart
-        and together, with the backward's gradients and with gradients of 100 everywhere
-        (large enough to cross any clipping threshold). See [Note: parameters stepped
-        together]."""
-        firsts: dict[str | None, list[tuple[int, Batch]]] = {}
-        for indices, batches in held:
-            seen = set()
-            for index, batch in zip(indices, batches, strict=True):
-                key = self._steppers.key_of(batch.group)
-                if self._tracked[index] and key not in seen and batch.params:
-                    seen.add(key)
-                    firsts.setdefault(key, []).append((index, batch))
-        for pairs in firsts.values():
-            if len(pairs) < 2:
-                continue
-            (i, a), (j, b) = pairs[:2]
-            stepper = self._steppers.tracked(a.group)
-            owner = {id(self._owners[i])}
-            together = (
-                [Batch(self.group(i), [*a.params, *b.params], [*a.grads, *b.grads])]
-                if i == j
-                else [
-                    Batch(self.group(i), a.params, a.grads),
-                    Batch(self.group(j), b.params, b.grads),
-                ]
-            )
-            differs = False
-            for fill in (None, 100.0):
-                apart = []
-                for index, batch in ((i, a), (j, b)):
-                    self._restore(owner)
-                    part = Batch(self.group(index), batch.params, batch.grads)
-                    apart += stepper.step_copies([part], self._state, fill)[0]["params"]
-                self._restore(owner)
-                joint = [
-                    p for g in stepper.step_copies(together, self._state, fill) for p in g["params"]
-                ]
-                differs = differs or not all(map(_close, apart, joint))
-            if on_any_rank(differs, [*a.params, *b.params]):
-                raise RuntimeError(
-                    f"the wrapped optimizer ({type(self._owners[i]).__name__}) moves a "
-                    "parameter differently when its step() is given other parameters with it: "
-                    "it reduces over all the parameters it steps (a gradient norm clipped "
-                    "inside step(), as timm's Lamb and apex's FusedLAMB do with their own "
-                    "max_grad_norm). Here each bucket is stepped apart, in backward, so it "
-                    "would train differently from the plain optimizer. Turn the class's own "
-                    "clipping off (max_grad_norm=None) and clip with "
-                    "InBackwardOptions(max_grad_norm=...), which clips by the norm of all "
-                    "gradients exactly; or use the plain optimizer. Nothing was stepped."
-                )
 
     def _restore(self, instances: set[int]) -> None:
         """Reset the attributes of the tracked instances ``instances`` to the snapshot."""
@@ -335,13 +270,6 @@ class ClassState:
         for key, changes in self._instance_changes.items():
             for name, value in changes.items():
                 setattr(self._instances[key], name, value)
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two copies of a parameter, stepped apart and together, agree (this rank's
-    shards)."""
-    a, b = local_tensor(a), local_tensor(b)
-    return bool(torch.allclose(a, b, rtol=1e-5, atol=0.0, equal_nan=True))
 
 
 def _instance_attrs(optimizer: Optimizer) -> dict[str, Any]:

@@ -44,11 +44,19 @@ class ClassSteppers:
             class, whose groups have no such key).
         trackable: whether each class's group and instance state can be tracked (see
             [Note: group and instance state]), by the same key.
+        joint: the keys of the classes stepped jointly, once per backward (see [Note: classes
+            stepped jointly]).
     """
 
-    def __init__(self, steppers: dict[str | None, Stepper], trackable: dict[str | None, bool]):
+    def __init__(
+        self,
+        steppers: dict[str | None, Stepper],
+        trackable: dict[str | None, bool],
+        joint: set[str | None],
+    ):
         self.steppers = steppers
         self.trackable = trackable
+        self.joint = joint
         # The classes whose group and instance state was checked before their first update.
         self.probed: set[str | None] = set()
 
@@ -97,3 +105,6 @@ class ClassSteppers:
 
     def key_of(self, group: dict[str, Any]) -> str | None:
         return group.get(GROUP_CLASS_KEY)
+
+    def is_joint(self, group: dict[str, Any]) -> bool:
+        return group.get(GROUP_CLASS_KEY) in self.joint

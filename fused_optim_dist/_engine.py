@@ -37,6 +37,20 @@ FSDP2's (set by hand, or accumulated in an earlier backward's output) can at wor
 unit early or not at all; either way every gradient is stepped, the rest at the end of
 backward, like a gradient reaching a closed unit.
 
+[Note: classes stepped jointly]
+A plain optimizer's ``step()`` is one call over all its parameters, and a class may reduce over
+them in it: timm's and apex's LAMB clip every gradient by the norm of all of them. Stepped bucket
+by bucket, each call would see its own bucket's gradients only, and the parameters would move
+differently with nothing to tell (no check on copies can: LAMB's first update does not change
+when every gradient is scaled alike). So a class not declared elementwise, whole-tensor or
+DTensor (every class but torch.optim's and this library's own, unless declared) is stepped
+*jointly*: each of its buckets, once complete and clipped, is held with its gradients (as a
+plain optimizer holds them), and at the end of backward every held batch of the class is
+stepped in one call, one group per param group, on the DTensor parameters. That call is the
+plain optimizer's, exact whatever the class computes; what it costs is the gradient memory the
+in-backward step would have released early. Declaring the class (``declare_stepping``)
+steps it bucket by bucket again.
+
 Profiler ranges, stable names for traces: ``fused_optim_dist::step_bucket`` (one bucket, all
 of it), inside it ``fused_optim_dist::gradients`` (norm, clipping, non-finite check),
 ``fused_optim_dist::derive_local_views`` (only when the cached views are re-derived) and
@@ -82,7 +96,8 @@ class Phase(enum.Enum):
 
 
 class _Deferred(NamedTuple):
-    """A bucket held until its class is checked: the groups, batches and ``found_inf``."""
+    """A bucket held until the end of backward (its class stepped jointly, or not yet checked):
+    the groups, batches and ``found_inf``."""
 
     indices: list[int]
     batches: list[Batch]
@@ -147,7 +162,8 @@ class BackwardPass:
         self._output_numel: dict[int, int] = {}
         self._norms = BackwardNorms()
         self._events = StepEvents()
-        # Buckets held until their class's group and instance state is checked.
+        # Buckets held until the end of backward: see [Note: classes stepped jointly] and
+        # [Note: group and instance state].
         self._deferred: list[_Deferred] = []
         # See [Note: group and instance state].
         self._class_state = ClassState(stepper, param_groups, state)
@@ -236,6 +252,16 @@ class BackwardPass:
 
     @staticmethod
     def _refuse(param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
+        if bucket is None and not param.requires_grad:
+            # Not a trainable parameter: what a hook before ours returned, passed on by torch.
+            raise RuntimeError(
+                "OptimizerInBackward's post-accumulate-grad hook was handed a tensor of shape "
+                f"{tuple(param.shape)} that is no trainable parameter: a post-accumulate-grad "
+                "hook registered before it on that parameter returned a value, which torch "
+                "hands to the next hook (`lambda p: p.grad.mul_(2)` returns the gradient). "
+                "Post-accumulate-grad hooks must return None; torch refuses such a hook with no "
+                "optimizer hooked after it too."
+            )
         if bucket is None:
             raise RuntimeError(
                 f"{describe(param)} received a gradient and is hooked by this "
@@ -328,9 +354,11 @@ class BackwardPass:
                         )
                 if verdict.step:
                     indices = [index for index, _ in split]
-                    if self._class_state.must_check(indices):
-                        # Held, gradients and all, until the class is checked at the end of
-                        # this backward. See [Note: group and instance state].
+                    if self._class_state.must_check(indices) or any(
+                        self._stepper.is_joint(batch.group) for batch in batches
+                    ):
+                        # Held, gradients and all, until the end of this backward. See [Note:
+                        # classes stepped jointly] and [Note: group and instance state].
                         self._deferred.append(_Deferred(indices, batches, verdict.found_inf))
                         self._stepped.update(map(id, params))
                         params = ()
@@ -343,15 +371,48 @@ class BackwardPass:
         self, indices: list[int], batches: list[Batch], found_inf: torch.Tensor | None
     ) -> None:
         self._class_state.run(indices, lambda: self._stepper.step(batches, self._state, found_inf))
+        # The fused kernels (torch._fused_adamw_, _fused_sgd_) write the parameters in place
+        # without moving their version counters; an in-place op would. Moved here, autograd
+        # refuses a node of this backward, still to run, that saved a parameter it updated
+        # (read through .detach() in the forward) instead of computing with the new values.
+        torch.autograd.graph.increment_version([p for batch in batches for p in batch.params])
 
     def _step_deferred(self) -> None:
-        """Check the classes whose first buckets were held, then step those buckets."""
+        """Check the classes whose first buckets were held, step those buckets, then the held
+        batches of the classes stepped jointly, in one call."""
         deferred, self._deferred = self._deferred, []
         if not deferred:
             return
         self._class_state.check([(d.indices, d.batches) for d in deferred])
+        # Joint batches by group index: one batch per group, in group order.
+        joint: dict[int, list[Batch]] = {}
         for held in deferred:
-            self._update(held.indices, held.batches, held.found_inf)
+            apart = [
+                (index, batch)
+                for index, batch in zip(held.indices, held.batches, strict=True)
+                if not self._stepper.is_joint(batch.group)
+            ]
+            for index, batch in zip(held.indices, held.batches, strict=True):
+                if self._stepper.is_joint(batch.group):
+                    joint.setdefault(index, []).append(batch)
+            if apart:
+                indices, batches = map(list, zip(*apart, strict=True))
+                self._update(indices, batches, held.found_inf)
+        if joint:
+            indices = sorted(joint)
+            self._update(
+                indices,
+                [
+                    Batch(
+                        joint[i][0].group,
+                        [p for b in joint[i] for p in b.params],
+                        [g for b in joint[i] for g in b.grads],
+                    )
+                    for i in indices
+                ],
+                None,
+            )
+        for held in deferred:
             params = [p for batch in held.batches for p in batch.params]
             grads = [g for batch in held.batches for g in batch.grads]
             self._release(params, grads)

@@ -166,15 +166,6 @@ def all_zero(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> b
     return total is None or bool(total == 0)
 
 
-def on_any_rank(flag: bool, params: Sequence[torch.Tensor]) -> bool:
-    """Whether ``flag`` holds on any rank holding a shard of ``params``. Collective over the
-    ranks the norm reduces over; reads one value back."""
-    total = torch.tensor(float(flag))
-    for key in dict.fromkeys(map(_reduce_key, params)):
-        total = _all_reduce(total, key).cpu()
-    return bool(total > 0)
-
-
 @dataclasses.dataclass
 class BucketVerdict:
     """Whether to step a bucket, and the ``found_inf`` flag a fused kernel skips it with."""

@@ -8,9 +8,15 @@
   runs on one owner rank, on the full tensors, with the class's own step; every rank gets its
   shards of the result. Exact: the owner computes what the class computes in one process (see
   [Note: whole-tensor stepping]).
-* ``DTENSOR``: the step runs on the DTensor parameters, and DTensor makes every reduction
-  global. Exact wherever DTensor supports the optimizer's ops, and slow; the default for any
-  class not declared otherwise.
+* ``DTENSOR``: the step runs on the DTensor parameters, bucket by bucket, and DTensor makes
+  every reduction within a parameter global. Exact wherever DTensor supports the optimizer's
+  ops and the update of a parameter does not depend on the others' (slow).
+* ``JOINT``: the step runs once per backward, at its end, on the DTensor parameters of every
+  bucket together, as the plain optimizer's one ``step()`` call: exact for any class DTensor
+  supports, whatever it computes across its parameters (timm's and apex's LAMB clip by the norm
+  of all their gradients inside ``step()``), with the gradients held until then as a plain
+  optimizer holds them. The default for any class not declared otherwise: nothing tells what
+  an unknown ``step()`` reduces over. See [Note: classes stepped jointly].
 
 A class is declared once, where it is defined, and the declaration holds for that class only
 (not its subclasses, which may change the update)::
@@ -42,6 +48,7 @@ class Stepping(str, enum.Enum):
     ELEMENTWISE = "elementwise"
     WHOLE_TENSOR = "whole_tensor"
     DTENSOR = "dtensor"
+    JOINT = "joint"
 
 
 _KNOWN: dict[type[Optimizer], Stepping] = {
@@ -102,7 +109,8 @@ def declare_stepping(kind: str | Stepping) -> Callable[[_Cls], _Cls]:
     """Class decorator: step ``cls`` in backward the way ``kind`` says (see the module doc).
 
     Declare ``"elementwise"`` only if the update truly is elementwise: a norm of the whole
-    parameter taken on a local shard is silently wrong.
+    parameter taken on a local shard is silently wrong; and ``"dtensor"`` only if the update of
+    a parameter does not depend on the others' (no norm over all gradients inside ``step()``).
     """
     stepping = _parse(kind)
 
@@ -122,4 +130,4 @@ def stepping_of(optimizer_cls: type[Optimizer], override: str | Stepping | None)
     declared = _DECLARED.get(optimizer_cls)
     if declared is not None:
         return declared
-    return _KNOWN.get(optimizer_cls, Stepping.DTENSOR)
+    return _KNOWN.get(optimizer_cls, Stepping.JOINT)

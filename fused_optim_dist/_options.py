@@ -26,7 +26,8 @@ class InBackwardOptions:
     """
 
     stepping: str | None = None
-    """``"elementwise"``, ``"whole_tensor"``, ``"dtensor"`` (see ``fused_optim_dist.Stepping``)
+    """``"elementwise"``, ``"whole_tensor"``, ``"dtensor"``, ``"joint"`` (see
+    ``fused_optim_dist.Stepping``)
     or ``None``: the way declared for the class (:func:`fused_optim_dist.declare_stepping`),
     else the default."""
 

@@ -409,13 +409,10 @@ class BucketStepper:
         return self._run([dict(group) for group in groups], defaultdict(dict), None)
 
     @torch.no_grad()
-    def step_copies(
-        self, batches: Sequence[Batch], state: dict, fill: float | None = None
-    ) -> list[dict[str, Any]]:
+    def step_copies(self, batches: Sequence[Batch], state: dict) -> list[dict[str, Any]]:
         """Run the class's ``step`` on copies of ``batches``' parameters (local shards, or the
-        DTensors), their gradients (every element ``fill`` instead, if given) and their
-        ``state`` entries, never the originals; the groups it received, holding the copies.
-        For checks made before a class's first real update."""
+        DTensors), their gradients and their ``state`` entries, never the originals; the
+        groups it received. For checks made before a class's first real update."""
         copies: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         groups = []
         for batch in batches:
@@ -423,8 +420,7 @@ class BucketStepper:
             for param, grad in zip(batch.params, batch.grads, strict=True):
                 source = local_tensor(param) if self.local_shards else param
                 clone = source.detach().clone()
-                grad = grad if self.local_shards else param.grad
-                clone.grad = grad.clone() if fill is None else torch.full_like(grad, fill)
+                clone.grad = (grad if self.local_shards else param.grad).clone()
                 if param in state:
                     copies[clone] = copy.deepcopy(state[param])
                 params.append(clone)

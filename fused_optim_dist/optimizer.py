@@ -148,15 +148,18 @@ def _steppers(
     """One stepper per class, stepping as the class is declared (``override``: the
     default class's ``stepping`` option)."""
     steppers: dict[str | None, Stepper] = {}
+    joint: set[str | None] = set()
     for key, inner in inners.items():
         stepping = stepping_of(type(inner), override if key is None else None)
+        if stepping is Stepping.JOINT:
+            joint.add(key)
         steppers[key] = (
             WholeTensorStepper(inner)
             if stepping is Stepping.WHOLE_TENSOR
             else BucketStepper(inner, local_shards=stepping is Stepping.ELEMENTWISE)
         )
     trackable = {k: not isinstance(s, WholeTensorStepper) for k, s in steppers.items()}
-    return ClassSteppers(steppers, trackable)
+    return ClassSteppers(steppers, trackable, joint)
 
 
 def _as_group(param_group: dict[str, Any]) -> dict[str, Any]:

@@ -32,12 +32,12 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_never_silent import GroupStepLamb
+from test_never_silent import GlobalClipSGD, GroupStepLamb
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist import InBackwardOptions, OptimizerInBackward
 from fused_optim_dist.compact_adamw import CompactAdamW
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
@@ -89,6 +89,9 @@ class LoopMachine(RuleBasedStateMachine):
     max_grad_norm: float | None = None
     """Clip by norm: ours in backward, the plain loop with ``clip_grad_norm_`` before step."""
     bucket_numel: int | None = 24
+    stepping: str | None = None
+    """The ``stepping`` option: ``None``, as declared (an undeclared class is stepped
+    jointly)."""
 
     @initialize()
     def build(self) -> None:
@@ -104,13 +107,10 @@ class LoopMachine(RuleBasedStateMachine):
         body = [p for n, p in ours_model.named_parameters() if not n.startswith("head")]
         ref_body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
         cls, kwargs = self.optimizer_cls, self.optimizer_kwargs
-        self.ours = OptimizerInBackward(
-            body,
-            cls,
-            max_grad_norm=self.max_grad_norm,
-            bucket_numel=self.bucket_numel,
-            **kwargs,
+        options = InBackwardOptions(
+            max_grad_norm=self.max_grad_norm, bucket_numel=self.bucket_numel, stepping=self.stepping
         )
+        self.ours = OptimizerInBackward(body, cls, options=options, **kwargs)
         self.plain = cls(ref_body, **kwargs)
         self.head_added = False
         self.pending = False  # gradients accumulated, not yet stepped
@@ -415,10 +415,20 @@ class ClippedLoopMachine(LoopMachine):
 
 
 class GroupCounterLoopMachine(LoopMachine):
-    """The same loops with a class that counts steps in its param groups (timm's Lamb)."""
+    """The same loops with a class that counts steps in its param groups (timm's Lamb),
+    declared to step bucket by bucket: its group state tracked across buckets."""
 
     optimizer_cls = GroupStepLamb
     optimizer_kwargs: ClassVar[dict] = {"lr": 1e-2}
+    stepping = "dtensor"
+
+
+class JointLoopMachine(LoopMachine):
+    """The same loops with an undeclared class clipping by the norm of all its gradients
+    inside ``step()``: stepped jointly, once per backward."""
+
+    optimizer_cls = GlobalClipSGD
+    optimizer_kwargs: ClassVar[dict] = {"lr": 0.05}
 
 
 class CompactLoopMachine(LoopMachine):
@@ -472,6 +482,10 @@ def test_random_loops_clipped():
 
 def test_random_loops_group_counter():
     _run(GroupCounterLoopMachine, examples=6, steps=10)
+
+
+def test_random_loops_joint():
+    _run(JointLoopMachine, examples=6, steps=10)
 
 
 def test_random_loops_compact_adamw():

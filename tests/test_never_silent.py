@@ -201,7 +201,9 @@ class NormInGroup(torch.optim.SGD):
         return super().step()
 
 
-def _counters(sharded: bool, cls: type, kwargs: dict) -> None:
+def _counters(sharded: bool, cls: type, stepping: str | None) -> None:
+    """``stepping``: ``None`` (an undeclared class: stepped jointly), or ``"dtensor"`` (bucket
+    by bucket, its group and instance state tracked)."""
     model, reference = make_models()
     if sharded:
         shard(model)
@@ -211,9 +213,9 @@ def _counters(sharded: bool, cls: type, kwargs: dict) -> None:
     ref_head = list(reference.head.parameters())
     ref_body = [p for n, p in reference.named_parameters() if not n.startswith("head")]
     optim = OptimizerInBackward(
-        [{"params": body}, {"params": head, "lr": 3e-3}], cls, bucket_numel=20, **kwargs
+        [{"params": body}, {"params": head, "lr": 3e-3}], cls, bucket_numel=20, stepping=stepping
     )
-    plain = cls([{"params": ref_body}, {"params": ref_head, "lr": 3e-3}], **kwargs)
+    plain = cls([{"params": ref_body}, {"params": ref_head, "lr": 3e-3}])
     for step in range(4):
         x, y = _x(step, sharded)
         loss_fn(model, x, y).backward()
@@ -231,12 +233,14 @@ def _counters(sharded: bool, cls: type, kwargs: dict) -> None:
     ]
 
 
-def test_group_step_counter_trains_like_plain():
-    _counters(False, GroupStepLamb, {})
+@pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "per-bucket"])
+def test_group_step_counter_trains_like_plain(stepping):
+    _counters(False, GroupStepLamb, stepping)
 
 
-def test_instance_counter_trains_like_plain():
-    _counters(False, InstanceCountSGD, {})
+@pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "per-bucket"])
+def test_instance_counter_trains_like_plain(stepping):
+    _counters(False, InstanceCountSGD, stepping)
 
 
 class DeviceReadingLamb(GroupStepLamb):
@@ -279,18 +283,34 @@ def test_group_without_gradients_stepped_with_its_parameters():
     assert [g["step"] for g in optim.param_groups] == [g["step"] for g in plain.param_groups]
 
 
-def test_group_state_depending_on_parameters_is_refused():
+def test_group_state_depending_on_parameters_refused_per_bucket_equal_jointly():
+    """A class writing a norm over the parameters it steps into its group: declared to step
+    bucket by bucket, refused by the check before the first update; undeclared, stepped
+    jointly in one call per backward, equal to the plain optimizer."""
     model, _ = make_models()
-    _optim = OptimizerInBackward(model.parameters(), NormInGroup, lr=0.1, bucket_numel=20)
+    _optim = OptimizerInBackward(
+        model.parameters(), NormInGroup, lr=0.1, bucket_numel=20, stepping="dtensor"
+    )
     before = _snapshot(model)
     x, y = _x(0)
     with pytest.raises(RuntimeError, match="wrote different values in param group 0"):
         loss_fn(model, x, y).backward()
-    _assert_unchanged(model, before)  # refused by the check before the first update
+    _assert_unchanged(model, before)
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), NormInGroup, lr=0.1, bucket_numel=20)
+    plain = NormInGroup(reference.parameters(), lr=0.1)
+    for step in range(3):
+        _step_both(((model, optim), (reference, plain)), step, zero=False)
+        assert optim.param_groups[0]["last_norm"] == pytest.approx(
+            plain.param_groups[0]["last_norm"], rel=1e-6
+        )
+        optim.zero_grad()
+        plain.zero_grad()
+    assert_match(model, reference)
 
 
-def _lamb_body() -> None:
-    _counters(True, GroupStepLamb, {})
+def _lamb_body(stepping: str | None) -> None:
+    _counters(True, GroupStepLamb, stepping)
 
 
 class GlobalClipSGD(torch.optim.Optimizer):
@@ -315,30 +335,39 @@ class GlobalClipSGD(torch.optim.Optimizer):
 
 
 def _global_clip(sharded: bool) -> None:
-    """Several buckets: refused at the first backward, before anything moves, on every rank."""
-    model, _ = make_models()
+    """Several buckets; the body frozen for two steps (only the head's bucket trains), then
+    unfrozen, as linear probing then fine-tuning does."""
+    model, reference = make_models()
     if sharded:
         shard(model)
-    _optim = OptimizerInBackward(model.parameters(), GlobalClipSGD, bucket_numel=20)
-    _refused_unmoved(
-        model,
-        r"reduces over all the parameters it steps",
-        lambda: loss_fn(model, *_x(0, sharded)).backward(),
-    )
-
-
-def test_class_clipping_inside_its_step_refused_with_several_buckets():
-    """A class clipping by the norm of all its gradients inside ``step()``: each bucket's call
-    would clip by its own bucket's norm (1.1e-4 apart after one step on a 16.8M-parameter
-    module cut into two buckets, with no error, before the check). Refused before anything
-    moves; with one bucket, its call sees every gradient and trains as the plain optimizer."""
-    _global_clip(sharded=False)
-    model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), GlobalClipSGD, bucket_numel=1 << 20)
+        shard(reference)
+    for net in (model, reference):
+        net.requires_grad_(False)
+        net.head.requires_grad_(True)
+    optim = OptimizerInBackward(model.parameters(), GlobalClipSGD, bucket_numel=20)
     plain = GlobalClipSGD(reference.parameters())
-    for step in range(3):
-        _step_both(((model, optim), (reference, plain)), step, zero=True)
-    assert_match(model, reference)
+    for step in range(4):
+        if step == 2:
+            model.requires_grad_(True)
+            reference.requires_grad_(True)
+        for net, opt in ((model, optim), (reference, plain)):
+            loss_fn(net, *_x(step, sharded)).backward()
+            if opt is optim:
+                assert not any(holds_gradient(p) for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        assert_match(model, reference)
+
+
+def test_class_clipping_inside_its_step_equal_with_several_buckets():
+    """A class clipping by the norm of all its gradients inside ``step()``, as timm's ``Lamb``
+    and apex's ``FusedLAMB`` do with their own ``max_grad_norm``: stepped bucket by bucket, each
+    call would clip by its own bucket's norm (1.1e-4 apart after one step on a 16.8M-parameter
+    module cut into two buckets, with no error; a check on copies missed timm's ``Lamb``, whose
+    first update does not change when every gradient is scaled alike). Undeclared, it is
+    stepped jointly, in one call at the end of backward: equal, with several buckets from the
+    start and after unfreezing."""
+    _global_clip(sharded=False)
 
 
 def _global_clip_body() -> None:
@@ -394,25 +423,17 @@ def test_lr_zero_step_skips_a_nonfinite_gradient():
 # ------------------------------------- 4-6. a second backward before step(): refused at once
 
 
-@pytest.mark.parametrize(
-    ("kernel", "message"),
-    [
-        # The class's default kernels update the parameters in place, which moves their
-        # version counters, so autograd refuses the retained graph's saved weights first.
-        ({}, "modified by an inplace operation"),
-        # The fused kernel moves no version counter: the second gradient reaches the hook.
-        ({"fused": True}, r"accumulate\(\)"),
-    ],
-    ids=["default", "fused"],
-)
-def test_two_losses_two_backwards_refused_before_the_second_moves(kernel, message):
+# Every update moves the parameters' version counters (the fused kernels' too, by the engine),
+# so autograd refuses the retained graph's saved weights before the second gradient arrives.
+@pytest.mark.parametrize("kernel", [{}, {"fused": True}], ids=["default", "fused"])
+def test_two_losses_two_backwards_refused_before_the_second_moves(kernel):
     model, _ = make_models()
     _optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, **kernel)
     x, y = _x(0)
     out = model(x)
     nn.functional.mse_loss(out, y).backward(retain_graph=True)
     after_first = _snapshot(model)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.square().mean().backward()
     _assert_unchanged(model, after_first)
 
@@ -596,6 +617,53 @@ def test_gradient_hook_registered_after_the_optimizer_refused_before_it_equal():
     for step in range(3):
         _step_both(((model, optim), (reference, plain)), step, zero=True)
     assert_match(model, reference)
+
+
+def test_gradient_hook_returning_a_value_named():
+    """A post-accumulate-grad hook returning the gradient (``lambda p: p.grad.mul_(2)``): torch
+    hands the value to the next hook, ours, and refuses such a hook with no optimizer after it.
+    Ours names that hook, with nothing moved (it reported a parameter missing from the
+    param groups)."""
+    model, _ = make_models()
+    model.head.bias.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(2))
+    _optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    _refused_unmoved(
+        model,
+        "hook must return None|hooks must return None",
+        lambda: loss_fn(model, *_x(0)).backward(),
+    )
+
+
+class _DetachedRead(nn.Module):
+    """Reads ``second``'s weight through ``.detach()`` before using it with its gradient: the
+    detached read's backward node runs after ``second``'s gradient arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = torch.tanh(nn.functional.linear(h, self.second.weight.detach()))
+        return self.head(torch.tanh(self.second(h)))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_parameter_read_detached_after_its_update_refused_by_autograd(fused):
+    """With several buckets, ``second``'s bucket is stepped before the node that read its weight
+    through ``.detach()`` runs; the plain optimizer's backward uses the old weight there. The
+    fused kernels moved no version counter, so that node computed with the updated weight
+    (2.0e-3 apart after four steps, no error); now the version is moved after every update and
+    autograd refuses, as it does for the in-place foreach update."""
+    torch.manual_seed(0)
+    model = _DetachedRead()
+    _optim = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, bucket_numel=1, fused=fused, **ADAMW
+    )
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_fn(model, x, y).backward()
 
 
 def test_another_optimizer_on_the_same_parameters_refused_at_its_step():
@@ -1018,8 +1086,8 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _freed_gradients_body, sharded=True)
     worlds.run(2, _freed_gradients_body, sharded=True)
     worlds.run(3, _loaded_between_backward_and_step_body, sharded=True)
-    worlds.run(2, _lamb_body)
-    worlds.run(3, _lamb_body)
+    worlds.run(2, _lamb_body, stepping="dtensor")
+    worlds.run(3, _lamb_body, stepping=None)
     worlds.run(3, _global_clip_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
