@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -153,6 +154,15 @@ def _steppers(
         stepping = stepping_of(type(inner), override if key is None else None)
         if stepping is Stepping.JOINT:
             joint.add(key)
+            warnings.warn(
+                f"{type(inner).__name__} is not declared to OptimizerInBackward, so it is "
+                "stepped jointly: its gradients are held to the end of backward and its step() "
+                "runs once there on all of them, exactly as the plain optimizer's, but without "
+                "releasing gradients early. If its update of a parameter reads no other "
+                "parameter, declare it (fused_optim_dist.declare_stepping('elementwise' or "
+                "'dtensor')) or pass stepping=... to step it in backward, bucket by bucket.",
+                stacklevel=3,
+            )
         steppers[key] = (
             WholeTensorStepper(inner)
             if stepping is Stepping.WHOLE_TENSOR
