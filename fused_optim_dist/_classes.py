@@ -91,7 +91,18 @@ class ClassSteppers:
         return stepper
 
     def step_without_gradients(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [self.tracked(group).step_without_gradients([group])[0] for group in groups]
+        """Run each class's step once on its ``groups`` (as the plain optimizer's one call),
+        none of whose parameters holds a gradient; the groups each received, in order."""
+        by_class: dict[str | None, list[int]] = {}
+        for position, group in enumerate(groups):
+            by_class.setdefault(group.get(GROUP_CLASS_KEY), []).append(position)
+        handed: list[dict[str, Any]] = [{}] * len(groups)
+        for positions in by_class.values():
+            mine = [groups[i] for i in positions]
+            out = self.tracked(mine[0]).step_without_gradients(mine)
+            for position, group in zip(positions, out, strict=True):
+                handed[position] = group
+        return handed
 
     def flush(self) -> None:
         for stepper in self.steppers.values():

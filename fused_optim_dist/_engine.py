@@ -45,9 +45,11 @@ differently with nothing to tell (no check on copies can: LAMB's first update do
 when every gradient is scaled alike). So a class not declared elementwise, whole-tensor or
 DTensor (every class but torch.optim's and this library's own, unless declared) is stepped
 *jointly*: each of its buckets, once complete and clipped, is held with its gradients (as a
-plain optimizer holds them), and at the end of backward every held batch of the class is
-stepped in one call, one group per param group, on the DTensor parameters. That call is the
-plain optimizer's, exact whatever the class computes; what it costs is the gradient memory the
+plain optimizer holds them), and at the end of backward the class's step runs once on all its
+param groups, each with all its parameters (as DTensors), those of the held buckets holding
+their gradients and the others none (a group no gradient reached; a bucket skipped as
+non-finite, whose freed gradients are hidden for the call). That call is the plain
+optimizer's, exact whatever the class computes; what it costs is the gradient memory the
 in-backward step would have released early. Declaring the class (``declare_stepping``)
 steps it bucket by bucket again.
 
@@ -70,7 +72,7 @@ import torch
 
 from fused_optim_dist._class_state import ClassState
 from fused_optim_dist._classes import ClassSteppers
-from fused_optim_dist._freed import FreedGradients, is_freed
+from fused_optim_dist._freed import FreedGradients, freed_hidden, is_freed
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
 from fused_optim_dist._protocol import PendingUpdates, describe
@@ -384,38 +386,35 @@ class BackwardPass:
         if not deferred:
             return
         self._class_state.check([(d.indices, d.batches) for d in deferred])
-        # Joint batches by group index: one batch per group, in group order.
-        joint: dict[int, list[Batch]] = {}
+        joint = False
         for held in deferred:
             apart = [
                 (index, batch)
                 for index, batch in zip(held.indices, held.batches, strict=True)
                 if not self._stepper.is_joint(batch.group)
             ]
-            for index, batch in zip(held.indices, held.batches, strict=True):
-                if self._stepper.is_joint(batch.group):
-                    joint.setdefault(index, []).append(batch)
+            joint = joint or len(apart) < len(held.batches)
             if apart:
                 indices, batches = map(list, zip(*apart, strict=True))
                 self._update(indices, batches, held.found_inf)
         if joint:
-            indices = sorted(joint)
-            self._update(
-                indices,
-                [
-                    Batch(
-                        joint[i][0].group,
-                        [p for b in joint[i] for p in b.params],
-                        [g for b in joint[i] for g in b.grads],
-                    )
-                    for i in indices
-                ],
-                None,
-            )
+            self._step_jointly()
         for held in deferred:
             params = [p for batch in held.batches for p in batch.params]
             grads = [g for batch in held.batches for g in batch.grads]
             self._release(params, grads)
+
+    def _step_jointly(self) -> None:
+        """One call of each jointly stepped class's step on all its groups, each with all its
+        parameters: those of the held buckets hold their gradients, the others none (a freed
+        gradient of a skipped bucket is hidden). See [Note: classes stepped jointly]."""
+        indices = [i for i, group in enumerate(self._param_groups) if self._stepper.is_joint(group)]
+        batches = [
+            Batch(self._class_state.group(i), list(self._param_groups[i]["params"]), [])
+            for i in indices
+        ]
+        with freed_hidden([p for batch in batches for p in batch.params]):
+            self._update(indices, batches, None)
 
     def _release(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None

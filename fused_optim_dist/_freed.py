@@ -31,15 +31,23 @@ setter accepts it (same dtype, device and size): a backward allocates nothing fo
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FreedGradient", "FreedGradients", "drop_freed", "is_freed", "refuse_freed"]
+__all__ = [
+    "FreedGradient",
+    "FreedGradients",
+    "drop_freed",
+    "freed_hidden",
+    "is_freed",
+    "refuse_freed",
+]
 
 _aten = torch.ops.aten
 # In-place or out-of-place addition: how the next backward accumulates into a gradient.
@@ -227,3 +235,21 @@ def drop_freed(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | No
         for param, grad in zip(params, grads, strict=True):
             if grad is not None and is_freed(grad):
                 param.grad = None
+
+
+@contextlib.contextmanager
+def freed_hidden(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within, those of ``params`` holding a freed gradient hold none: for the wrapped class's
+    step on parameters without a gradient (a group no gradient reached, a bucket skipped as
+    non-finite), which the plain optimizer's step skips by ``p.grad is None``. Restored after."""
+    with torch._C.DisableTorchFunctionSubclass():
+        held = [(p, p.grad) for p in params]
+        hidden = [(p, grad) for p, grad in held if grad is not None and is_freed(grad)]
+        for param, _ in hidden:
+            param.grad = None
+    try:
+        yield
+    finally:
+        with torch._C.DisableTorchFunctionSubclass():
+            for param, grad in hidden:
+                param.grad = grad

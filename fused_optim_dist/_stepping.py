@@ -83,6 +83,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
+from fused_optim_dist._freed import freed_hidden
 from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._torch_internals import (
     local_tensor,
@@ -406,7 +407,9 @@ class BucketStepper:
         """Run the class's ``step`` on ``groups``, none of whose parameters holds a gradient,
         with a scratch state (as the plain optimizer's step skips parameters without one, but
         may read a group's parameters, e.g. ``params[0].device``); the groups it received."""
-        return self._run([dict(group) for group in groups], defaultdict(dict), None)
+        groups = [dict(group) for group in groups]
+        with freed_hidden([p for group in groups for p in group["params"]]):
+            return self._run(groups, defaultdict(dict), None)
 
     @torch.no_grad()
     def step_copies(self, batches: Sequence[Batch], state: dict) -> list[dict[str, Any]]:

@@ -504,6 +504,11 @@ class OptimizerInBackward(Optimizer):
             else:
                 self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
                 self._pending.refuse_discard()
+        if self._pass is not None and self._pass.abandoned:
+            # A backward that raised having only held buckets (to check their class, or to
+            # step it jointly): nothing moved, and the loop drops the gradients, as the plain
+            # loop skipping the batch does; step() must not step them.
+            self._pass = None
         self._kept.zeroed(set_to_none)
         params = [p for group in self.param_groups for p in group["params"]]
         if not set_to_none:

@@ -283,6 +283,72 @@ def test_group_without_gradients_stepped_with_its_parameters():
     assert [g["step"] for g in optim.param_groups] == [g["step"] for g in plain.param_groups]
 
 
+@pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "per-bucket"])
+def test_nonfinite_step_skipped_for_a_class_counting_in_its_groups(stepping):
+    """``skip_nonfinite`` and a NaN loss: every bucket is skipped, nothing moves, and the class's
+    step still visits its groups (whose parameters hold no gradient), as the plain loop's
+    ``step()`` on dropped gradients does (the freed gradients of the skipped buckets reached
+    the class: a misleading error about reading gradients)."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(
+        model.parameters(), GroupStepLamb, skip_nonfinite=True, bucket_numel=20, stepping=stepping
+    )
+    plain = GroupStepLamb(reference.parameters())
+    for step in range(3):
+        before = _snapshot(model)
+        for net, opt in ((model, optim), (reference, plain)):
+            loss = loss_fn(net, *_x(step))
+            if step == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            if opt is plain and step == 1:
+                plain.zero_grad()  # the plain loop's skip: no gradient to step
+            opt.step()
+            opt.zero_grad()
+        if step == 1:
+            _assert_unchanged(model, before)
+    assert_match(model, reference)
+    assert optim.param_groups[0]["step"] == plain.param_groups[0]["step"] == 3
+
+
+class InstanceNormSGD(torch.optim.Optimizer):
+    """SGD noting the norm of all its gradients on itself, for logging."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, dict(lr=lr))
+        self.last_norm = 0.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.last_norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_joint_class_steps_every_group_in_one_call():
+    """A class noting a value over all its gradients on itself, a group that got no gradient
+    (a frozen head): its step runs once on every group, as the plain optimizer's (the group
+    without gradients was stepped in a call of its own, whose value disagreed: refused after
+    the other parameters moved)."""
+    model, reference = make_models(freeze=("head",))
+
+    def groups(net: nn.Module) -> list[dict]:
+        body = [p for n, p in net.named_parameters() if not n.startswith("head")]
+        return [{"params": body}, {"params": list(net.head.parameters()), "lr": 0.01}]
+
+    optim = OptimizerInBackward(groups(model), InstanceNormSGD, bucket_numel=20)
+    plain = InstanceNormSGD(groups(reference))
+    for step in range(3):
+        _step_both(((model, optim), (reference, plain)), step, zero=True)
+        assert optim._stepper.steppers[None].optimizer.last_norm == pytest.approx(
+            plain.last_norm, rel=1e-6
+        )
+    assert_match(model, reference)
+
+
 def test_group_state_depending_on_parameters_refused_per_bucket_equal_jointly():
     """A class writing a norm over the parameters it steps into its group: declared to step
     bucket by bucket, refused by the check before the first update; undeclared, stepped
