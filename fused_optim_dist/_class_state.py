@@ -253,6 +253,14 @@ class ClassState:
             "torch.optim does), or use the plain optimizer."
         )
 
+    def wrote(self) -> bool:
+        """Whether this pass changed a value in a group or on an instance (a step counter)."""
+        return self.tracked and any(
+            changes
+            for seen in (self._group_changes, self._instance_changes)
+            for changes in seen.values()
+        )
+
     def finish(self) -> None:
         """Step the tracked groups no bucket stepped, none of whose parameters holds a gradient
         (the plain optimizer's ``step()`` visits them too), then write what the buckets

@@ -202,6 +202,11 @@ class BackwardPass:
             return True
         return False
 
+    def wrote_class_state(self) -> bool:
+        """Whether this pass advanced state a class keeps in its groups or on itself. See
+        [Note: group and instance state]."""
+        return self._class_state.wrote()
+
     @property
     def abandoned(self) -> bool:
         """Whether this pass stepped something in a backward that will never finish it (the

@@ -591,6 +591,7 @@ class OptimizerInBackward(Optimizer):
                 step.step_all(ready)
                 step.finish()
                 return
+            self._refuse_second_pass()
             self._check_first_backward()
             step = self._new_pass(None)
             step.step_all(ready)
@@ -635,6 +636,22 @@ class OptimizerInBackward(Optimizer):
                 "autocast (torch.autocast(device_type, dtype=torch.bfloat16)), which needs no "
                 "loss scaling, and use skip_nonfinite=True to skip non-finite buckets; or use "
                 "the plain optimizer with GradScaler."
+            )
+
+    def _refuse_second_pass(self) -> None:
+        """Raise before a second pass (a backward, or ``step()`` stepping gradients set by
+        hand) with no ``step()`` since a pass that advanced state a class keeps in its groups
+        or on itself: the plain optimizer's one ``step()`` advances it once, each pass here
+        would advance it again. See [Note: group and instance state]."""
+        if self._stepped_since_step and self._pass is not None and self._pass.wrote_class_state():
+            raise RuntimeError(
+                "a second backward (or a step() stepping gradients set by hand) before "
+                "optim.step(), after a backward whose update advanced state the wrapped "
+                "optimizer keeps in its param groups or on itself (a step counter, as timm's "
+                "Lamb keeps): a plain optimizer's one step() advances it once, here each pass "
+                "would advance it. Run the earlier backwards of the step under "
+                "`with optim.accumulate():` (two losses, an actor and a critic), or call "
+                "optim.step() after each. Nothing was stepped by this one."
             )
 
     def _check_first_backward(self) -> None:
@@ -771,6 +788,7 @@ class OptimizerInBackward(Optimizer):
             return
         if current is None or not (current.owns(backward_id) or current.adopt(backward_id)):
             # The first gradient of a new backward. See [Note: one backward, one BackwardPass].
+            self._refuse_second_pass()
             self._check_first_backward()
             current = self._pass = self._new_pass(backward_id)
             current.queue_finish()
