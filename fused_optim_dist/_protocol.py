@@ -88,6 +88,17 @@ def _values(group: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _differ(then: Any, now: Any) -> bool:
+    """Whether a group's value changed: not the same object, and not equal (a NaN kept in a
+    group is itself, though unequal to itself)."""
+    if then is now:
+        return False
+    try:
+        return bool(then != now)
+    except (RuntimeError, TypeError, ValueError):  # no truth value (an array)
+        return True
+
+
 class _Written:
     """The version counters of parameters and of their optimizer state at one moment, to find
     the ones written since: a parameter's own counter, its state entry (identity, size) and
@@ -267,7 +278,7 @@ class PendingUpdates:
             changed = [
                 key
                 for key in sorted(values.keys() | values_now.keys())
-                if values.get(key, _MISSING) != values_now.get(key, _MISSING)
+                if _differ(values.get(key, _MISSING), values_now.get(key, _MISSING))
             ]
             if not changed:
                 continue

@@ -1093,7 +1093,9 @@ def test_lr_set_between_backward_and_step_refused():
 
 
 def _two_group_loops() -> tuple[nn.Module, nn.Module, OptimizerInBackward, Optimizer]:
-    """``_adamw_loops`` with the head's weight in a second group, without weight decay."""
+    """``_adamw_loops`` with the head's weight in a second group, without weight decay; the
+    first group holds a NaN of the loop's own (unequal to itself, it was refused as changed
+    at every step)."""
     model, reference = make_models()
     groups = [
         lambda net: [p for n, p in net.named_parameters() if n != "head.weight"],
@@ -1101,7 +1103,10 @@ def _two_group_loops() -> tuple[nn.Module, nn.Module, OptimizerInBackward, Optim
     ]
 
     def param_groups(net: nn.Module) -> list[dict]:
-        return [{"params": groups[0](net)}, {"params": groups[1](net), "weight_decay": 0.0}]
+        return [
+            {"params": groups[0](net), "note": math.nan},
+            {"params": groups[1](net), "weight_decay": 0.0},
+        ]
 
     optim = OptimizerInBackward(param_groups(model), torch.optim.AdamW, **ADAMW)
     return model, reference, optim, torch.optim.AdamW(param_groups(reference), **ADAMW)
