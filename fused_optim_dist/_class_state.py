@@ -69,6 +69,11 @@ _OPTIMIZER_ATTRS = frozenset(
 )
 
 
+_PARAMS = ("params", "param_names")
+"""A group's parameters and their names (a group of named parameters): what a bucket is handed
+its own of, never state."""
+
+
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
@@ -125,7 +130,7 @@ class ClassState:
         # The snapshot: each tracked group without its params, and each tracked class
         # instance's own attributes (by id of the instance).
         self._group_snapshot = {
-            i: copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+            i: copy.deepcopy({k: v for k, v in g.items() if k not in _PARAMS})
             for i, g in enumerate(param_groups)
             if self._tracked[i]
         }
@@ -143,9 +148,10 @@ class ClassState:
         """The group a bucket's step reads: the facade's, or a fresh copy of the snapshot."""
         if not self.tracked or not self._tracked[index]:
             return self._groups[index]
+        group = self._groups[index]
         return {
             **copy.deepcopy(self._group_snapshot[index]),
-            "params": self._groups[index]["params"],
+            **{key: group[key] for key in _PARAMS if key in group},
         }
 
     def run(
@@ -204,7 +210,7 @@ class ClassState:
                 self.group(index), [batch.params[i] for i in cut], [batch.grads[i] for i in cut]
             )
             (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
-            after = {k: v for k, v in group.items() if k != "params"}
+            after = {k: v for k, v in group.items() if k not in _PARAMS}
             changes = _changes(self._group_snapshot[index], after)
             self._agree(groups, index, changes, f"in param group {index}")
             changes = _changes(self._instance_snapshot[owner], _instance_attrs(self._owners[index]))
@@ -227,7 +233,7 @@ class ClassState:
         for index, group in zip(indices, handed, strict=True):
             if index in tracked:
                 assert group is not None
-                after = {k: v for k, v in group.items() if k != "params"}
+                after = {k: v for k, v in group.items() if k not in _PARAMS}
                 changes = _changes(self._group_snapshot[index], after)
                 self._agree(self._group_changes, index, changes, f"in param group {index}")
         for key in instances:

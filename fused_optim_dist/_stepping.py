@@ -427,7 +427,7 @@ class BucketStepper:
                 if param in state:
                     copies[clone] = copy.deepcopy(state[param])
                 params.append(clone)
-            groups.append({**batch.group, "params": params})
+            groups.append(_handed(batch.group, params, batch.params))
         return self._run(groups, copies, None)
 
     @torch.no_grad()
@@ -446,7 +446,7 @@ class BucketStepper:
         """
         if self.local_shards:
             return self._step_local(batches, state, found_inf)
-        groups = [{**group, "params": list(params)} for group, params, _ in batches]
+        groups = [_handed(group, params, params) for group, params, _ in batches]
         return self._run(groups, state, found_inf)
 
     def _local_views(self, batches: Sequence[Batch], state: dict) -> tuple[_Key, _LocalViews]:
@@ -481,7 +481,8 @@ class BucketStepper:
                     self._adam_update(batch.group, lists, batch.grads, found_inf)
             return None
         local_groups = [
-            {**group, "params": shards} for group, shards in zip(groups, views.shards, strict=True)
+            _handed(batch.group, shards, batch.params)
+            for batch, shards in zip(batches, views.shards, strict=True)
         ]
         grads = [grad for batch in batches for grad in batch.grads]
         dtensor_views = []
@@ -600,6 +601,24 @@ class BucketStepper:
             # Drop the references so the stepper never keeps a bucket's tensors alive.
             optimizer.param_groups, optimizer.state = [], defaultdict(dict)
             optimizer.found_inf = None
+
+
+def _handed(
+    group: dict[str, Any], params: Sequence[torch.Tensor], members: Sequence[torch.Tensor]
+) -> dict[str, Any]:
+    """``group`` as the class's step gets it for a batch: its ``params`` (``members``, or
+    their local shards or copies), and for a group of named parameters (an optimizer built on
+    ``model.named_parameters()``) the names of ``members``, in their order, as the class would
+    zip ``param_names`` with ``params``."""
+    handed = {**group, "params": list(params)}
+    names = group.get("param_names")
+    if names is not None:
+        by_id = dict(zip(map(id, group["params"]), names, strict=True))
+        if all(id(p) in by_id for p in members):
+            handed["param_names"] = [by_id[id(p)] for p in members]
+        else:  # not the group's own tensors (an owner rank's full copies): no names to give
+            del handed["param_names"]
+    return handed
 
 
 def _numbers(*values: Any) -> bool:
