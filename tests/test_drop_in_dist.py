@@ -417,18 +417,9 @@ def _failing_backward_body(sharded: bool) -> None:
     assert_match(model, reference)
 
 
-class _PlainSGD(torch.optim.Optimizer):
-    """SGD as a class of one's own: undeclared, or declared per call."""
-
-    def __init__(self, params, lr: float = 0.1) -> None:
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
+class _PlainSGD(torch.optim.SGD):
+    """SGD as a class of one's own (a subclass is not torch.optim's): undeclared, or declared
+    per call."""
 
 
 def _failed_held_backward_body(sharded: bool, stepping: str | None) -> None:
@@ -438,8 +429,10 @@ def _failed_held_backward_body(sharded: bool, stepping: str | None) -> None:
     before ``zero_grad()``: 4.1e-2 apart on FSDP2 for an ``"elementwise"`` class; a
     ``"dtensor"`` one raised an AttributeError)."""
     model, reference = _pair(sharded=sharded)
-    optim = OptimizerInBackward(model.parameters(), _PlainSGD, bucket_numel=20, stepping=stepping)
-    plain = _PlainSGD(reference.parameters())
+    optim = OptimizerInBackward(
+        model.parameters(), _PlainSGD, lr=0.1, bucket_numel=20, stepping=stepping
+    )
+    plain = _PlainSGD(reference.parameters(), lr=0.1)
     for net, opt in ((model, optim), (reference, plain)):
         handle = _raise_at(net.layers[0])
         with pytest.raises(_Boom):
