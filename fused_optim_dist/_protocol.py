@@ -51,7 +51,7 @@ A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is ref
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -255,12 +255,17 @@ class PendingUpdates:
             "the gradients with zero_grad()."
         )
 
-    def refuse_changed_groups(self, param_groups: list[dict[str, Any]]) -> None:
+    def refuse_changed_groups(
+        self,
+        param_groups: list[dict[str, Any]],
+        read: Callable[[dict[str, Any]], Collection[str] | None],
+    ) -> None:
         """Raise for ``step()`` when a parameter updated in backward would now be stepped with
         other group values than its update was made with: a value of its group (``lr``,
         betas, ...) changed, in place or by replacing the group's dict; the parameter moved to
         a group with other values; or it left ``param_groups``, where the plain optimizer
-        would not step it at all."""
+        would not step it at all. ``read(group)``: the keys the group's class reads, or
+        ``None`` if unknown (every key is compared then)."""
         now = self._holding_groups(param_groups)
         for param in self._params:
             then = self._groups.get(id(param))
@@ -275,9 +280,11 @@ class PendingUpdates:
                     "checkpoint."
                 )
             (index, values), (index_now, values_now) = then, now[id(param)]
+            keys = values.keys() | values_now.keys()
+            known = read(param_groups[index_now])
             changed = [
                 key
-                for key in sorted(values.keys() | values_now.keys())
+                for key in sorted(keys if known is None else keys & set(known))
                 if _differ(values.get(key, _MISSING), values_now.get(key, _MISSING))
             ]
             if not changed:

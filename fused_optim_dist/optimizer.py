@@ -21,7 +21,7 @@ from fused_optim_dist._classes import GROUP_CLASS_KEY, ClassSteppers, class_path
 from fused_optim_dist._engine import BackwardPass
 from fused_optim_dist._freed import FreedGradients, Refusal, drop_freed, is_freed, refuse_freed
 from fused_optim_dist._gradients import GradientProcessor, all_zero
-from fused_optim_dist._kinds import Stepping, stepping_of
+from fused_optim_dist._kinds import Stepping, keeps_state_per_parameter, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
 from fused_optim_dist._protocol import (
@@ -569,7 +569,7 @@ class OptimizerInBackward(Optimizer):
             changed = self._pending.changed(self.state)
             if changed:
                 self._pending.refuse_changed(changed)
-            self._pending.refuse_changed_groups(self.param_groups)
+            self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
         plan = self._current_plan()
         grads = read_grads(plan.trainable)
         if not self._stepped_since_step:
@@ -637,6 +637,15 @@ class OptimizerInBackward(Optimizer):
                 "loss scaling, and use skip_nonfinite=True to skip non-finite buckets; or use "
                 "the plain optimizer with GradScaler."
             )
+
+    def _keys_read(self, group: dict[str, Any]) -> set[str] | None:
+        """The keys of ``group`` its class's step reads: its defaults' for torch.optim's classes
+        and this library's (never a key of the loop's own), and the group's class; ``None``
+        (all of them) for any other class."""
+        inner = self._stepper.optimizer_of(group)
+        if not keeps_state_per_parameter(type(inner)):
+            return None
+        return {*inner.defaults, GROUP_CLASS_KEY}
 
     def _refuse_second_pass(self) -> None:
         """Raise before a second pass (a backward, or ``step()`` stepping gradients set by

@@ -1176,6 +1176,17 @@ def _move_head_weight(to: int | None) -> Callable[[Optimizer], Callable[[], None
     return edit
 
 
+def _write_key(key: str) -> Callable[[Optimizer], Callable[[], None]]:
+    """An edit writing a key of the loop's own into ``param_groups[0]`` (a logged value), which
+    AdamW's step never reads; it returns its undo."""
+
+    def edit(optim: Optimizer) -> Callable[[], None]:
+        optim.param_groups[0][key] = 1.0
+        return lambda: optim.param_groups[0].pop(key)
+
+    return edit
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
@@ -1183,8 +1194,15 @@ def _move_head_weight(to: int | None) -> Callable[[Optimizer], Callable[[], None
         (_move_head_weight(0), r"moved from param_groups\[1\] to param_groups\[0\]"),
         (_move_head_weight(None), r"removed from param_groups"),
         (_replace_group(ADAMW["lr"]), None),
+        (_write_key("last_loss"), None),
     ],
-    ids=["group-dict-replaced", "moved-to-another-group", "removed", "replaced-same-values"],
+    ids=[
+        "group-dict-replaced",
+        "moved-to-another-group",
+        "removed",
+        "replaced-same-values",
+        "key-no-update-reads",
+    ],
 )
 def test_param_groups_edited_between_backward_and_step(edit, match):
     """``param_groups`` edited between backward and ``step()`` in its structure, not a value
@@ -1193,7 +1211,8 @@ def test_param_groups_edited_between_backward_and_step(edit, match):
     here the updates were made in backward with the old ones: refused at that ``step()``
     (before, the first two ended 4.0e-2 and 1.6e-3 apart without an error, the third raised a
     misleading error a backward later). Undoing the edit steps as the plain optimizer; a dict
-    replaced with the same values changes nothing."""
+    replaced with the same values changes nothing, nor does a key AdamW never reads (it was
+    refused; a class other than torch.optim's has every key compared)."""
     model, reference, optim, plain = _two_group_loops()
     for step in range(3):
         for net, opt in ((model, optim), (reference, plain)):
