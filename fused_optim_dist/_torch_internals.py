@@ -344,6 +344,8 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     from torch.autograd import Variable
 
     engine = Variable._execution_engine
+    # Never traced, as the hooks: see ``_grad_ready_hook`` in ``optimizer.py``.
+    callback = torch.compiler.disable(callback)
     engine.queue_callback(lambda: engine.queue_callback(callback))
 
 

@@ -804,6 +804,30 @@ def test_named_parameters_handed_with_their_names(stepping):
     assert_match(model, reference)
 
 
+@pytest.mark.slow
+def test_compiled_train_step_calling_backward_equals_plain():
+    """``torch.compile`` of a train step that calls ``loss.backward()`` inside: the hooks ran
+    while Dynamo evaluated frames, so the in-backward update was traced and compiled, and
+    rounded otherwise than the eager kernel of the plain optimizer's ``step()`` (9.5e-7 apart
+    after 20 AdamW steps, growing). The hooks are never traced: bit for bit equal."""
+    torch._dynamo.reset()
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for net, opt in ((model, optim), (reference, plain)):
+
+        @torch.compile
+        def train_step(x: torch.Tensor, y: torch.Tensor, net: nn.Module = net) -> None:
+            loss_fn(net, x, y).backward()
+
+        for step in range(4):
+            train_step(*_x(step))
+            opt.step()
+            opt.zero_grad()
+    for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(param, ref)
+
+
 def test_another_optimizer_on_the_same_parameters_refused_at_its_step():
     """A plain optimizer built beside ours on the same parameters (a warmup phase with SGD):
     its ``step()`` reads gradients ours stepped and freed, and is refused there, naming the
