@@ -642,6 +642,15 @@ class OptimizerInBackward(Optimizer):
                 "the plain optimizer with GradScaler."
             )
 
+    def hook_parameters(self) -> None:
+        """Hook the trainable parameters ``param_groups`` holds now, stepping nothing.
+
+        For a wrapper that replaced the tensors in ``param_groups`` after this optimizer was
+        built (accelerate's FSDP2 ``prepare``): the next backward then steps them in backward.
+        (Left alone, the new parameters are hooked at the next ``step()``, which steps the
+        gradients they then hold, exactly.)"""
+        self._current_plan()
+
     def _keys_read(self, group: dict[str, Any]) -> set[str] | None:
         """The keys of ``group`` its class's step reads: its defaults' for torch.optim's classes
         and this library's (never a key of the loop's own), and the group's class; ``None``

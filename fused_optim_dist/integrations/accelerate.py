@@ -122,12 +122,13 @@ def hook_swapped_parameters(optimizer: Optimizer) -> None:
 
     ``accelerator.prepare`` shards the model after the optimizer was built and replaces the
     tensors in its ``param_groups`` (``fsdp2_switch_optimizer_parameters``); the hooks are on
-    the tensors it replaced. ``step()`` re-derives the bucket plan from ``param_groups``, which
-    hooks the new parameters, and with no gradient held it updates nothing. Without this the
-    first step would still be exact, but stepped in ``step()`` with every gradient held.
-    Call it before any backward (a gradient held now would be stepped).
+    the tensors it replaced. :meth:`OptimizerInBackward.hook_parameters` re-derives the bucket
+    plan from ``param_groups``, which hooks the new parameters, and steps nothing (a
+    ``step()`` would run the class's step on every group: a class counting steps in its groups
+    would start one step ahead). Without this the first step would still be exact, but stepped
+    in ``step()`` with every gradient held.
     """
-    in_backward_optimizer(optimizer).step()
+    in_backward_optimizer(optimizer).hook_parameters()
 
 
 def prepare(accelerator: Accelerator, *args: Any) -> Any:
