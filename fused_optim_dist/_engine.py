@@ -164,8 +164,6 @@ class BackwardPass:
         self._output_numel: dict[int, int] = {}
         self._norms = BackwardNorms()
         self._events = StepEvents()
-        # Whether every bucket of this pass was skipped as non-finite (None: none reached yet).
-        self._all_skipped: bool | None = None
         # Buckets held until the end of backward: see [Note: classes stepped jointly] and
         # [Note: group and instance state].
         self._deferred: list[_Deferred] = []
@@ -326,10 +324,7 @@ class BackwardPass:
             # Updates still in flight (whole-tensor stepping) are applied before anything
             # after this backward reads the parameters.
             self._stepper.flush()
-            if not self._all_skipped:
-                # A pass whose every bucket was skipped as non-finite is a skipped step, as
-                # GradScaler skips optimizer.step(): no class's step visits its groups.
-                self._class_state.finish()
+            self._class_state.finish()
             if self._record:
                 self._pending.settle(self._param_groups, self._state)
             self._events.wait()
@@ -364,7 +359,6 @@ class BackwardPass:
                         verdict = self._gradients.before_step(
                             self._norms, bucket, params, grads, device_skip=device_skip
                         )
-                self._all_skipped = self._all_skipped is not False and not verdict.step
                 if verdict.step:
                     indices = [index for index, _ in split]
                     if self._class_state.must_check(indices) or any(

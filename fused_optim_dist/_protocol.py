@@ -50,6 +50,7 @@ A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is ref
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
@@ -80,9 +81,14 @@ _MISSING = object()
 
 def _values(group: dict[str, Any]) -> dict[str, Any]:
     """A group's values but its params, a tensor by its identity and version counter (an
-    in-place write to a tensor lr changes it)."""
+    in-place write to a tensor lr changes it), a list, dict or set by a copy (an in-place edit
+    of NAdam's ``betas`` list changes it)."""
     return {
-        key: (id(value), value._version) if isinstance(value, torch.Tensor) else value
+        key: (id(value), value._version)
+        if isinstance(value, torch.Tensor)
+        else copy.copy(value)
+        if isinstance(value, list | dict | set)
+        else value
         for key, value in group.items()
         if key != "params"
     }
