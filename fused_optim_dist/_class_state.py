@@ -3,10 +3,10 @@
 [Note: group and instance state]
 A plain optimizer's ``step()`` runs once per step, over every group. Some classes count steps
 there rather than per parameter: ``group["step"] += 1`` (timm's and apex's LAMB, schedule-free
-optimizers) or ``self.t += 1``. In backward the class's step runs once per bucket, on a copy of
-each group, so such a counter would be lost (the copy) or advanced once per bucket (the
-instance). So, for every class that is not one of torch.optim's own (which keep all their state
-in ``state[p]``, as this library's ``CompactAdamW`` does):
+optimizers) or ``self.t += 1``. A class stepped bucket by bucket runs its step once per
+bucket, on a copy of each group, so such a counter would be lost (the copy) or advanced once
+per bucket (the instance). So, for every class that is not one of torch.optim's own (which keep
+all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
 
 * when a pass begins, the non-``params`` entries of every group and the instance's own
   attributes are copied (the *snapshot*);
@@ -23,10 +23,9 @@ in ``state[p]``, as this library's ``CompactAdamW`` does):
   instance differently, the class writes something that depends on the parameters stepped (a
   norm, a count of parameters) and is refused with nothing moved; otherwise the held buckets
   are stepped. One whose writes depend on gradient values in a way the halves do not show can
-  still disagree in a later backward, and is refused then. (A class stepped jointly, in one
-  call per backward, needs no such check: see [Note: classes stepped jointly] in
-  ``_engine.py``. Only classes declared ``"elementwise"`` or ``"dtensor"`` are stepped bucket
-  by bucket and checked.);
+  still disagree in a later backward, and is refused then. Only classes declared
+  ``"elementwise"`` or ``"dtensor"`` are checked: a class stepped jointly runs its step once
+  per backward (see [Note: classes stepped jointly] in ``_engine.py``);
 * groups no bucket stepped in this pass get the class's step on their parameters, none of
   which holds a gradient, as the plain optimizer's ``step()`` visits them;
 * when the pass finishes, the changed values are written back once, into the optimizer's

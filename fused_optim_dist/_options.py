@@ -27,9 +27,8 @@ class InBackwardOptions:
 
     stepping: str | None = None
     """``"elementwise"``, ``"whole_tensor"``, ``"dtensor"``, ``"joint"`` (see
-    ``fused_optim_dist.Stepping``)
-    or ``None``: the way declared for the class (:func:`fused_optim_dist.declare_stepping`),
-    else the default."""
+    ``fused_optim_dist.Stepping``) or ``None``: the way declared for the class
+    (:func:`fused_optim_dist.declare_stepping`), else the default."""
 
     bucket_numel: int | None = None
     """Elements per bucket for parameters that no ``fully_shard`` manages. ``None``: one bucket

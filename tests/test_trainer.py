@@ -28,6 +28,7 @@ from _frameworks import (
     tiny_llama,
 )
 from _toy import holds_gradient
+from test_never_silent import GroupStepLamb
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -254,6 +255,22 @@ def test_trainer_with_compact_adamw(tmp_path):
     assert all(value.dtype == torch.bfloat16 for value in ours["params"].values())
     assert ours["in_backward"] == [True] * STEPS
     torch.testing.assert_close(ours["norms"], plain["norms"], rtol=2**-8, atol=0)
+
+
+def test_trainer_with_a_class_counting_in_its_groups(tmp_path):
+    """A class counting steps in its param groups (timm's Lamb), stepped jointly: the callback
+    hooking the swapped parameters called ``step()``, which ran the class's step on every
+    group before training, so it started one count ahead (8.1e-4 apart here, no error)."""
+    lamb = {"lr": 1e-2}
+    plain = _train(
+        transformers.Trainer, tmp_path / "plain", optimizer_cls_and_kwargs=(GroupStepLamb, lamb)
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer_cls_and_kwargs=(in_backward(GroupStepLamb), lamb),
+    )
+    _assert_parity(ours, plain)
 
 
 def test_trainer_resume_matches_uninterrupted_plain(tmp_path):
