@@ -1,5 +1,6 @@
-"""CompactAdamW's calls of its C kernel: a batch's table of addresses, and a group's plan that
-reuses it from step to step. See [Note: the C kernel] in ``_compact_kernel.py``."""
+"""CompactAdamW's plans: what a param group's step makes (the C kernel's table of addresses,
+or the eager path's flat batches), reused from step to step. See [Note: the C kernel] in
+``_compact_kernel.py`` and [Note: reused plans] below."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fused_optim_dist import _compact_kernel
-from fused_optim_dist._compact_update import Hyper, Param
+from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param
 from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._torch_internals import holds_values
 
@@ -51,26 +52,80 @@ _is_cpu = operator.attrgetter("is_cpu")
 _PLAIN = {torch.Tensor}
 
 
-class KernelPlan:
-    """A param group's C-kernel table, reused at the next step while nothing it points to has
+class Plan:
+    """What a param group's step made, reused at the next step while nothing it points to has
     changed.
 
-    [Note: reused kernel tables]
-    Reading eight data pointers and checking eight tensors per parameter costs more in Python
-    than the kernel spends on a small tensor. A plan keeps one table for the whole group (the
-    kernel takes every layout in one call), in the group's order; only the gradients'
-    addresses are written at each step. It is reused while the group holds the same
-    parameters at the same addresses, their state entries hold the same tensors in the same
-    order ([Note: checking state by identity] in ``_state_identity.py``: ``load_state_dict``,
-    state created or converted, a tensor replaced, added or removed, an entry dropped: the step
-    takes the full path and makes a new plan), and every parameter has a contiguous CPU
-    gradient of the dtype its table row says; otherwise nothing is stepped through it. The
-    checks are C-level ``map``s over the parameters (a Python loop cost about 3 us per
-    parameter). A plan holds the tensors it points to, so none is freed while it is kept (nor
-    its address reused), and there is one plan per parameter (``CompactAdamW._remember``).
+    [Note: reused plans]
+    Finding a group's batches, checking and reading each parameter's state, and making what a
+    batch's update takes (the C kernel's table of addresses, the eager path's flat views and
+    groups) cost more in Python than the update itself on small tensors. A plan keeps them for
+    the whole group and is reused while the group holds the same parameters at the same
+    addresses, their state entries hold the same tensors in the same order ([Note: checking
+    state by identity] in ``_state_identity.py``: ``load_state_dict``, state created or
+    converted, a tensor replaced, added or removed, an entry dropped: the step takes the full
+    path and makes a new plan), its options are the same, and every parameter has a gradient
+    its batch takes (the checks of :meth:`grads` and a subclass's ``step``); otherwise nothing
+    is stepped through it. The checks are C-level ``map``s over the parameters (a Python loop
+    cost about 3 us per parameter). A plan holds the tensors it points to, so none is freed
+    while it is kept (nor its address reused), and there is one plan per parameter
+    (``CompactAdamW._remember``). Plans of DTensor parameters are not kept: their local
+    tensors are not the group's tensors.
     """
 
-    __slots__ = ("addresses", "dtypes", "entries", "options", "params", "table", "weights")
+    __slots__ = ("addresses", "dtypes", "entries", "options", "params")
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        state: dict[torch.Tensor, dict[str, Any]],
+        items: Sequence[Param],
+        options: tuple[bool, int],
+    ) -> None:
+        self.params = tuple(params)
+        self.options = options
+        self.addresses = list(map(_data_ptr, params))
+        self.entries = StateEntries(params, state)
+        self.dtypes = [item.grad.dtype for item in items]
+        if any(item.param is not item.weight for item in items):
+            self.params = ()  # DTensors: their local tensors are not the group's tensors
+
+    @staticmethod
+    def options_of(group: dict[str, Any]) -> tuple[bool, int]:
+        """The group's options a plan was made for, ``weight_correction`` and
+        ``variance_bits``: a change sends the step to the full path (which refuses a state of
+        another ``variance_bits``)."""
+        return group["weight_correction"], group["variance_bits"]
+
+    def grads(
+        self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]
+    ) -> list[torch.Tensor] | None:
+        """The gradients of the group's parameters if the plan still holds for it (each
+        present, of the dtype it had), else ``None``."""
+        params = group["params"]
+        if not (
+            self.options_of(group) == self.options
+            and len(params) == len(self.params)
+            and all(map(operator.is_, params, self.params))
+            and self.entries.match(state)
+            and list(map(_data_ptr, params)) == self.addresses
+        ):
+            return None
+        grads = list(map(_grad, params))
+        if not (
+            set(map(type, grads)) == _PLAIN  # none missing
+            and all(map(operator.is_, map(_dtype, grads), self.dtypes))
+        ):
+            return None
+        return grads
+
+
+class KernelPlan(Plan):
+    """A group stepped by the C kernel: one table for the whole group (the kernel takes every
+    layout in one call), in the group's order; only the gradients' addresses are written at
+    each step. See [Note: reused plans]."""
+
+    __slots__ = ("table", "weights")
 
     def __init__(
         self,
@@ -79,10 +134,6 @@ class KernelPlan:
         tables: Sequence[tuple[list[int], KernelTable, list[Param]]],
         options: tuple[bool, int],
     ) -> None:
-        self.params = tuple(params)
-        self.options = options
-        self.addresses = list(map(_data_ptr, params))
-        self.entries = StateEntries(params, state)
         # The batches' rows, back in the group's order.
         width = _compact_kernel.FIELDS
         rows = sorted(
@@ -93,44 +144,67 @@ class KernelPlan:
             ),
             key=operator.itemgetter(0),
         )
+        items = [item for _, _, item in rows]
+        super().__init__(params, state, items, options)
         fields = [field for _, row, _ in rows for field in row]
         self.table = KernelTable(
             (ctypes.c_int64 * len(fields))(*fields), (ctypes.c_int64 * len(rows))()
         )
-        items = [item for _, _, item in rows]
         self.weights = [item.weight for item in items]
-        self.dtypes = [item.grad.dtype for item in items]
-        if any(item.param is not item.weight for item in items):
-            self.params = ()  # DTensors: their local tensors are not the group's tensors
-
-    @staticmethod
-    def options_of(group: dict[str, Any]) -> tuple[bool, int]:
-        """The group's options a plan's tables were built for, ``weight_correction`` and
-        ``variance_bits``: a change sends the step to the full path (which refuses a state of
-        another ``variance_bits``)."""
-        return group["weight_correction"], group["variance_bits"]
 
     def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
         """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
-        params = group["params"]
-        if not (
-            self.options_of(group) == self.options
-            and len(params) == len(self.params)
-            and all(map(operator.is_, params, self.params))
-            and self.entries.match(state)
-            and list(map(_data_ptr, params)) == self.addresses
-        ):
-            return False
-        grads = list(map(_grad, params))
-        if not (
-            set(map(type, grads)) == _PLAIN  # none missing
-            and all(map(operator.is_, map(_dtype, grads), self.dtypes))
-            and all(map(_is_cpu, grads))
-            and all(map(_is_contiguous, grads))
-        ):
+        grads = self.grads(state, group)
+        if grads is None or not (all(map(_is_cpu, grads)) and all(map(_is_contiguous, grads))):
             return False
         self.table.grads[:] = list(map(_data_ptr, grads))
         self.table.run(self.weights, group)
+        return True
+
+
+class FlatPlan(Plan):
+    """A group stepped by the flat update (eager or compiled): its batches, each with its
+    parameters' indices in the group, kept with their flat views ([Note: kept flat views] in
+    ``_compact_update.py``). See [Note: reused plans]."""
+
+    __slots__ = ("batches",)
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        state: dict[torch.Tensor, dict[str, Any]],
+        batches: Sequence[tuple[list[int], FlatBatch, list[Param]]],
+        options: tuple[bool, int],
+    ) -> None:
+        order = sorted(
+            (index, item)
+            for indices, _, batch in batches
+            for index, item in zip(indices, batch, strict=True)
+        )
+        super().__init__(params, state, [item for _, item in order], options)
+        self.batches = [(indices, batch) for indices, batch, _ in batches]
+        if not all(batch.reusable for _, batch in self.batches):
+            self.params = ()
+
+    def step(
+        self,
+        state: dict[torch.Tensor, dict[str, Any]],
+        group: dict[str, Any],
+        update_flat: FlatUpdate,
+    ) -> bool:
+        """Step the group through this plan; ``False`` (nothing done) if it no longer holds.
+        See [Note: a group moves whole or not at all] in ``compact_adamw.py``."""
+        grads = self.grads(state, group)
+        if grads is None:
+            return False
+        h = Hyper.of(group)
+        with torch.no_grad():
+            writes = [
+                batch.update([grads[i] for i in indices], h, update_flat)
+                for indices, batch in self.batches
+            ]
+            for write in writes:
+                write()
         return True
 
 

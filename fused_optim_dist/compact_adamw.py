@@ -50,7 +50,7 @@ class it wraps), casts each back to its dtype by key. It also converts an AdamW 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -70,20 +70,10 @@ from fused_optim_dist._compact_codes import (
     split24,
     sqrt_rn,
 )
-from fused_optim_dist._compact_plan import KernelPlan, KernelTable, kernel_table
-from fused_optim_dist._compact_update import (
-    Hyper,
-    Param,
-    bias_corrections,
-    copy_back,
-    gather_state,
-    scatter_state,
-    update,
-    update_flat,
-)
+from fused_optim_dist._compact_plan import FlatPlan, KernelPlan, KernelTable, Plan, kernel_table
+from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param, update_flat
 from fused_optim_dist._kinds import declare_stepping, per_parameter_state
 from fused_optim_dist._stepping import _placed_like
-from fused_optim_dist._torch_internals import holds_values
 
 __all__ = [
     "GROUP_SIZE",
@@ -281,8 +271,8 @@ class CompactAdamW(Optimizer):
                 "the eager path"
             )
         self.kernel = kernel
-        # Kernel plans by the id of their group's ``params`` list, and that id by parameter id.
-        self._plans: dict[int, KernelPlan] = {}
+        # Plans by the id of their group's ``params`` list, and that id by parameter id.
+        self._plans: dict[int, Plan] = {}
         self._plan_of: dict[int, int] = {}
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -346,17 +336,19 @@ class CompactAdamW(Optimizer):
         """Step every parameter holding a gradient; state is created at its first step.
 
         The parameters of a param group are stepped together, one batch per kind (matrices,
-        vectors), dtype and device, each in one pass of whole-tensor ops. A group stepped by
-        the C kernel at its previous step goes through its reused table, which runs no torch
-        op ([Note: reused kernel tables] in ``_compact_plan.py``); the rest under ``no_grad``.
+        vectors), dtype and device, each by the C kernel or in one pass of whole-tensor ops. A
+        group goes through the plan its previous step made while it holds ([Note: reused
+        plans] in ``_compact_plan.py``): the C kernel's table, which runs no torch op, or the
+        flat update's kept views; the rest under ``no_grad``.
         """
         if closure is not None:
             raise TypeError("CompactAdamW.step takes no closure")
         for group in self.param_groups:
-            if self.kernel in _C_KERNELS:
-                plan = self._plans.get(id(group["params"]))
-                if plan is not None and plan.step(self.state, group):
-                    continue
+            plan = self._plans.get(id(group["params"]))
+            if isinstance(plan, KernelPlan) and plan.step(self.state, group):
+                continue
+            if isinstance(plan, FlatPlan) and plan.step(self.state, group, self._update_flat()):
+                continue
             with torch.no_grad():
                 self._step_group(group)
 
@@ -393,10 +385,15 @@ class CompactAdamW(Optimizer):
         chosen = {
             kind: self._kernel_table_of(batch, kind, group) for kind, batch in batches.items()
         }
-        writes = [
-            self._step_batch(batch, kind[0], group)
+        flat = [
+            (indices[kind], self._flat_batch(batch, kind[0], group), batch)
             for kind, batch in batches.items()
             if chosen[kind] is None
+        ]
+        h = Hyper.of(group)
+        writes = [
+            flat_batch.update([p.grad for p in batch], h, self._update_flat())
+            for _, flat_batch, batch in flat
         ]
         for write in writes:
             write()
@@ -406,15 +403,21 @@ class CompactAdamW(Optimizer):
             if table is not None:
                 table.run([p.weight for p in batch], group)
                 tables.append((indices[kind], table, batch))
-        if len(tables) == len(batches) and sum(map(len, indices.values())) == len(params):
-            plan = KernelPlan(params, self.state, tables, KernelPlan.options_of(group))
-            if plan.params:
-                self._remember(id(params), plan)
+        if sum(map(len, indices.values())) < len(params) or (tables and flat):
+            return
+        options = Plan.options_of(group)
+        plan = (
+            KernelPlan(params, self.state, tables, options)
+            if tables
+            else FlatPlan(params, self.state, flat, options)
+        )
+        if plan.params:
+            self._remember(id(params), plan)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "kernel": self.kernel}
 
-    def _remember(self, key: int, plan: KernelPlan) -> None:
+    def _remember(self, key: int, plan: Plan) -> None:
         """Keep ``plan`` for the group whose ``params`` list has id ``key``, dropping any other
         plan of one of its parameters (one per parameter, so plans of parameter sets no longer
         stepped do not keep their tensors alive)."""
@@ -484,30 +487,19 @@ class CompactAdamW(Optimizer):
             return Param(param, local, grad._local_tensor, {k: _local(v) for k, v in entry.items()})
         return Param(param, local, grad, dict(entry))
 
-    def _step_batch(
-        self, params: list[Param], grouped: bool, group: dict[str, Any]
-    ) -> Callable[[], None]:
-        """Update a batch into new tensors; returns what writes them into its weights and
-        state. See [Note: a group moves whole or not at all]."""
-        keys = _batch_keys(grouped, group, params[0].weight)
-        buffers = gather_state(params, ("step", *keys))
-        h = Hyper.of(group)
-        shapes = [p.weight.shape for p in params]
-        groups = Groups(shapes, group["variance_bits"] == 4) if grouped else None
-        if groups is not None:
-            groups.to(params[0].weight.device)
-        buffers["step"] += 1
-        corrections = bias_corrections(params, _step_counts(buffers["step"]), h)
-        flat_update = update_flat
+    def _flat_batch(self, params: list[Param], grouped: bool, group: dict[str, Any]) -> FlatBatch:
+        """A batch the flat update steps (eager, or compiled with ``kernel="compile"``)."""
+        groups = None
+        if grouped:
+            shapes = [p.weight.shape for p in params]
+            groups = Groups(shapes, group["variance_bits"] == 4).to(params[0].weight.device)
+        return FlatBatch(params, _batch_keys(grouped, group, params[0].weight), groups)
+
+    def _update_flat(self) -> FlatUpdate:
+        """The flat update: eager, or compiled with ``kernel="compile"``."""
         if self.kernel == "compile":
-            flat_update = _compact_compiled.compiled(update_flat)
-        high = update(params, buffers, groups, h, corrections, flat_update)
-
-        def write() -> None:
-            copy_back(high, [p.weight for p in params])
-            scatter_state(params, buffers)
-
-        return write
+            return _compact_compiled.compiled(update_flat)
+        return update_flat
 
 
 def _batch_keys(grouped: bool, group: dict[str, Any], weight: torch.Tensor) -> tuple[str, ...]:
@@ -517,16 +509,6 @@ def _batch_keys(grouped: bool, group: dict[str, Any], weight: torch.Tensor) -> t
     if group["weight_correction"] and weight.dtype == torch.bfloat16:
         keys = ("weight_error", *keys)
     return keys
-
-
-def _step_counts(steps: torch.Tensor) -> list[float]:
-    """Host values of the step counts (CPU scalars, read without a device sync).
-
-    Under ``FakeTensorMode`` (the memory estimator) there are no values to read; memory does
-    not depend on them, so every count is taken as 1."""
-    if not holds_values(steps):
-        return [1.0] * steps.numel()
-    return steps.tolist()
 
 
 _OPTIONS = {"weight_correction": True, "compand": True, "variance_bits": 8}

@@ -149,17 +149,19 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("groups", ["two", "one per parameter"])
-def test_reused_tables_follow_replaced_state(groups):
-    """The kernel's tables are reused from step to step ([Note: reused kernel tables]) only
-    while they point at the group's current tensors: a state tensor replaced in its entry, an
-    entry dropped or replaced by a copy, a tensor removed from an entry, a state dict loaded,
-    a parameter set changed (a new list, the group's list changed in place, a parameter
-    replaced by another on the same storage), a gradient of
-    another dtype all give what the eager path gives. With one group per parameter the state
-    is too large to snapshot for a group, and its entries are looked up."""
+def test_reused_plans_follow_replaced_state(groups, monkeypatch):
+    """The kernel's tables and the eager path's flat views are reused from step to step
+    ([Note: reused plans]) only while they point at the group's current tensors: a state
+    tensor replaced in its entry, an entry dropped or replaced by a copy, a tensor removed from
+    an entry, a state dict loaded, a parameter set changed (a new list, the group's list
+    changed in place, a parameter replaced by another on the same storage), a gradient of
+    another dtype all give what the eager path gives when it keeps no plan. With one group per
+    parameter the state is too large to snapshot for a group, and its entries are looked up."""
     runs = {}
-    for kernel in ("c", "eager"):
-        params, optim = train(kernel, torch.bfloat16, torch.bfloat16, True, True)
+    for kernel in ("c", "eager", "eager without plans"):
+        if kernel == "eager without plans":
+            monkeypatch.setattr(CompactAdamW, "_remember", lambda self, key, plan: None)
+        params, optim = train(kernel.split()[0], torch.bfloat16, torch.bfloat16, True, True)
         if groups == "one per parameter":
             optim.param_groups = [{**optim.param_groups[0], "params": [p]} for p in params]
         first = params[0]
@@ -187,7 +189,31 @@ def test_reused_tables_follow_replaced_state(groups):
         params[2].grad = torch.randn(params[2].shape)  # float32, where the table says bfloat16
         optim.step()
         runs[kernel] = params, optim
-    assert_same_run(runs["c"], runs["eager"])
+    assert_same_run(runs["c"], runs["eager without plans"])
+    assert_same_run(runs["eager"], runs["eager without plans"])
+
+
+def test_eager_path_writes_state_that_is_not_contiguous():
+    """A state tensor that is not contiguous (loaded so, or set by hand) has no flat view
+    ([Note: kept flat views]): it is gathered through a copy and written in place through a
+    view shaped like it, at every step, as a contiguous one is through its kept view."""
+    runs = []
+    for contiguous in (True, False):
+        params, optim = train("eager", torch.bfloat16, torch.bfloat16, True, True)
+        entry = optim.state[params[0]]
+        if not contiguous:
+            for key in ("weight_error", "exp_avg_code"):
+                entry[key] = entry[key].t().contiguous().t()
+        held = dict(entry)
+        torch.manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, dtype=torch.bfloat16)
+            optim.step()
+        assert all(entry[key] is value for key, value in held.items())
+        runs.append((params, optim))
+    assert not optim.state[params[0]]["exp_avg_code"].is_contiguous()
+    assert_same_run(runs[1], runs[0])
 
 
 def test_refuses_an_unknown_kernel():
