@@ -74,6 +74,7 @@ from fused_optim_dist._compact_plan import FlatPlan, KernelPlan, KernelTable, Pl
 from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param, update_flat
 from fused_optim_dist._kinds import declare_stepping, per_parameter_state
 from fused_optim_dist._stepping import _placed_like
+from fused_optim_dist._torch_internals import holds_values
 
 __all__ = [
     "GROUP_SIZE",
@@ -403,7 +404,12 @@ class CompactAdamW(Optimizer):
             if table is not None:
                 table.run([p.weight for p in batch], group)
                 tables.append((indices[kind], table, batch))
-        if sum(map(len, indices.values())) < len(params) or (tables and flat):
+        if (
+            not params
+            or sum(map(len, indices.values())) < len(params)
+            or (tables and flat)
+            or not holds_values(params[0])  # fake tensors (the memory estimator): no addresses
+        ):
             return
         options = Plan.options_of(group)
         plan = (
