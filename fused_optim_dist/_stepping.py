@@ -38,6 +38,12 @@ replace those of every set sharing a parameter with it, so at most one set per p
 When a step creates or replaces state (lazy initialisation on the first step), the new values
 are placed back into the facade's state and the views are re-derived at the next step.
 
+The ``params`` list of each group handed to the wrapped step is the views' own list, the same
+object at every step while they are kept, so that a class keeping its own derived data per
+``params`` list finds it again (``CompactAdamW``'s plans: [Note: reused plans] in
+``_compact_plan.py``; a new list at every step made them miss at every bucket). Should the
+step change a list in place, it is restored from the views before the next step.
+
 [Note: the plain optimizer's own kernel]
 The local shards are plain tensors on one device, so a ``fused=True`` kernel could run over a
 whole bucket where the user left ``foreach`` and ``fused`` unset (torch.optim then picks the
@@ -326,7 +332,7 @@ class _LocalViews:
     """The local views of one set of parameters stepped together. See [Note: cached local
     views]."""
 
-    __slots__ = ("_sources", "adam", "params", "shards", "state_dict")
+    __slots__ = ("_shard_tuples", "_sources", "adam", "params", "shards", "state_dict")
 
     def __init__(
         self,
@@ -339,7 +345,8 @@ class _LocalViews:
         views = iter(self.params)
         per_batch = [[next(views) for _ in batch.params] for batch in batches]
         # Each batch's shards: the ``params`` list of the group handed to the wrapped step.
-        self.shards = [[view.shard for view in batch] for batch in per_batch]
+        self._shard_tuples = [tuple(view.shard for view in batch) for batch in per_batch]
+        self.shards = list(map(list, self._shard_tuples))
         # The state the wrapped step sees, keyed by shard; entries it creates land here.
         self.state_dict: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         for view in self.params:
@@ -353,6 +360,14 @@ class _LocalViews:
 
     def is_current(self, state: dict[torch.Tensor, dict]) -> bool:
         return self._sources.match(state)
+
+    def handed_shards(self) -> list[list[torch.Tensor]]:
+        """Each batch's ``params`` list for the wrapped step: the same lists at every step,
+        restored where a step changed one. See [Note: cached local views]."""
+        for shards, kept in zip(self.shards, self._shard_tuples, strict=True):
+            if len(shards) != len(kept) or not all(map(operator.is_, shards, kept)):
+                shards[:] = kept
+        return self.shards
 
 
 class BucketStepper:
@@ -481,8 +496,8 @@ class BucketStepper:
                     self._adam_update(batch.group, lists, batch.grads, found_inf)
             return None
         local_groups = [
-            _handed(batch.group, shards, batch.params)
-            for batch, shards in zip(batches, views.shards, strict=True)
+            _handed(batch.group, shards, batch.params, new_list=False)
+            for batch, shards in zip(batches, views.handed_shards(), strict=True)
         ]
         grads = [grad for batch in batches for grad in batch.grads]
         dtensor_views = []
@@ -604,13 +619,18 @@ class BucketStepper:
 
 
 def _handed(
-    group: dict[str, Any], params: Sequence[torch.Tensor], members: Sequence[torch.Tensor]
+    group: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    members: Sequence[torch.Tensor],
+    *,
+    new_list: bool = True,
 ) -> dict[str, Any]:
     """``group`` as the class's step gets it for a batch: its ``params`` (``members``, or
-    their local shards or copies), and for a group of named parameters (an optimizer built on
+    their local shards or copies; a new list, or with ``new_list=False`` the list ``params``
+    itself), and for a group of named parameters (an optimizer built on
     ``model.named_parameters()``) the names of ``members``, in their order, as the class would
     zip ``param_names`` with ``params``."""
-    handed = {**group, "params": list(params)}
+    handed = {**group, "params": list(params) if new_list else params}
     names = group.get("param_names")
     if names is not None:
         by_id = dict(zip(map(id, group["params"]), names, strict=True))

@@ -13,7 +13,7 @@ import torch
 from _compact_runs import assert_same_run, train
 from torch import nn
 
-from fused_optim_dist import _compact_kernel
+from fused_optim_dist import OptimizerInBackward, _compact_kernel
 from fused_optim_dist.compact_adamw import CompactAdamW
 
 
@@ -219,3 +219,38 @@ def test_eager_path_writes_state_that_is_not_contiguous():
 def test_refuses_an_unknown_kernel():
     with pytest.raises(ValueError, match="kernel must be one of"):
         CompactAdamW([nn.Parameter(torch.zeros(3))], kernel="triton")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "eager"])
+def test_plans_reused_in_backward(kernel, monkeypatch):
+    """In backward each bucket's group is handed the same ``params`` list at every step
+    ([Note: cached local views]), so its plan is reused: the full path runs while state is
+    created (the first step, then the step after, whose views are re-derived from the new
+    state), never in steady state; and the weights and state are those of CompactAdamW
+    stepped after backward, bit for bit."""
+    full_steps = []
+    step_group = CompactAdamW._step_group
+    monkeypatch.setattr(
+        CompactAdamW,
+        "_step_group",
+        lambda self, group: (full_steps.append(len(group["params"])), step_group(self, group)),
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3))).to(torch.bfloat16)
+    plain_model = copy.deepcopy(model)
+    optim = OptimizerInBackward(
+        model.parameters(), CompactAdamW, lr=1e-2, kernel=kernel, bucket_numel=16 * 17
+    )
+    plain = CompactAdamW(plain_model.parameters(), lr=1e-2, kernel=kernel)
+    for _ in range(5):
+        x = torch.randn(4, 16, dtype=torch.bfloat16)
+        for m, o in ((model, optim), (plain_model, plain)):
+            m(x).float().pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    # Three buckets at the first two steps, the plain run's one group at its first.
+    assert full_steps == [2, 2, 2, 6, 2, 2, 2]
+    for p, q in zip(model.parameters(), plain_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for key, value in plain.state[q].items():
+            assert torch.equal(optim.state[p][key], value), key
