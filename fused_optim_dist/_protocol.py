@@ -80,18 +80,24 @@ _MISSING = object()
 
 
 def _values(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's values but its params, a tensor by its identity and version counter (an
-    in-place write to a tensor lr changes it), a list, dict or set by a copy (an in-place edit
-    of NAdam's ``betas`` list changes it)."""
-    return {
-        key: (id(value), value._version)
-        if isinstance(value, torch.Tensor)
-        else copy.copy(value)
-        if isinstance(value, list | dict | set)
-        else value
-        for key, value in group.items()
-        if key != "params"
-    }
+    """A group's values but its params, each as :func:`_noted`."""
+    return {key: _noted(value) for key, value in group.items() if key != "params"}
+
+
+def _noted(value: Any) -> Any:
+    """A group's value as it is now: a tensor by its identity and version counter (an in-place
+    write to a tensor lr changes it), a list, tuple, dict or set by a copy of its items noted
+    alike (an in-place edit of NAdam's ``betas`` list, or of a tensor held in Adam's ``betas``
+    tuple, changes it); any other value as itself."""
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, id(value), value._version)
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(map(_noted, value)))
+    if isinstance(value, dict):
+        return (dict, {key: _noted(item) for key, item in value.items()})
+    if isinstance(value, set | frozenset):
+        return copy.copy(value)
+    return value
 
 
 def _differ(then: Any, now: Any) -> bool:
