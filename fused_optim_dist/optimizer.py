@@ -476,6 +476,14 @@ class OptimizerInBackward(Optimizer):
             }
         super().__setstate__(state)
 
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``; refused while updates made in backward
+        await ``step()``, where the plain optimizer's would not hold them yet (see [Note: the
+        step protocol])."""
+        if self._pending:
+            self._pending.refuse_state_dict()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``. While updates made in backward await
         ``step()``, that ``step()`` then refuses, and ``zero_grad()`` discards the updates once

@@ -10,6 +10,7 @@ run on 2 (or 3) gloo ranks with FSDP2, uneven shards.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import pickle
@@ -1274,6 +1275,30 @@ def test_value_edited_in_place_between_backward_and_step_refused(cls, betas, edi
     loss_fn(model, *_x(1)).backward()
     edit(optim.param_groups[0]["betas"])
     _refused_unmoved(model, r"param_groups\[0\]\['betas'\] was changed", optim.step)
+
+
+def test_state_dict_between_backward_and_step_refused():
+    """``torch.save(optim.state_dict(), path)`` between backward and ``step()``: the plain
+    optimizer's state there is the state before this step's update, ours already holds it, so
+    a rollback to that checkpoint resumed from another point (AdamW 9.6e-3 apart two steps
+    after the rollback, step counters 3 and 4 saved, no error). Refused there, before
+    anything moves; after ``step()`` it is the plain optimizer's, and under ``accumulate()``,
+    where no update is made, it is allowed."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        for net, opt in ((model, optim), (reference, plain)):
+            with opt.accumulate() if opt is optim else contextlib.nullcontext():
+                loss_fn(net, *_x(step)).backward()
+            assert_same_state_dict(opt.state_dict(), plain.state_dict())
+            loss_fn(net, *_x(step + 2)).backward()
+            if opt is optim:
+                _refused_unmoved(model, r"state_dict\(\): .* await step\(\)", opt.state_dict)
+            opt.step()
+            opt.zero_grad()
+        assert_same_state_dict(optim.state_dict(), plain.state_dict())
+    assert_match(model, reference)
 
 
 def test_checkpoint_loaded_between_backward_and_step_refused():
