@@ -389,6 +389,59 @@ def test_two_backwards_on_disjoint_parameters_with_a_counting_class(cls, steppin
     assert_match(model, reference)
 
 
+@pytest.mark.parametrize(
+    "options", [dict(max_grad_norm=0.05), dict(skip_nonfinite=True)], ids=lambda o: next(iter(o))
+)
+@pytest.mark.parametrize("second", ["backward", "gradient set by hand"])
+def test_second_pass_before_step_refused_when_the_step_depends_on_all_gradients(options, second):
+    """An actor's and a critic's loss, two backwards on disjoint parameters (or one backward,
+    then a gradient set by hand), one ``step()``, clipped: the plain loop clips by the norm of
+    all the step's gradients (``clip_grad_norm_``), where the first backward's updates here
+    were clipped by its own (AdamW 2.1e-3 apart with the default buckets, no error; a hand-set
+    gradient 3.9e-3); with ``skip_nonfinite`` a non-finite gradient in the second would skip
+    the whole plain step, after the first's updates were made here. Refused at the second
+    pass, before it moves anything; with the first under ``accumulate()``, equal to the plain
+    clipped loop."""
+
+    def nets() -> tuple[nn.Module, nn.Module]:
+        pair = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            pair.append(nn.ModuleDict({"actor": nn.Linear(6, 3), "critic": nn.Linear(6, 1)}))
+        return pair[0], pair[1]
+
+    def critic(net: nn.Module) -> None:
+        if second == "backward":
+            net["critic"](x).square().mean().backward()
+        else:
+            for p in net["critic"].parameters():
+                p.grad = torch.ones_like(p)
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    model, _ = nets()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, **options)
+    model["actor"](x).square().mean().backward()
+    second_pass = (lambda: critic(model)) if second == "backward" else optim.step
+    if second != "backward":
+        critic(model)
+    _refused_unmoved(model, "a second backward", second_pass)
+    model, reference = nets()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, **options)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        with optim.accumulate():
+            model["actor"](x).square().mean().backward()
+        critic(model)
+        reference["actor"](x).square().mean().backward()
+        critic(reference)
+        if "max_grad_norm" in options:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), options["max_grad_norm"])
+        for opt in (optim, plain):
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference)
+
+
 def test_group_state_depending_on_parameters_refused_per_bucket_equal_jointly():
     """A class writing a norm over the parameters it steps into its group: declared to step
     bucket by bucket, refused by the check before the first update; undeclared, stepped
