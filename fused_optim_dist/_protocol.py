@@ -343,14 +343,15 @@ class PendingUpdates:
             return self._written.rewritten()
         return all(map(operator.ne, [p._version for p in self._params], self._added))
 
-    def refuse_state_dict(self) -> None:
-        """Raise for ``state_dict()`` while updates made in backward await ``step()``."""
+    def refuse_snapshot(self, what: str) -> None:
+        """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)
+        while updates made in backward await ``step()``."""
         raise RuntimeError(
-            f"state_dict(): {len(self._ids)} parameter(s) hold updates made in backward that "
-            "await step(). A plain optimizer's state_dict() here would hold the state before "
-            "this step's update (and the model its weights before it); here both already "
-            "hold the update, so a checkpoint saved now would resume from another point than "
-            "the plain loop's. Save checkpoints after step() (or before backward)."
+            f"{what}: {len(self._ids)} parameter(s) hold updates made in backward that await "
+            f"step(). A plain optimizer's {what} here would hold the state before this step's "
+            "update (and the model its weights before it); here both already hold the "
+            "update, so a checkpoint or copy taken now would resume from another point than "
+            "the plain loop's. Take it after step() (or before backward)."
         )
 
     def refuse_loaded(self) -> None:

@@ -204,6 +204,22 @@ _REATTACHED = frozenset(
 )
 """What ``_attach_hooks`` builds anew for a copy: never copied or pickled."""
 
+_LEFT_OUT = frozenset(
+    {
+        "_optimizer_step_pre_hooks",
+        "_optimizer_step_post_hooks",
+        "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks",
+        "_optimizer_load_state_dict_pre_hooks",
+        "_optimizer_load_state_dict_post_hooks",
+        "step",
+        "_opt_called",
+    }
+)
+"""What ``torch.optim.Optimizer.__getstate__`` leaves out of a copy or pickle, so a copy here
+leaves it out too: the hooks (a copy starts without any), and an LR scheduler's wrapper of
+``step`` with its flag, which would step the optimizer it was built on, not the copy."""
+
 
 class OptimizerInBackward(Optimizer):
     """Step ``optimizer_cls`` on each parameter as soon as its gradient is ready, in backward.
@@ -438,13 +454,15 @@ class OptimizerInBackward(Optimizer):
         """Everything but the hooks and what hangs on them, as :meth:`__deepcopy__` copies:
         unpickled, the optimizer hooks the unpickled parameters (pickle the model in the
         same call, ``pickle.dumps((model, optim))``, for it to step the unpickled model)."""
-        return {k: v for k, v in self.__dict__.items() if k not in _REATTACHED}
+        if self._pending:
+            self._pending.refuse_snapshot("pickling")
+        return {k: v for k, v in self.__dict__.items() if k not in _REATTACHED | _LEFT_OUT}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_stepper" in state:
             # Unpickling what __getstate__ returned.
             self.__dict__.update(state)
-            self._attach_hooks()
+            self._start_copy()
             return
         steppers = self.__dict__.get("_stepper")
         if steppers is not None:
@@ -481,7 +499,7 @@ class OptimizerInBackward(Optimizer):
         await ``step()``, where the plain optimizer's would not hold them yet (see [Note: the
         step protocol])."""
         if self._pending:
-            self._pending.refuse_state_dict()
+            self._pending.refuse_snapshot("state_dict()")
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -496,13 +514,22 @@ class OptimizerInBackward(Optimizer):
         """A working copy on the copied parameters (hooked), as ``copy.deepcopy`` of a plain
         optimizer copies its parameters and state. Deep-copy the model in the same call
         (``copy.deepcopy((model, optim))``) for the copy to step the copied model."""
+        if self._pending:
+            self._pending.refuse_snapshot("copy.deepcopy()")
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            if key not in _REATTACHED:
+            if key not in _REATTACHED | _LEFT_OUT:
                 new.__dict__[key] = copy.deepcopy(value, memo)
-        new._attach_hooks()
+        new._start_copy()
         return new
+
+    def _start_copy(self) -> None:
+        """Make a copy or an unpickled optimizer work: its hooks on the parameters attached,
+        and torch's optimizer hooks empty, as ``torch.optim.Optimizer.__setstate__`` leaves
+        them."""
+        Optimizer.__setstate__(self, {})
+        self._attach_hooks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; with ``set_to_none`` (the default), without

@@ -896,20 +896,51 @@ def test_another_optimizer_on_the_same_parameters_refused_at_its_step():
         warmup.step()
 
 
-def test_pickled_with_its_model_trains_as_plain():
-    """``pickle.dumps((model, optim))`` mid-run (a checkpoint by ``torch.save`` of both
-    objects): the unpickled pair trains on as the plain pair does (it raised an
-    AttributeError at the next step)."""
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_copied_with_its_model_and_scheduler_trains_as_plain(how):
+    """``pickle.dumps((model, optim, scheduler))`` mid-run (a checkpoint by ``torch.save`` of
+    the objects), or ``copy.deepcopy`` of them: the copies train on as the plain ones do. The
+    unpickled optimizer raised an AttributeError at the next step; with an LR scheduler
+    built on it, pickling raised (the scheduler's wrapper of ``step``) and the deep copy's
+    ``step()`` stepped the original optimizer, so the copy raised at its ``zero_grad()``.
+    A copy now leaves out what ``torch.optim.Optimizer.__getstate__`` leaves out (that
+    wrapper, and the hooks, registered here on the original and gone from the plain copy)."""
+    copied = (lambda x: pickle.loads(pickle.dumps(x))) if how == "pickle" else copy.deepcopy
     model, reference = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    _step_both(((model, optim), (reference, plain)), 0, zero=True)
-    model, optim = pickle.loads(pickle.dumps((model, optim)))
-    reference, plain = pickle.loads(pickle.dumps((reference, plain)))
+    runs = []
+    for net, opt in ((model, optim), (reference, plain)):
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        opt.register_step_post_hook(lambda *_: None)
+        _step_both(((net, opt),), 0, zero=True)
+        scheduler.step()
+        runs.append(copied((net, opt, scheduler)))
+    (model, optim, scheduler), (reference, plain, plain_scheduler) = runs
+    assert not optim._optimizer_step_post_hooks and not plain._optimizer_step_post_hooks
     for step in range(1, 4):
         _step_both(((model, optim), (reference, plain)), step, zero=True)
+        scheduler.step()
+        plain_scheduler.step()
     assert_match(model, reference)
     assert_same_state_dict(optim.state_dict(), plain.state_dict())
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_copied_between_backward_and_step_refused(how):
+    """A copy (or a pickle) of the optimizer taken between backward and ``step()`` holds this
+    step's update, where the plain optimizer's holds the state before it (and its gradients):
+    the copy resumed from another point (AdamW 1.3e-2 apart, no error). Refused there, before
+    anything moves."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    loss_fn(model, *_x(0)).backward()
+    take = (
+        (lambda: pickle.dumps((model, optim)))
+        if how == "pickle"
+        else (lambda: copy.deepcopy((model, optim)))
+    )
+    _refused_unmoved(model, "await step", take)
 
 
 def test_load_state_dict_hooks_run_as_plain():
