@@ -7,7 +7,7 @@ import copy
 import gc
 import warnings
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
@@ -204,18 +204,17 @@ _REATTACHED = frozenset(
 )
 """What ``_attach_hooks`` builds anew for a copy: never copied or pickled."""
 
-_LEFT_OUT = frozenset(
-    {
-        "_optimizer_step_pre_hooks",
-        "_optimizer_step_post_hooks",
-        "_optimizer_state_dict_pre_hooks",
-        "_optimizer_state_dict_post_hooks",
-        "_optimizer_load_state_dict_pre_hooks",
-        "_optimizer_load_state_dict_post_hooks",
-        "step",
-        "_opt_called",
-    }
+_HOOKS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
 )
+"""``torch.optim.Optimizer``'s hook dicts."""
+
+_LEFT_OUT = frozenset({*_HOOKS, "step", "_opt_called"})
 """What ``torch.optim.Optimizer.__getstate__`` leaves out of a copy or pickle, so a copy here
 leaves it out too: the hooks (a copy starts without any), and an LR scheduler's wrapper of
 ``step`` with its flag, which would step the optimizer it was built on, not the copy."""
@@ -527,8 +526,9 @@ class OptimizerInBackward(Optimizer):
     def _start_copy(self) -> None:
         """Make a copy or an unpickled optimizer work: its hooks on the parameters attached,
         and torch's optimizer hooks empty, as ``torch.optim.Optimizer.__setstate__`` leaves
-        them."""
-        Optimizer.__setstate__(self, {})
+        them (not called: it would add ``differentiable`` to the wrapped class's defaults)."""
+        for name in _HOOKS:
+            setattr(self, name, OrderedDict())
         self._attach_hooks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
