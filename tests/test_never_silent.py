@@ -943,6 +943,31 @@ def test_copied_between_backward_and_step_refused(how):
     _refused_unmoved(model, "await step", take)
 
 
+def test_state_dict_lists_entries_in_the_plain_order():
+    """With several buckets, state was created in backward's order (last layer first), and
+    ``state_dict()["state"]`` listed it so: a loop that finds an entry by its position (drops
+    the first entry's moments, then loads the dict back) changed another parameter (AdamW
+    4.5e-2 apart, no error). Entries are now put in the order the plain optimizer creates
+    them at each ``step()``: ``param_groups``' order, a parameter unfrozen later at the end;
+    a loaded state dict keeps its order."""
+    model, reference = make_models(freeze=("head",))
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(4):
+        if step == 1:
+            for net in (model, reference):
+                net.head.requires_grad_(True)
+        _step_both(((model, optim), (reference, plain)), step, zero=True)
+        assert list(optim.state_dict()["state"]) == list(plain.state_dict()["state"])
+        if step == 2:
+            for opt in (optim, plain):
+                state_dict = copy.deepcopy(opt.state_dict())
+                del state_dict["state"][next(iter(state_dict["state"]))]
+                opt.load_state_dict(state_dict)
+    assert list(optim.state_dict()["state"]) == list(plain.state_dict()["state"])
+    assert_match(model, reference)
+
+
 def test_load_state_dict_hooks_run_as_plain():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
