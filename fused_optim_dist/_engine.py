@@ -257,8 +257,16 @@ class BackwardPass:
         if self.phase is Phase.COLLECTING and not self.abandoned and id(param) in self._stepped:
             self._refuse(param, self._plan.bucket_of(id(param)))
 
-    @staticmethod
-    def _refuse(param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
+    def _refuse(self, param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
+        if bucket is None and not param.requires_grad and self._plan.holds(param):
+            raise RuntimeError(
+                f"{describe(param)} received a gradient in this backward though it does not "
+                "require one now: requires_grad was turned off after the forward that "
+                "computed it (autograd still delivers the gradient, and a plain optimizer "
+                "steps it). Freeze or unfreeze parameters before the forward, not between "
+                "forward and backward. The buckets stepped before this one in this backward "
+                "moved: restart from the last checkpoint."
+            )
         if bucket is None and not param.requires_grad:
             # Not a trainable parameter: what a hook before ours returned, passed on by torch.
             raise RuntimeError(

@@ -100,6 +100,11 @@ class BucketPlan:
         # [Note: a unit closes when FSDP2 has reduced it].
         self.gradient_slots = fsdp_gradient_slots(trainable)
 
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is in the param groups this plan was made from, trainable or
+        not."""
+        return any(p is param for p in self._all_params)
+
     def is_current(self, param_groups: Sequence[dict[str, Any]]) -> bool:
         """Whether ``param_groups`` hold the same parameters, with the same ``requires_grad``.
 

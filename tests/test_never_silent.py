@@ -968,6 +968,21 @@ def test_state_dict_lists_entries_in_the_plain_order():
     assert_match(model, reference)
 
 
+def test_frozen_between_forward_and_backward_named():
+    """``requires_grad_(False)`` between forward and backward: autograd still delivers the
+    gradient (the plain optimizer steps it), where the plan made at the backward's start has
+    no bucket for it. The error blamed a post-accumulate-grad hook returning a value; it now
+    names the freeze (raised when that gradient arrives: buckets stepped before it moved)."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)
+    _step_both(((model, optim),), 0, zero=True)
+    x, y = _x(1)
+    out = model(x)
+    model.layers[0].requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad was turned off after the forward"):
+        nn.functional.mse_loss(out, y).backward()
+
+
 def test_load_state_dict_hooks_run_as_plain():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
