@@ -109,6 +109,22 @@ def _remove_hooks(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+def _warn_uncommitted(pending: PendingUpdates) -> None:
+    """Warn, as the optimizer is collected or the process exits, if updates made in backward
+    never had their ``step()``: nothing can be refused by then."""
+    if pending:
+        warnings.warn(
+            f"OptimizerInBackward ended with {len(pending.params())} parameter(s) holding "
+            "updates made in backward that no step() followed: the loop stopped after a "
+            "backward (a step budget checked after backward?), where a plain optimizer would "
+            "not have applied that backward's gradients; the weights evaluated or saved since "
+            "hold them. Call step() after every backward whose gradients train, and stop the "
+            "loop before the backward otherwise.",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
 def _held_by_a_module(params: Iterable[torch.Tensor]) -> bool:
     """Whether any of ``params`` is registered on a live ``nn.Module`` (scans the heap)."""
     wanted = {id(p) for p in params}
@@ -341,6 +357,7 @@ class OptimizerInBackward(Optimizer):
         self._hook_ids: dict[int, int] = {}
         self._detached = False
         weakref.finalize(self, _remove_hooks, self._hook_handles)
+        weakref.finalize(self, _warn_uncommitted, self._pending)
         # The bucket plan, rebuilt when stale, and the backward pass in progress (or the last).
         self._plan: BucketPlan | None = None
         self._pass: BackwardPass | None = None
