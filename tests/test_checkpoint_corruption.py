@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from fused_optim_dist import OptimizerInBackward, checkpoint
@@ -43,10 +44,20 @@ def _truncate(path: Path) -> None:
 
 
 def _flip_byte(path: Path) -> None:
-    """Flip one bit in the middle of ``path``: same size, and for a shard a tensor element that
-    DCP alone would load without a word."""
+    """Flip one bit in the middle of ``path``: same size. In a shard, in the middle of its
+    largest item (DCP's metadata gives each item's bytes), a tensor element that DCP alone
+    would load without a word; the middle of the file may fall in an item's serialized header
+    instead, which torch.load refuses."""
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    middle = len(data) // 2
+    if path.suffix == ".distcp":
+        storage = FileSystemReader(path.parent).read_metadata().storage_data
+        item = max(
+            (info for info in storage.values() if info.relative_path == path.name),
+            key=lambda info: info.length,
+        )
+        middle = item.offset + item.length // 2
+    data[middle] ^= 0x01
     path.write_bytes(bytes(data))
 
 
