@@ -341,8 +341,8 @@ class OptimizerInBackward(Optimizer):
         self._kept = KeptGradients()
         # Whether a backward stepped since the last step().
         self._stepped_since_step = False
-        # How many state entries there were at the last step() or load.
-        self._state_seen = 0
+        # The state entries there were at the last step() or load (see _order_new_state).
+        self._note_state()
         self._accumulate_depth = 0
         self._attach_hooks()
 
@@ -525,7 +525,7 @@ class OptimizerInBackward(Optimizer):
         ``step()``, that ``step()`` then refuses, and ``zero_grad()`` discards the updates once
         the model was restored too (see [Note: the step protocol])."""
         super().load_state_dict(state_dict)
-        self._state_seen = len(self.state)
+        self._note_state()
         if self._pending:
             self._pending.loaded()
 
@@ -672,18 +672,23 @@ class OptimizerInBackward(Optimizer):
         """Move the state entries created since the last ``step()`` into ``param_groups``'
         order, the order the plain optimizer creates them in (here they were created in
         backward's): ``state_dict()`` then lists them as the plain one does, for code that
-        finds an entry by its position (a state dict trimmed or edited by index, 4.6e-2
-        apart with entries in backward's order). Entries are only ever appended to the state,
-        so the new ones are those past the count at the last ``step()`` (or load)."""
+        finds an entry by its position (a state dict trimmed or edited by index, 4.5e-2
+        apart with entries in backward's order). New entries are the entry dicts not seen at
+        the last ``step()`` or load (held, so that their ids are not reused): entries
+        re-created after ``state.clear()`` are new too."""
         seen = self._state_seen
-        self._state_seen = len(self.state)
-        if len(self.state) - seen < 2:
-            return
-        params = (p for group in self.param_groups for p in group["params"])
-        position = {id(p): i for i, p in enumerate(params)}
-        new = list(self.state)[seen:]
-        for param in sorted(new, key=lambda p: position.get(id(p), len(position))):
-            self.state[param] = self.state.pop(param)
+        new = [p for p, entry in self.state.items() if id(entry) not in seen]
+        if len(new) > 1:
+            params = (p for group in self.param_groups for p in group["params"])
+            position = {id(p): i for i, p in enumerate(params)}
+            for param in sorted(new, key=lambda p: position.get(id(p), len(position))):
+                self.state[param] = self.state.pop(param)
+        self._note_state()
+
+    def _note_state(self) -> None:
+        """Note the state entries there are now (see :meth:`_order_new_state`)."""
+        self._state_entries = list(self.state.values())
+        self._state_seen = set(map(id, self._state_entries))
 
     def _creates_state_only(self, plan: BucketPlan, ready: list[torch.Tensor]) -> bool:
         """Whether this ``step()`` is the one ``torch.distributed.checkpoint`` runs to create

@@ -950,12 +950,16 @@ def test_state_dict_lists_entries_in_the_plain_order():
     ``state_dict()["state"]`` listed it so: a loop that finds an entry by its position (drops
     the first entry's moments, then loads the dict back) changed another parameter (AdamW
     4.5e-2 apart, no error). Entries are now put in the order the plain optimizer creates
-    them at each ``step()``: ``param_groups``' order, a parameter unfrozen later at the end;
-    a loaded state dict keeps its order."""
+    them at each ``step()``: ``param_groups``' order, a parameter unfrozen later at the end,
+    entries re-created after ``state.clear()`` in order again; a loaded state dict keeps its
+    order."""
     model, reference = make_models(freeze=("head",))
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(4):
+    for step in range(6):
+        if step == 4:
+            optim.state.clear()
+            plain.state.clear()
         if step == 1:
             for net in (model, reference):
                 net.head.requires_grad_(True)
