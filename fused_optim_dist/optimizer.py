@@ -742,23 +742,20 @@ class OptimizerInBackward(Optimizer):
     def _refuse_second_pass(self) -> None:
         """Raise before a second pass (a backward, or ``step()`` stepping gradients set by
         hand) with no ``step()`` since a pass that made updates, where one ``step()`` of the
-        plain optimizer depends on all the step's gradients: clipping by their norm, or
-        skipping the step on a non-finite one (``max_grad_norm``, ``skip_nonfinite``); or
-        since a pass that advanced state a class keeps in its groups or on itself: the plain
-        optimizer's one ``step()`` advances it once, each pass here would advance it again.
-        See [Note: group and instance state]."""
-        if self._pending and (
-            self.options.max_grad_norm is not None or self.options.skip_nonfinite
-        ):
+        plain optimizer depends on all the step's gradients: clipping by their norm
+        (``max_grad_norm``; ``skip_nonfinite`` decides bucket by bucket, the same in one pass
+        or several); or since a pass that advanced state a class keeps in its groups or on
+        itself: the plain optimizer's one ``step()`` advances it once, each pass here would
+        advance it again. See [Note: group and instance state]."""
+        if self._pending and self.options.max_grad_norm is not None:
             raise RuntimeError(
                 "a second backward (or a step() stepping gradients set by hand) before "
-                "optim.step(), after a backward whose updates were made, with "
-                f"{'max_grad_norm' if self.options.max_grad_norm is not None else 'skip_nonfinite'}"
-                ": the plain loop clips by the norm of all the step's gradients (and skips "
-                "the whole step on a non-finite one), where the earlier backward's updates "
-                "were made with its gradients alone. Run the earlier backwards of the step under "
-                "`with optim.accumulate():` (two losses, an actor and a critic), or sum the "
-                "losses and call backward once. Nothing was stepped by this one."
+                "optim.step(), after a backward whose updates were made, with max_grad_norm: "
+                "the plain loop clips by the norm of all the step's gradients, where the "
+                "earlier backward's updates were clipped by the norm of its gradients alone. "
+                "Run the earlier backwards of the step under `with optim.accumulate():` (two "
+                "losses, an actor and a critic), or sum the losses and call backward once. "
+                "Nothing was stepped by this one."
             )
         if self._stepped_since_step and self._pass is not None and self._pass.wrote_class_state():
             raise RuntimeError(
