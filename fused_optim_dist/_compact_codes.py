@@ -166,6 +166,8 @@ class Groups:
         """Each group's largest value of ``magnitude`` (as :meth:`view` shapes it)."""
         if self.lengths is None:
             return magnitude.amax(dim=1)
+        if self.count == 0:  # only empty local shards (FSDP2 on more ranks than rows)
+            return magnitude.new_empty(0)
         return torch.segment_reduce(magnitude, "max", lengths=self.lengths)
 
     def expand(self, per_group: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,10 @@ class Plan:
     addresses, their state entries hold the same tensors in the same order ([Note: checking
     state by identity] in ``_state_identity.py``: ``load_state_dict``, state created or
     converted, a tensor replaced, added or removed, an entry dropped: the step takes the full
-    path and makes a new plan), its options are the same, and every parameter has a gradient
+    path and makes a new plan), at the same addresses (a tensor's storage swapped through
+    ``.data =``, as helpers moving optimizer state between devices do, would leave the kernel
+    writing freed memory and the flat views updating the old storage), its options are the
+    same, and every parameter has a gradient
     its batch takes (the checks of :meth:`grads` and a subclass's ``step``); otherwise nothing
     is stepped through it. The checks are C-level ``map``s over the parameters (a Python loop
     cost about 3 us per parameter). A plan holds the tensors it points to, so none is freed
@@ -73,7 +76,15 @@ class Plan:
     tensors are not the group's tensors.
     """
 
-    __slots__ = ("addresses", "dtypes", "entries", "options", "params")
+    __slots__ = (
+        "addresses",
+        "dtypes",
+        "entries",
+        "options",
+        "params",
+        "state_addresses",
+        "state_tensors",
+    )
 
     def __init__(
         self,
@@ -86,6 +97,8 @@ class Plan:
         self.options = options
         self.addresses = list(map(_data_ptr, params))
         self.entries = StateEntries(params, state)
+        self.state_tensors = [v for v in self.entries.values if isinstance(v, torch.Tensor)]
+        self.state_addresses = list(map(_data_ptr, self.state_tensors))
         self.dtypes = [item.grad.dtype for item in items]
         if any(item.param is not item.weight for item in items):
             self.params = ()  # DTensors: their local tensors are not the group's tensors
@@ -109,6 +122,7 @@ class Plan:
             and all(map(operator.is_, params, self.params))
             and self.entries.match(state)
             and list(map(_data_ptr, params)) == self.addresses
+            and list(map(_data_ptr, self.state_tensors)) == self.state_addresses
         ):
             return None
         grads = list(map(_grad, params))

@@ -345,7 +345,10 @@ class PendingUpdates:
 
     def refuse_snapshot(self, what: str) -> None:
         """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)
-        while updates made in backward await ``step()``."""
+        while updates made in backward await ``step()``, unless the state was loaded since
+        (a rollback: the state is then the loaded one, as the plain optimizer's)."""
+        if self._loaded:
+            return
         raise RuntimeError(
             f"{what}: {len(self._ids)} parameter(s) hold updates made in backward that await "
             f"step(). A plain optimizer's {what} here would hold the state before this step's "

@@ -505,9 +505,15 @@ class OptimizerInBackward(Optimizer):
                 filled.update(zip(mine, inner.param_groups, strict=True))
                 merged.update(inner.state)
                 inner.state, inner.param_groups = type(inner.state)(), []
+            # In the loaded order, not class by class.
+            ordered: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+            for param in entries:
+                if param in merged:
+                    ordered[param] = merged.pop(param)
+            ordered.update(merged)
             state = {
                 **state,
-                "state": merged,
+                "state": ordered,
                 "param_groups": [filled[i] for i in range(len(groups))],
             }
         super().__setstate__(state)

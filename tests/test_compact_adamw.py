@@ -399,5 +399,19 @@ def test_state_of_other_variance_bits_refused_before_anything_moves(kernel, writ
         assert all(torch.equal(optim.state[p][k], v) for k, v in state.items())
 
 
+@pytest.mark.parametrize("kernel", ["c", "eager"])
+def test_a_batch_of_empty_local_shards(kernel):
+    """A rank whose shards of an FSDP unit are all empty (a head of one row on two ranks) steps
+    a batch of no elements in backward: the eager path raised in its group maxima
+    (``segment_reduce`` on nothing); both paths now only count the step."""
+    params = [nn.Parameter(torch.zeros(0, n, dtype=torch.bfloat16)) for n in (70, 64)]
+    optim = CompactAdamW(params, kernel=kernel)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optim.step()
+    assert all(optim.state[p]["step"].item() == 2 for p in params)
+
+
 def test_declared_elementwise():
     assert _kinds.stepping_of(CompactAdamW, None) is _kinds.Stepping.ELEMENTWISE

@@ -152,11 +152,13 @@ def test_falls_back_to_eager_where_it_cannot_run(monkeypatch, tmp_path):
 def test_reused_plans_follow_replaced_state(groups, monkeypatch):
     """The kernel's tables and the eager path's flat views are reused from step to step
     ([Note: reused plans]) only while they point at the group's current tensors: a state
-    tensor replaced in its entry, an entry dropped or replaced by a copy, a tensor removed from
-    an entry, a state dict loaded, a parameter set changed (a new list, the group's list
-    changed in place, a parameter replaced by another on the same storage), a gradient of
-    another dtype all give what the eager path gives when it keeps no plan. With one group per
-    parameter the state is too large to snapshot for a group, and its entries are looked up."""
+    tensor replaced in its entry, an entry dropped or replaced by a copy, a tensor removed
+    from an entry, a state dict loaded, state tensors' storage swapped through ``.data =``
+    (the kernel wrote freed memory, the eager path's views the old storage), a parameter set
+    changed (a new list, the group's list changed in place, a parameter replaced by another
+    on the same storage), a gradient of another dtype all give what the eager path gives
+    when it keeps no plan. With one group per parameter the state is too large to snapshot
+    for a group, and its entries are looked up."""
     runs = {}
     for kernel in ("c", "eager", "eager without plans"):
         if kernel == "eager without plans":
@@ -176,6 +178,9 @@ def test_reused_plans_follow_replaced_state(groups, monkeypatch):
         optim.state[params[4]] = copy.deepcopy(optim.state[params[4]])
         optim.step()
         optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+        optim.step()
+        for value in optim.state[params[5]].values():  # moved off and back, as to(device)
+            value.data = value.data.clone()
         optim.step()
         optim.param_groups[0]["params"] = optim.param_groups[0]["params"][1:]
         optim.step()

@@ -1009,6 +1009,48 @@ def test_loop_ending_after_a_backward_without_step_warns():
         gc.collect()
 
 
+def test_state_dict_after_a_rollback_load_as_plain():
+    """``state_dict()`` between backward and ``step()`` after the optimizer's state was loaded
+    there (a rollback on a loss spike) returns the loaded state, as the plain optimizer's; the
+    refusal of a snapshot holding this step's update does not apply (it raised, a false
+    positive)."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _step_both(((model, optim), (reference, plain)), 0, zero=True)
+    saved = copy.deepcopy(optim.state_dict())
+    for net, opt in ((model, optim), (reference, plain)):
+        weights = copy.deepcopy(net.state_dict())
+        loss_fn(net, *_x(1)).backward()
+        net.load_state_dict(weights)
+        opt.load_state_dict(copy.deepcopy(saved))
+        assert_same_state_dict(opt.state_dict(), saved)
+        opt.zero_grad()
+    _step_both(((model, optim), (reference, plain)), 2, zero=True)
+    assert_match(model, reference)
+
+
+def test_load_keeps_the_state_order_with_several_classes():
+    """An optimizer of several classes loads its state class by class; the loaded state kept
+    the classes' order, not the state dict's (entries 0, 1, 4, 5, 2, 3 of an AdamW, SGD,
+    AdamW layout); it now keeps the state dict's order."""
+    model, _ = make_models()
+    params = list(model.parameters())
+    optim = OptimizerInBackward(
+        [
+            {"params": params[:2]},
+            {"params": params[2:4], "optimizer_cls": torch.optim.SGD, "lr": 0.1, "momentum": 0.9},
+            {"params": params[4:]},
+        ],
+        torch.optim.AdamW,
+        lr=1e-2,
+    )
+    _step_both(((model, optim),), 0, zero=True)
+    order = list(optim.state_dict()["state"])
+    optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+    assert list(optim.state_dict()["state"]) == order == sorted(order)
+
+
 def test_load_state_dict_hooks_run_as_plain():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
