@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 from fused_optim_dist._classes import ClassSteppers
 from fused_optim_dist._kinds import keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
+from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
 
 __all__ = ["ClassState"]
 
@@ -58,12 +59,7 @@ _OPTIMIZER_ATTRS = frozenset(
         "grad_scale",
         "_warned_capturable_if_run_uncaptured",
         "_zero_grad_profile_name",
-        "_optimizer_step_pre_hooks",
-        "_optimizer_step_post_hooks",
-        "_optimizer_state_dict_pre_hooks",
-        "_optimizer_state_dict_post_hooks",
-        "_optimizer_load_state_dict_pre_hooks",
-        "_optimizer_load_state_dict_post_hooks",
+        *OPTIMIZER_HOOKS,
     }
 )
 

@@ -28,7 +28,9 @@ Everything else in the package uses public APIs. What this module relies on, for
   wrapper that runs the callbacks first; code that imported the function by name earlier
   keeps the original, so the callbacks also run at interpreter exit (``atexit``).
 * ``torch.optim.optimizer._global_optimizer_pre_hooks`` holds the hooks
-  ``register_optimizer_step_pre_hook`` registered for every optimizer.
+  ``register_optimizer_step_pre_hook`` registered for every optimizer, and an optimizer keeps
+  its own hooks in the instance attributes ``OPTIMIZER_HOOKS`` names (which
+  ``Optimizer.__getstate__`` leaves out of a copy and ``__setstate__`` creates empty).
 * The autograd engine runs callbacks queued with ``Variable._execution_engine.queue_callback``
   once the current backward has finished, in the order they were queued, including callbacks
   queued by a running callback (``exec_post_processing`` in ``engine.cpp`` loops until the list
@@ -86,6 +88,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "OPTIMIZER_HOOKS",
     "before_teardown",
     "current_backward_id",
     "ddp_modules_holding",
@@ -107,6 +110,17 @@ __all__ = [
     "traced",
     "watch_ddp",
 ]
+
+
+OPTIMIZER_HOOKS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+"""The instance attributes in which ``torch.optim.Optimizer`` keeps an optimizer's hooks."""
 
 
 def fsdp_units(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:

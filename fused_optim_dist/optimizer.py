@@ -32,6 +32,7 @@ from fused_optim_dist._protocol import (
 )
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
+    OPTIMIZER_HOOKS,
     current_backward_id,
     ddp_modules_holding,
     ddp_wrapped,
@@ -220,17 +221,7 @@ _REATTACHED = frozenset(
 )
 """What ``_attach_hooks`` builds anew for a copy: never copied or pickled."""
 
-_HOOKS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
-"""``torch.optim.Optimizer``'s hook dicts."""
-
-_LEFT_OUT = frozenset({*_HOOKS, "step", "_opt_called"})
+_LEFT_OUT = frozenset({*OPTIMIZER_HOOKS, "step", "_opt_called"})
 """What ``torch.optim.Optimizer.__getstate__`` leaves out of a copy or pickle, so a copy here
 leaves it out too: the hooks (a copy starts without any), and an LR scheduler's wrapper of
 ``step`` with its flag, which would step the optimizer it was built on, not the copy."""
@@ -553,7 +544,7 @@ class OptimizerInBackward(Optimizer):
         """Make a copy or an unpickled optimizer work: its hooks on the parameters attached,
         and torch's optimizer hooks empty, as ``torch.optim.Optimizer.__setstate__`` leaves
         them (not called: it would add ``differentiable`` to the wrapped class's defaults)."""
-        for name in _HOOKS:
+        for name in OPTIMIZER_HOOKS:
             setattr(self, name, OrderedDict())
         self._attach_hooks()
 

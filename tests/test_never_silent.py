@@ -353,6 +353,15 @@ def test_joint_class_steps_every_group_in_one_call():
     assert_match(model, reference)
 
 
+def _actor_and_critic() -> tuple[nn.Module, nn.Module]:
+    """An actor and a critic head, and a copy of the pair."""
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        pair.append(nn.ModuleDict({"actor": nn.Linear(6, 3), "critic": nn.Linear(6, 1)}))
+    return pair[0], pair[1]
+
+
 @pytest.mark.parametrize("cls", [GroupStepLamb, InstanceCountSGD])
 @pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "per-bucket"])
 def test_two_backwards_on_disjoint_parameters_with_a_counting_class(cls, stepping):
@@ -362,21 +371,14 @@ def test_two_backwards_on_disjoint_parameters_with_a_counting_class(cls, steppin
     at the second backward, before it moves anything; with the first under ``accumulate()``,
     equal."""
 
-    def nets() -> tuple[nn.Module, nn.Module]:
-        pair = []
-        for _ in range(2):
-            torch.manual_seed(0)
-            pair.append(nn.ModuleDict({"actor": nn.Linear(6, 3), "critic": nn.Linear(6, 1)}))
-        return pair[0], pair[1]
-
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    model, _ = nets()
+    model, _ = _actor_and_critic()
     optim = OptimizerInBackward(model.parameters(), cls, stepping=stepping)
     model["actor"](x).square().mean().backward()
     _refused_unmoved(
         model, "a second backward", lambda: model["critic"](x).square().mean().backward()
     )
-    model, reference = nets()
+    model, reference = _actor_and_critic()
     optim = OptimizerInBackward(model.parameters(), cls, stepping=stepping)
     plain = cls(reference.parameters())
     for _ in range(3):
@@ -401,13 +403,6 @@ def test_second_pass_before_step_refused_with_clipping(second):
     under ``accumulate()``, equal to the plain clipped loop. ``skip_nonfinite``, which decides
     bucket by bucket, is equal either way (finite gradients here)."""
 
-    def nets() -> tuple[nn.Module, nn.Module]:
-        pair = []
-        for _ in range(2):
-            torch.manual_seed(0)
-            pair.append(nn.ModuleDict({"actor": nn.Linear(6, 3), "critic": nn.Linear(6, 1)}))
-        return pair[0], pair[1]
-
     def critic(net: nn.Module) -> None:
         if second == "backward":
             net["critic"](x).square().mean().backward()
@@ -416,7 +411,7 @@ def test_second_pass_before_step_refused_with_clipping(second):
                 p.grad = torch.ones_like(p)
 
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    model, _ = nets()
+    model, _ = _actor_and_critic()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05)
     model["actor"](x).square().mean().backward()
     second_pass = (lambda: critic(model)) if second == "backward" else optim.step
@@ -425,7 +420,7 @@ def test_second_pass_before_step_refused_with_clipping(second):
     _refused_unmoved(model, "a second backward", second_pass)
     cases = ((dict(max_grad_norm=0.05), True), (dict(skip_nonfinite=True), False))
     for options, accumulate in cases:
-        model, reference = nets()
+        model, reference = _actor_and_critic()
         optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, **options)
         plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         for _ in range(3):
