@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import operator
 import warnings
 import weakref
 from collections import OrderedDict, defaultdict
@@ -673,6 +674,9 @@ class OptimizerInBackward(Optimizer):
         apart with entries in backward's order). New entries are the entry dicts not seen at
         the last ``step()`` or load (held, so that their ids are not reused): entries
         re-created after ``state.clear()`` are new too."""
+        entries = self._state_entries
+        if len(self.state) == len(entries) and all(map(operator.is_, self.state.values(), entries)):
+            return  # the same entries in the same order: nothing created (C-level check)
         seen = self._state_seen
         new = [p for p, entry in self.state.items() if id(entry) not in seen]
         if len(new) > 1:
