@@ -10,6 +10,7 @@ dtypes) is compared separately, against DCP's own ``.metadata``: see :func:`stat
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "describe",
     "mismatches",
     "optimizer_class",
+    "param_names",
     "saved_state_specs",
     "state_mismatches",
     "state_specs",
@@ -99,14 +101,18 @@ def _describe_spec(spec: dict[str, Any]) -> str:
     return f"{spec['dtype']} {tuple(spec['shape'])}"
 
 
-def state_mismatches(saved: dict[str, dict], current: dict[str, dict]) -> list[str]:
+def state_mismatches(
+    saved: dict[str, dict], current: dict[str, dict], frozen: Collection[str] = ()
+) -> list[str]:
     """Differences between the optimizer state a checkpoint holds and the state the optimizer
     in use has (or gets on its first step), one line per entry, naming it.
 
     DCP loads the entries the optimizer has and silently ignores the others, converting dtypes
     on the way: an ``AdamW`` checkpoint loaded into ``AdamW(amsgrad=True)`` would fail halfway
     (no ``max_exp_avg_sq``), the reverse would leave ``amsgrad=True`` in the groups and no state
-    for it.
+    for it. The state of a parameter ``frozen`` now (by name), saved because it trained before
+    it was frozen, is left in the checkpoint, as DCP's own load leaves it: a frozen parameter
+    gets no state from the optimizer, and needs none.
     """
     problems = [
         f"optimizer state {name!r} is in the optimizer but not in the checkpoint"
@@ -115,6 +121,7 @@ def state_mismatches(saved: dict[str, dict], current: dict[str, dict]) -> list[s
     problems += [
         f"optimizer state {name!r} is in the checkpoint but not in the optimizer"
         for name in saved.keys() - current.keys()
+        if name.rsplit(".", 1)[0] not in frozen
     ]
     for name in current.keys() & saved.keys():
         if current[name] != saved[name]:
@@ -125,7 +132,8 @@ def state_mismatches(saved: dict[str, dict], current: dict[str, dict]) -> list[s
     return sorted(problems)
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
+def param_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name in checkpoints (its FQN without wrapper modules' names), by id."""
     names = {}
     for name, param in model.named_parameters():
         names[id(param)] = ".".join(p for p in name.split(".") if p not in _WRAPPER_NAMES)
@@ -133,7 +141,7 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 
 
 def _param_groups(model: nn.Module, optim: Optimizer) -> list[dict[str, list[str]]]:
-    names = _param_names(model)
+    names = param_names(model)
     groups = []
     for index, group in enumerate(optim.param_groups):
         for param in group["params"]:
@@ -212,8 +220,8 @@ def _group_mismatches(saved: list[dict], current: list[dict], names: set[str]) -
     for name in sorted(names & current_group.keys() - current_frozen):
         if name in saved_frozen:
             problems.append(
-                f"{name!r} requires grad but was frozen when the checkpoint was written, so the "
-                "checkpoint holds no optimizer state for it"
+                f"{name!r} requires grad but was frozen when the checkpoint was written: load "
+                "it with the parameters frozen as they were then, and unfreeze them after"
             )
     return problems
 

@@ -76,6 +76,7 @@ from fused_optim_dist._checkpoint_collectives import (
 from fused_optim_dist._checkpoint_metadata import (
     describe,
     mismatches,
+    param_names,
     state_mismatches,
     state_specs,
     tensor_mismatches,
@@ -402,7 +403,9 @@ def _state_dicts_checked(
     error = None
     try:
         model_state, optim_state = get_state_dict(model, optim)
-        problems = state_mismatches(inspection.optimizer_state, state_specs(optim_state))
+        names = param_names(model)
+        frozen = {names[id(p)] for p in model.parameters() if not p.requires_grad}
+        problems = state_mismatches(inspection.optimizer_state, state_specs(optim_state), frozen)
         if problems:
             error = _refusal(path, problems)
     except Exception as e:

@@ -546,6 +546,31 @@ def test_mismatched_checkpoint_is_refused_by_name_and_changes_nothing(worlds, tm
     worlds.run(2, _mismatch_body, root=str(tmp_path))
 
 
+def _frozen_after_training_body(root: str) -> None:
+    """A layer trained, then frozen, then saved: the checkpoint holds its optimizer state,
+    which a run with the layer frozen has none of. It was refused ('in the checkpoint but not
+    in the optimizer'), where DCP's own load leaves that state out; now loaded the same way,
+    and the resumed run goes on as the uninterrupted one."""
+    saved = _run()
+    _train(saved, range(2))
+    saved.model.inp.requires_grad_(False)
+    _train(saved, range(2, 3))
+    checkpoint.save(root, *saved[:2], step=3, extra={"scheduler": saved.scheduler.state_dict()})
+    resumed = _run(seed=1)
+    resumed.model.inp.requires_grad_(False)
+    _, extra = checkpoint.load(root, resumed.model, resumed.optim)
+    resumed.scheduler.load_state_dict(extra["scheduler"])
+    for run in (saved, resumed):
+        _train(run, range(3, 5))
+    pairs = zip(saved.model.named_parameters(), resumed.model.parameters(), strict=True)
+    for (name, p), q in pairs:
+        assert torch.equal(full(p), full(q)), name
+
+
+def test_checkpoint_of_a_layer_frozen_after_training_loads(worlds, tmp_path):
+    worlds.run(2, _frozen_after_training_body, root=str(tmp_path))
+
+
 # -- async save ---------------------------------------------------------------------------------
 
 
