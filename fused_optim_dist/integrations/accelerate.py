@@ -72,7 +72,8 @@ def in_backward_optimizer(optimizer: Optimizer) -> OptimizerInBackward:
         raise TypeError(
             f"expected an OptimizerInBackward (or accelerate's wrapper of one), got "
             f"{type(optimizer).__name__}; build it with "
-            "OptimizerInBackward(model.parameters(), torch.optim.AdamW, ...)"
+            "OptimizerInBackward(model.parameters(), torch.optim.AdamW, ...) (with a Trainer: "
+            "in its create_optimizer, if a subclass overrides it, or in optimizers=(...))"
         )
     return inner
 
