@@ -86,6 +86,9 @@ class BucketPlan:
         ]
         group_of = {id(p): index for index, params in enumerate(self._group_params) for p in params}
         self.trainable = tuple(trainable)
+        self.frozen = tuple(
+            p for p, flag in zip(self._all_params, self._requires_grad, strict=True) if not flag
+        )
         # The trainable parameters that are plain tensors (what DistributedDataParallel trains).
         self.plain_trainable = tuple(p for p in trainable if not hasattr(p, "device_mesh"))
         self.buckets = tuple(

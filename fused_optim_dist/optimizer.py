@@ -558,6 +558,7 @@ class OptimizerInBackward(Optimizer):
             if self._pending.rolled_back():
                 self._pending.commit()
                 self._pass = None
+                self._stepped_since_step = False  # the rolled-back backward is undone
             else:
                 self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
                 self._pending.refuse_discard()
@@ -628,6 +629,19 @@ class OptimizerInBackward(Optimizer):
                 self._pending.refuse_changed(changed)
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
         plan = self._current_plan()
+        frozen = [
+            p
+            for p, grad in zip(plan.frozen, read_grads(plan.frozen), strict=True)
+            if grad is not None and not is_freed(grad)
+        ]
+        if frozen:
+            raise RuntimeError(
+                f"step(): {describe(frozen[0])} is frozen (requires_grad=False) but holds a "
+                "gradient (set by hand, or kept from before it was frozen or added): a plain "
+                "optimizer steps every parameter holding one; this one steps the trainable "
+                "parameters only. Drop it (optim.zero_grad(), or p.grad = None) or unfreeze "
+                "the parameter before step()."
+            )
         grads = read_grads(plan.trainable)
         if not self._stepped_since_step:
             freed = [p for p, g in zip(plan.trainable, grads, strict=True) if is_freed(g)]
@@ -745,9 +759,20 @@ class OptimizerInBackward(Optimizer):
         hand) with no ``step()`` since a pass that made updates, where one ``step()`` of the
         plain optimizer depends on all the step's gradients: clipping by their norm
         (``max_grad_norm``; ``skip_nonfinite`` decides bucket by bucket, the same in one pass
-        or several); or since a pass that advanced state a class keeps in its groups or on
+        or several), or a class stepped jointly, whose one call reads them all; or since a
+        pass that advanced state a class keeps in its groups or on
         itself: the plain optimizer's one ``step()`` advances it once, each pass here would
         advance it again. See [Note: group and instance state]."""
+        if self._pending and self._stepper.joint:
+            raise RuntimeError(
+                "a second backward (or a step() stepping gradients set by hand) before "
+                "optim.step(), after a backward whose updates were made, with a class stepped "
+                "jointly (undeclared): its one step() of the plain loop reads all the step's "
+                "gradients at once (a norm over them, for one), here each pass would call it "
+                "on that pass's gradients alone. Run the earlier backwards of the step under "
+                "`with optim.accumulate():`, or sum the losses and call backward once. Nothing "
+                "was stepped by this one."
+            )
         if self._pending and self.options.max_grad_norm is not None:
             raise RuntimeError(
                 "a second backward (or a step() stepping gradients set by hand) before "

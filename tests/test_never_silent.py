@@ -1046,6 +1046,59 @@ def test_load_keeps_the_state_order_with_several_classes():
     assert list(optim.state_dict()["state"]) == order == sorted(order)
 
 
+def test_step_without_backward_after_a_rollback_counts_as_plain():
+    """A backward rolled back (the state and weights from before it loaded, ``zero_grad()``),
+    then a ``step()`` with no backward: the plain optimizer runs its step on no gradients,
+    which advances a counter kept in its groups; here the undone backward still counted as
+    this step's, so the counter was not advanced (2.6e-3 apart two steps later, no error)."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(
+        model.parameters(), GroupStepLamb, lr=1e-2, bucket_numel=24, stepping="dtensor"
+    )
+    plain = GroupStepLamb(reference.parameters(), lr=1e-2)
+    for net, opt in ((model, optim), (reference, plain)):
+        saved = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+        loss_fn(net, *_x(0)).backward()
+        opt.load_state_dict(saved[1])
+        net.load_state_dict(saved[0])
+        opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    for step in (1, 2):
+        _step_both(((model, optim), (reference, plain)), step, zero=True)
+    assert optim.param_groups[0]["step"] == plain.param_groups[0]["step"]
+    assert_match(model, reference)
+
+
+def test_frozen_parameter_holding_a_gradient_refused():
+    """A gradient on a frozen parameter of the optimizer at ``step()`` (set by hand, or kept
+    from before it was frozen or added): the plain optimizer steps every parameter holding
+    one (1.1e-2 apart after a hand-set gradient, no error); here only trainable ones are.
+    Refused at that ``step()``, before it steps anything."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    _step_both(((model, optim),), 0, zero=True)
+    model.head.requires_grad_(False)
+    loss_fn(model, *_x(1)).backward()
+    model.head.bias.grad = torch.ones_like(model.head.bias)
+    _refused_unmoved(model, r"is frozen \(requires_grad=False\) but holds a gradient", optim.step)
+
+
+def test_second_pass_with_a_jointly_stepped_class_refused():
+    """A class stepped jointly (undeclared, clipping by the norm of all its gradients inside
+    ``step()``): a backward, then gradients set by hand before ``step()``. The plain step()
+    reads them all at once; here each pass called it on its own (1.0e-3 apart, no error).
+    Refused at that ``step()``, before it moves anything; summed into one pass, equal."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), GlobalClipSGD, lr=0.05, bucket_numel=24)
+    model.layers[0].requires_grad_(False)
+    loss_fn(model, *_x(0)).backward()
+    model.layers[0].requires_grad_(True)
+    for p in model.layers[0].parameters():
+        p.grad = torch.full_like(p, 0.1)
+    _refused_unmoved(model, "a class stepped jointly", optim.step)
+
+
 def test_load_state_dict_hooks_run_as_plain():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
