@@ -691,7 +691,7 @@ class OptimizerInBackward(Optimizer):
         entries = self._state_entries
         if len(self.state) == len(entries) and all(map(operator.is_, self.state.values(), entries)):
             return  # the same entries in the same order: nothing created (C-level check)
-        seen = self._state_seen
+        seen = set(map(id, entries))
         new = [p for p, entry in self.state.items() if id(entry) not in seen]
         if len(new) > 1:
             params = (p for group in self.param_groups for p in group["params"])
@@ -703,7 +703,6 @@ class OptimizerInBackward(Optimizer):
     def _note_state(self) -> None:
         """Note the state entries there are now (see :meth:`_order_new_state`)."""
         self._state_entries = list(self.state.values())
-        self._state_seen = set(map(id, self._state_entries))
 
     def _creates_state_only(self, plan: BucketPlan, ready: list[torch.Tensor]) -> bool:
         """Whether this ``step()`` is the one ``torch.distributed.checkpoint`` runs to create
@@ -760,28 +759,24 @@ class OptimizerInBackward(Optimizer):
         plain optimizer depends on all the step's gradients: clipping by their norm
         (``max_grad_norm``; ``skip_nonfinite`` decides bucket by bucket, the same in one pass
         or several), or a class stepped jointly, whose one call reads them all; or since a
-        pass that advanced state a class keeps in its groups or on
-        itself: the plain optimizer's one ``step()`` advances it once, each pass here would
-        advance it again. See [Note: group and instance state]."""
-        if self._pending and self._stepper.joint:
-            raise RuntimeError(
-                "a second backward (or a step() stepping gradients set by hand) before "
-                "optim.step(), after a backward whose updates were made, with a class stepped "
-                "jointly (undeclared): its one step() of the plain loop reads all the step's "
-                "gradients at once (a norm over them, for one), here each pass would call it "
-                "on that pass's gradients alone. Run the earlier backwards of the step under "
-                "`with optim.accumulate():`, or sum the losses and call backward once. Nothing "
-                "was stepped by this one."
+        pass that advanced state a class keeps in its groups or on itself: the plain
+        optimizer's one ``step()`` advances it once, each pass here would advance it again.
+        See [Note: group and instance state]."""
+        if self._pending and (self._stepper.joint or self.options.max_grad_norm is not None):
+            reason = (
+                "with a class stepped jointly (undeclared), whose one step() of the plain loop "
+                "reads all the step's gradients at once (a norm over them, for one)"
+                if self._stepper.joint
+                else "with max_grad_norm: the plain loop clips by the norm of all the step's "
+                "gradients"
             )
-        if self._pending and self.options.max_grad_norm is not None:
             raise RuntimeError(
                 "a second backward (or a step() stepping gradients set by hand) before "
-                "optim.step(), after a backward whose updates were made, with max_grad_norm: "
-                "the plain loop clips by the norm of all the step's gradients, where the "
-                "earlier backward's updates were clipped by the norm of its gradients alone. "
-                "Run the earlier backwards of the step under `with optim.accumulate():` (two "
-                "losses, an actor and a critic), or sum the losses and call backward once. "
-                "Nothing was stepped by this one."
+                f"optim.step(), after a backward whose updates were made, {reason}, where the "
+                "earlier backward's updates used its gradients alone. Run the earlier "
+                "backwards of the step under `with optim.accumulate():` (two losses, an actor "
+                "and a critic), or sum the losses and call backward once. Nothing was stepped "
+                "by this one."
             )
         if self._stepped_since_step and self._pass is not None and self._pass.wrote_class_state():
             raise RuntimeError(

@@ -998,10 +998,12 @@ def test_loop_ending_after_a_backward_without_step_warns():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2)
     _step_both(((model, optim),), 2, zero=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         del optim
         gc.collect()
+    # Recorded, not raised: a warning raised as an error in a finalizer is only printed.
+    assert not [w for w in caught if "no step() followed" in str(w.message)]
 
 
 def test_state_dict_after_a_rollback_load_as_plain():
