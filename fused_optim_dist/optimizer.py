@@ -758,17 +758,19 @@ class OptimizerInBackward(Optimizer):
         hand) with no ``step()`` since a pass that made updates, where one ``step()`` of the
         plain optimizer depends on all the step's gradients: clipping by their norm
         (``max_grad_norm``; ``skip_nonfinite`` decides bucket by bucket, the same in one pass
-        or several), or a class stepped jointly, whose one call reads them all; or since a
-        pass that advanced state a class keeps in its groups or on itself: the plain
-        optimizer's one ``step()`` advances it once, each pass here would advance it again.
-        See [Note: group and instance state]."""
-        if self._pending and (self._stepper.joint or self.options.max_grad_norm is not None):
+        or several), or a class stepped jointly that the earlier pass updated, whose one
+        call reads them all (one the earlier pass did not update steps this pass's gradients
+        alone, as the plain call does); or since a pass that advanced state a class keeps in
+        its groups or on itself: the plain optimizer's one ``step()`` advances it once, each
+        pass here would advance it again. See [Note: group and instance state]."""
+        clipped = self.options.max_grad_norm is not None
+        if self._pending and (clipped or self._pending_in_joint_class()):
             reason = (
-                "with a class stepped jointly (undeclared), whose one step() of the plain loop "
-                "reads all the step's gradients at once (a norm over them, for one)"
-                if self._stepper.joint
-                else "with max_grad_norm: the plain loop clips by the norm of all the step's "
-                "gradients"
+                "with max_grad_norm: the plain loop clips by the norm of all the step's gradients"
+                if clipped
+                else "with a class stepped jointly (undeclared) that it updated, whose one "
+                "step() of the plain loop reads all the step's gradients at once (a norm over "
+                "them, for one)"
             )
             raise RuntimeError(
                 "a second backward (or a step() stepping gradients set by hand) before "
@@ -788,6 +790,15 @@ class OptimizerInBackward(Optimizer):
                 "`with optim.accumulate():` (two losses, an actor and a critic), or call "
                 "optim.step() after each. Nothing was stepped by this one."
             )
+
+    def _pending_in_joint_class(self) -> bool:
+        """Whether an update made since the last ``step()`` is of a class stepped jointly."""
+        return any(
+            self._pending.holds(param)
+            for group in self.param_groups
+            if self._stepper.is_joint(group)
+            for param in group["params"]
+        )
 
     def _check_first_backward(self) -> None:
         """Checks run when a backward (or ``step()``) starts stepping, before anything moves:

@@ -1101,6 +1101,40 @@ def test_second_pass_with_a_jointly_stepped_class_refused():
     _refused_unmoved(model, "a class stepped jointly", optim.step)
 
 
+def test_second_pass_on_a_jointly_stepped_class_the_first_left_alone_equal():
+    """A backward updating only the groups of an elementwise class (the others frozen), then
+    gradients set by hand on those of a class stepped jointly, then ``step()``. The joint
+    class's one plain call reads the hand-set gradients alone, as its call here does: equal
+    (this was refused whenever the optimizer held a jointly stepped class)."""
+    model, reference = make_models()
+    sgd = dict(lr=0.1, momentum=0.9)
+
+    def groups(net: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        return list(net.layers.parameters()), [*net.inp.parameters(), *net.head.parameters()]
+
+    joint, rest = groups(model)
+    optim = OptimizerInBackward(
+        [{"params": joint}, {"params": rest, "optimizer_cls": torch.optim.SGD, **sgd}],
+        GlobalClipSGD,
+        lr=0.05,
+    )
+    joint_ref, rest_ref = groups(reference)
+    plains = (GlobalClipSGD(joint_ref, lr=0.05), torch.optim.SGD(rest_ref, **sgd))
+    for step in range(3):
+        for net, params in ((model, joint), (reference, joint_ref)):
+            net.layers.requires_grad_(False)
+            loss_fn(net, *_x(step)).backward()
+            net.layers.requires_grad_(True)
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.1 * (i + step + 1))
+        optim.step()
+        optim.zero_grad()
+        for plain in plains:
+            plain.step()
+            plain.zero_grad()
+    assert_match(model, reference)
+
+
 def test_load_state_dict_hooks_run_as_plain():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
