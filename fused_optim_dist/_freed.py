@@ -168,8 +168,9 @@ def refuse_freed(param: torch.Tensor | None, operation: str, func: Any) -> NoRet
     raise RuntimeError(
         f"{what}: its gradient was stepped in backward and freed by OptimizerInBackward, "
         f"so {func} cannot use it (a plain optimizer would keep it until zero_grad()). "
-        "Clip with max_grad_norm= on the optimizer (torch.nn.utils.clip_grad_norm_ over the "
-        "model would clip nothing here) and read the norm with optim.grad_norm() or "
+        "Clip with max_grad_norm= (or clip_grad_value=) on the optimizer "
+        "(torch.nn.utils.clip_grad_norm_ or clip_grad_value_ over the model would clip "
+        "nothing here) and read the norm with optim.grad_norm() or "
         "fused_optim_dist.training.clip_grad_norm_(optim, max_norm); in Hugging Face Trainer "
         "use fused_optim_dist.integrations.transformers.in_backward_trainer, in accelerate "
         "fused_optim_dist.integrations.accelerate. To inspect gradients, run the backward "

@@ -1276,6 +1276,8 @@ def _freed_gradients_body(sharded: bool = False) -> None:
     loss_fn(model, *_x(0, sharded)).backward()
     with pytest.raises(RuntimeError, match=r"max_grad_norm="):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=r"clip_grad_value="):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
     with pytest.raises(RuntimeError, match=r"optim\.grad_norm\(\)"):
         sum(p.grad.square().sum() for p in model.parameters())
     optim.step()
