@@ -334,7 +334,7 @@ class BackwardPass:
             self._stepper.flush()
             self._class_state.finish()
             if self._record:
-                self._pending.settle(self._param_groups, self._state)
+                self._pending.settle(self._param_groups, self._state, self._plan.gathered_units())
             self._events.wait()
             if self._record:
                 self._gradients.end_of_backward(self._norms)

@@ -31,7 +31,12 @@ from typing import Any
 
 import torch
 
-from fused_optim_dist._torch_internals import fsdp_gradient_slots, fsdp_units, read_requires_grad
+from fused_optim_dist._torch_internals import (
+    FSDPUnit,
+    fsdp_gradient_slots,
+    fsdp_units,
+    read_requires_grad,
+)
 
 __all__ = ["Bucket", "BucketPlan"]
 
@@ -80,7 +85,11 @@ class BucketPlan:
         # every parameter's requires_grad.
         self._group_params = tuple(tuple(g["params"]) for g in param_groups)
         self._all_params = [p for params in self._group_params for p in params]
-        self._requires_grad = read_requires_grad(self._all_params)
+        position = {id(p): i for i, p in enumerate(self._all_params)}
+        self.units = fsdp_units(self._all_params)
+        """The FSDP2 units of the parameters, trainable or not."""
+        self._unit_positions = [[position[id(p)] for p in unit.params] for unit in self.units]
+        self._requires_grad = self._read_requires_grad()
         trainable = [
             p for p, flag in zip(self._all_params, self._requires_grad, strict=True) if flag
         ]
@@ -93,8 +102,12 @@ class BucketPlan:
         self.plain_trainable = tuple(p for p in trainable if not hasattr(p, "device_mesh"))
         self.buckets = tuple(
             Bucket(index, params, group_of)
-            for index, params in enumerate(_split(trainable, bucket_numel))
+            for index, params in enumerate(_split(trainable, self.units, bucket_numel))
         )
+        trainable_ids = {id(p) for p in trainable}
+        self._trainable_units = [
+            unit for unit in self.units if any(id(p) in trainable_ids for p in unit.params)
+        ]
         buckets = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.bucket_of: Callable[[int], Bucket | None] = buckets.get
         """The bucket of the parameter an id names; ``None`` if not a trainable parameter."""
@@ -118,14 +131,39 @@ class BucketPlan:
             current = group["params"]
             if len(current) != len(params) or not all(map(operator.is_, current, params)):
                 return False
-        return read_requires_grad(self._all_params) == self._requires_grad
+        return self._read_requires_grad() == self._requires_grad
+
+    def _read_requires_grad(self) -> list[bool]:
+        """Each parameter's ``requires_grad`` as autograd sees it: in a unit that is unsharded,
+        its unsharded parameter's. See [Note: FSDP2's copies and flags] in
+        ``_torch_internals.py``."""
+        flags = read_requires_grad(self._all_params)
+        for unit, positions in zip(self.units, self._unit_positions, strict=True):
+            module_flags = unit.module_requires_grad()
+            if module_flags is not None:
+                for i, flag in zip(positions, module_flags, strict=True):
+                    flags[i] = flag
+        return flags
+
+    def defers_reduction(self) -> bool:
+        """Whether an FSDP2 unit of the trainable parameters does not reduce its gradients in
+        this backward (``set_requires_gradient_sync(False)``): the backward is a micro-batch."""
+        return not all(unit.reduces_gradients() for unit in self._trainable_units)
+
+    def gathered_units(self) -> list[FSDPUnit]:
+        """The units that hold all-gathered weights now."""
+        return [unit for unit in self.units if unit.holds_gathered_copy()]
 
 
-def _split(params: Sequence[torch.Tensor], bucket_numel: int | None) -> list[list[torch.Tensor]]:
-    """One bucket per FSDP unit, then runs of about ``bucket_numel`` remaining parameters."""
-    units = fsdp_units(params)
-    in_units = {id(p) for unit in units for p in unit}
-    buckets = [list(unit) for unit in units]
+def _split(
+    params: Sequence[torch.Tensor], units: Sequence[FSDPUnit], bucket_numel: int | None
+) -> list[list[torch.Tensor]]:
+    """One bucket per FSDP unit (of ``units``, those of the parameters), then runs of about
+    ``bucket_numel`` remaining parameters."""
+    wanted = {id(p) for p in params}
+    buckets = [[p for p in unit.params if id(p) in wanted] for unit in units]
+    buckets = [bucket for bucket in buckets if bucket]
+    in_units = {id(p) for bucket in buckets for p in bucket}
     run: list[torch.Tensor] = []
     run_numel = 0
     for param in params:

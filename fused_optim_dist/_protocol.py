@@ -27,7 +27,12 @@ loops would train differently without a word. Instead, the updates made in backw
 * at ``step()``, a value of a group (``lr``, betas) changed since the updates were made (an LR
   set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
-  and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises.
+  and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises;
+* at ``step()``, an FSDP2 unit holding updates that was sharded when they were made and holds
+  all-gathered weights now (``model.unshard()``, or a forward, between backward and ``step()``):
+  the plain loop's all-gather read the weights before ``step()``, and its next forward runs on
+  that copy (FSDP2 does not gather again an unsharded unit); here it read the updated ones.
+  ``step()`` raises, naming ``reshard()``.
 
 A second ``step()`` with no backward and no ``zero_grad()`` since the first would step the
 held gradients again in the plain optimizer: refused, seeing the freed gradients.
@@ -56,6 +61,8 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
+
+from fused_optim_dist._torch_internals import FSDPUnit
 
 __all__ = ["KeptGradients", "PendingUpdates", "describe", "refuse_stepping_again"]
 
@@ -179,7 +186,16 @@ class PendingUpdates:
     """The parameters updated in backward since the last ``step()``. See [Note: the step
     protocol]."""
 
-    __slots__ = ("_added", "_groups", "_ids", "_loaded", "_params", "_unfinished", "_written")
+    __slots__ = (
+        "_added",
+        "_gathered",
+        "_groups",
+        "_ids",
+        "_loaded",
+        "_params",
+        "_unfinished",
+        "_written",
+    )
 
     def __init__(self) -> None:
         self._params: list[torch.Tensor] = []
@@ -197,6 +213,8 @@ class PendingUpdates:
         self._groups: dict[int, tuple[int, dict[str, Any]]] = {}
         # Whether the optimizer's state was loaded since the updates were made.
         self._loaded = False
+        # The FSDP2 units holding all-gathered weights once the updates were made.
+        self._gathered: list[FSDPUnit] = []
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -208,13 +226,19 @@ class PendingUpdates:
                 self._params.append(param)
                 self._added.append(param._version)
 
-    def settle(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict]) -> None:
-        """Note the version counters (of the parameters and their state) and the groups'
-        values once a backward's updates are all applied (the whole-tensor path writes
-        some at its end, a class tracked for group state its groups); a later change is the
-        loop's."""
+    def settle(
+        self,
+        param_groups: list[dict[str, Any]],
+        state: dict[torch.Tensor, dict],
+        gathered: list[FSDPUnit],
+    ) -> None:
+        """Note the version counters (of the parameters and their state), the groups' values
+        and the FSDP2 units holding all-gathered weights (``gathered``) once a backward's
+        updates are all applied (the whole-tensor path writes some at its end, a class
+        tracked for group state its groups); a later change is the loop's."""
         self._written = _Written(list(self._params), state)
         self._groups = self._holding_groups(param_groups)
+        self._gathered = gathered
 
     def _holding_groups(
         self, param_groups: list[dict[str, Any]]
@@ -251,6 +275,25 @@ class PendingUpdates:
         self._groups.clear()
         self._loaded = False
         self._unfinished = False
+        self._gathered = []
+
+    def refuse_gathered(self, gathered: list[FSDPUnit]) -> None:
+        """Raise for ``step()`` when a unit holding updates holds all-gathered weights
+        (``gathered``: the units that do now) it did not hold once the updates were made. See
+        [Note: the step protocol]."""
+        then = {id(unit.group) for unit in self._gathered}
+        for unit in gathered:
+            held = [p for p in unit.params if id(p) in self._ids]
+            if held and id(unit.group) not in then:
+                raise RuntimeError(
+                    f"step(): the FSDP2 unit holding {describe(held[0])} all-gathered its "
+                    "weights after they were updated in backward (model.unshard(), or a "
+                    "forward, between backward and step()). A plain optimizer's all-gather "
+                    "there reads the weights before step(), and the next forward runs on that "
+                    "copy; here it read the updated ones. Call model.unshard() and run forwards "
+                    "after step(), or model.reshard() before step(). Restart from the last "
+                    "checkpoint."
+                )
 
     def refuse_second_gradient(self, param: torch.Tensor) -> None:
         """Raise for a gradient arriving at ``param``, updated in backward since ``step()``."""

@@ -68,6 +68,21 @@ Everything else in the package uses public APIs. What this module relies on, for
 * A tensor's post-accumulate-grad hooks are kept in ``tensor._post_accumulate_grad_hooks``, an
   ordered dict by the id of each hook's ``RemovableHandle``, and run in that order; so the hook
   registered last is its last key.
+* [Note: FSDP2's copies and flags] ``FSDPParamGroup`` records whether a unit holds
+  all-gathered weights (``is_sharded``, ``is_unsharded``; ``_all_gather_result`` is set from
+  the issue of an all-gather, whose copy-in reads the shards at once, until it is waited for)
+  and whether it reduces its gradients (``reduce_grads``, which
+  ``set_requires_gradient_sync`` sets). While a unit is unsharded its modules hold FSDP2's
+  unsharded parameters (``FSDPParam.unsharded_param``); each all-gather copies the sharded
+  parameter's ``requires_grad`` to the unsharded one (``FSDPParam.to_unsharded``), never back.
+  A root unit stays unsharded after a forward that gets no backward, so a
+  ``requires_grad_()`` on its modules then reaches only the unsharded parameters, and decides
+  whether autograd computes their gradient, which FSDP2 reduces into the sharded parameter.
+  A unit's ``_training_state`` is ``PRE_BACKWARD`` or ``POST_BACKWARD`` from its unshard in
+  backward until FSDP2's final callback; its post-backward reshards it before handing out the
+  gradients. FSDP2 runs a sharded parameter's post-accumulate-grad hooks whatever its
+  ``requires_grad``, but torch refuses to register one on a tensor that does not require
+  grad.
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
@@ -79,6 +94,7 @@ import gc
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +105,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "OPTIMIZER_HOOKS",
+    "FSDPUnit",
     "before_teardown",
     "current_backward_id",
     "ddp_modules_holding",
@@ -105,6 +122,7 @@ __all__ = [
     "queue_end_of_backward",
     "read_grads",
     "read_requires_grad",
+    "register_post_accumulate_grad_hook",
     "slot_end",
     "storage_numel",
     "traced",
@@ -123,17 +141,83 @@ OPTIMIZER_HOOKS = (
 """The instance attributes in which ``torch.optim.Optimizer`` keeps an optimizer's hooks."""
 
 
-def fsdp_units(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+class FSDPUnit(NamedTuple):
+    """One FSDP2 unit (its ``FSDPParamGroup``) and FSDP2's records (``FSDPParam``) of the
+    parameters asked about that it manages, in the unit's own order."""
+
+    group: Any
+    records: list[Any]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [record.sharded_param for record in self.records]
+
+    def holds_gathered_copy(self) -> bool:
+        """Whether the unit holds all-gathered weights: unsharded, resharded after forward to a
+        smaller world, or with an all-gather issued and not yet waited for (its copy-in has
+        read the shards). See [Note: FSDP2's copies and flags]."""
+        group = self.group
+        return not group.is_sharded or group._all_gather_result is not None
+
+    def module_requires_grad(self) -> list[bool] | None:
+        """Each parameter's ``requires_grad`` as autograd sees it while the unit is unsharded
+        or in backward (the unsharded parameters': after the unit's post-backward reshard, as
+        its gradients are handed out, still the flags they were computed with), or ``None``
+        otherwise (the sharded parameters' own flags hold: the next all-gather copies them).
+        See [Note: FSDP2's copies and flags]."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        group = self.group
+        in_backward = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+        if not (group.is_unsharded or group._training_state in in_backward):
+            return None
+        return [record.unsharded_param.requires_grad for record in self.records]
+
+    def aliases(self) -> list[torch.Tensor]:
+        """Every tensor FSDP2 registers on the unit's modules for these parameters, whatever
+        the unit's state: the sharded parameters, and the unsharded ones (and those resharded
+        after forward to a smaller world) where made."""
+        tensors = []
+        for record in self.records:
+            tensors.append(record.sharded_param)
+            for name in ("_unsharded_param", "_sharded_post_forward_param"):
+                alias = getattr(record, name, None)
+                if alias is not None:
+                    tensors.append(alias)
+        return tensors
+
+    def reduces_gradients(self) -> bool:
+        """Whether the unit reduce-scatters its gradients in this backward (``False`` under
+        ``set_requires_gradient_sync(False)``: FSDP2 accumulates them unsharded)."""
+        return bool(self.group.reduce_grads)
+
+
+def register_post_accumulate_grad_hook(
+    param: torch.Tensor, hook: Callable[[torch.Tensor], None]
+) -> RemovableHandle:
+    """``param.register_post_accumulate_grad_hook(hook)``, also on an FSDP2 sharded parameter
+    that does not require grad while its unsharded one does (FSDP2 runs the hook all the
+    same): registered with the flag set for the call. See [Note: FSDP2's copies and flags]."""
+    if param.requires_grad:
+        return param.register_post_accumulate_grad_hook(hook)
+    param.requires_grad_(True)
+    try:
+        return param.register_post_accumulate_grad_hook(hook)
+    finally:
+        param.requires_grad_(False)
+
+
+def fsdp_units(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
     """Group ``params`` by the FSDP2 unit (``FSDPParamGroup``) that reduces their gradients.
 
-    Returns one list per unit that holds at least one of ``params``, in the unit's own parameter
-    order; parameters that no ``fully_shard`` manages are left out.
+    Returns one unit per ``FSDPParamGroup`` that holds at least one of ``params``, its members
+    in the unit's own parameter order; parameters that no ``fully_shard`` manages are left out.
     """
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     wanted = {id(p) for p in params}
-    units: list[list[torch.Tensor]] = []
+    units: list[FSDPUnit] = []
     seen_groups: set[int] = set()
     for state_ref in list(_module_state_mapping.values()):
         state = state_ref()
@@ -143,13 +227,11 @@ def fsdp_units(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
             if id(param_group) in seen_groups:
                 continue
             seen_groups.add(id(param_group))
-            members = [
-                fsdp_param.sharded_param
-                for fsdp_param in param_group.fsdp_params
-                if id(fsdp_param.sharded_param) in wanted
+            records = [
+                record for record in param_group.fsdp_params if id(record.sharded_param) in wanted
             ]
-            if members:
-                units.append(members)
+            if records:
+                units.append(FSDPUnit(param_group, records))
     return units
 
 

@@ -42,6 +42,7 @@ from fused_optim_dist._torch_internals import (
     hooked_after,
     observes_only,
     read_grads,
+    register_post_accumulate_grad_hook,
     watch_ddp,
 )
 from fused_optim_dist._validation import check_param_groups, resolve_optimizer_class
@@ -336,6 +337,9 @@ class OptimizerInBackward(Optimizer):
         # The state entries there were at the last step() or load (see _order_new_state).
         self._note_state()
         self._accumulate_depth = 0
+        # The backward taken as a micro-batch, if the last one was. See [Note: FSDP2's
+        # micro-batches].
+        self._micro_batch: int | None = None
         self._attach_hooks()
 
     def _attach_hooks(self) -> None:
@@ -388,7 +392,7 @@ class OptimizerInBackward(Optimizer):
             self._check_not_driven_elsewhere(new)
             hook = _grad_ready_hook(self)
             for param in new:
-                handle = param.register_post_accumulate_grad_hook(hook)
+                handle = register_post_accumulate_grad_hook(param, hook)
                 self._hook_handles.append(handle)
                 self._hooked[param] = True
                 self._hook_ids[id(param)] = handle.id
@@ -629,6 +633,8 @@ class OptimizerInBackward(Optimizer):
                 self._pending.refuse_changed(changed)
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
         plan = self._current_plan()
+        if self._pending:
+            self._pending.refuse_gathered(plan.gathered_units())
         frozen = [
             p
             for p, grad in zip(plan.frozen, read_grads(plan.frozen), strict=True)
@@ -847,6 +853,16 @@ class OptimizerInBackward(Optimizer):
         The next backward outside it adds its gradients and steps with the sum. With FSDP2 the
         sum is kept in the sharded gradients (1/N of the memory). Scale the loss as for a plain
         optimizer (e.g. divide by the number of micro-batches).
+
+        [Note: FSDP2's micro-batches]
+        A backward in which an FSDP2 unit of this optimizer does not reduce its gradients
+        (``set_requires_gradient_sync(False)``, FSDP2's own accumulation) is a micro-batch and
+        runs as if inside this context: FSDP2 keeps that unit's gradients unsharded until a
+        backward that reduces them, and a plain optimizer steps the sum. Units still
+        reducing (sync turned off for the root alone with ``recurse=False``, or for some
+        children) add their gradients to their sharded ones each micro-batch, which the plain
+        optimizer also steps summed: stepped as they arrived, they would have moved before
+        the next micro-batch's gradients came.
         """
         self._accumulate_depth += 1
         try:
@@ -925,6 +941,8 @@ class OptimizerInBackward(Optimizer):
         if self._accumulate_depth:
             return
         backward_id = current_backward_id()
+        if backward_id == self._micro_batch:
+            return
         current = self._pass
         if backward_id == -1:
             # A gradient accumulated outside any backward: step it on its own, now.
@@ -934,6 +952,10 @@ class OptimizerInBackward(Optimizer):
             return
         if current is None or not (current.owns(backward_id) or current.adopt(backward_id)):
             # The first gradient of a new backward. See [Note: one backward, one BackwardPass].
+            if self._current_plan().defers_reduction():
+                # See [Note: FSDP2's micro-batches].
+                self._micro_batch = backward_id
+                return
             self._refuse_second_pass()
             self._check_first_backward()
             current = self._pass = self._new_pass(backward_id)

@@ -113,6 +113,7 @@ def _train(
             model=model,
             args=_args(out, **overrides),
             train_dataset=TokenDataset(),
+            eval_dataset=TokenDataset() if "eval_strategy" in overrides else None,
             callbacks=[probe],
             optimizers=(None if optimizer is None else optimizer(model), None),
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
@@ -424,9 +425,13 @@ def test_trainable_parameters_outside_the_optimizer(tmp_path):
 
 
 def _fsdp2_parity_body(out: str, fsdp_config: dict, clip: float) -> float:
+    """Trainer on FSDP2, with an evaluation every two steps: its forward under ``no_grad``
+    leaves the root unit unsharded, so the model exposes FSDP2's unsharded parameters until
+    the next backward (the check that the optimizer holds every trainable parameter refused
+    them as outside it)."""
     kwargs = dict(
         gradient_accumulation_steps=2, max_grad_norm=clip, fsdp=True, fsdp_config=fsdp_config,
-        one_unit=fsdp_config == ONE_UNIT,
+        one_unit=fsdp_config == ONE_UNIT, eval_strategy="steps", eval_steps=2,
     )  # fmt: skip
     plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
     ours = _train(in_backward_trainer(transformers.Trainer), Path(out) / "ours", **kwargs)

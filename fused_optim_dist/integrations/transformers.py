@@ -42,6 +42,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from fused_optim_dist import InBackwardOptions
+from fused_optim_dist._torch_internals import fsdp_units
 from fused_optim_dist.integrations.accelerate import (
     check_accelerator,
     hook_swapped_parameters,
@@ -81,8 +82,12 @@ def _in_backward_cls_and_kwargs(
 def _check_holds_trainable(optimizer: OptimizerInBackward, model: nn.Module) -> None:
     """Refuse, before the backward, trainable parameters of ``model`` that ``optimizer`` does
     not hold. Trainer clips and logs the norm over all of them, the optimizer (clipping in
-    backward) over its own: the coefficient, so the update, would differ without an error."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    backward) over its own: the coefficient, so the update, would differ without an error. An
+    FSDP2 unit left unsharded (by an evaluation forward) exposes FSDP2's unsharded parameters,
+    which stand for the sharded ones the optimizer holds."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    held = {id(p) for p in params}
+    held.update(id(t) for unit in fsdp_units(params) for t in unit.aliases())
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if outside:
         more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""

@@ -1,0 +1,190 @@
+"""Loops that drive FSDP2's own controls, with ours swapped in for the plain optimizer.
+
+``set_requires_gradient_sync`` on part of the model, ``unshard()``/``reshard()`` around
+``step()``, and ``requires_grad_()`` while a root unit is unsharded (a forward with no
+backward leaves it so: a GAN's frozen generator, an evaluation before unfreezing a head). Each
+loop runs with plain AdamW and with ours on identical FSDP2 models (2 and 3 gloo ranks):
+equal, or refused at ``step()``. See [Note: FSDP2's copies and flags] in
+``fused_optim_dist/_torch_internals.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from _toy import assert_match
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from fused_optim_dist import OptimizerInBackward
+
+LR = 1e-2
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    """A child unit between two root layers; 3 output rows, so 3 ranks shard them unevenly."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+    )
+    fully_shard(model[1])
+    fully_shard(model)
+    return model
+
+
+def _batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the global batch of ``step``."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(rows, 4, generator=g), torch.randn(rows, 3, generator=g)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _both(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module, list, list]:
+    """Two identical models, ours and plain AdamW on them (built after any freezing)."""
+    ours, plain = build(), build()
+    return (
+        ours,
+        plain,
+        [OptimizerInBackward(ours.parameters(), torch.optim.AdamW, lr=LR)],
+        [torch.optim.AdamW(plain.parameters(), lr=LR)],
+    )
+
+
+def _partial_no_sync_body(root_only: bool) -> None:
+    """Micro-batches with gradient sync off for the root unit alone (``recurse=False``) or for
+    the child alone: the other units reduce every micro-batch and FSDP2 sums their sharded
+    gradients, which the plain optimizer steps. Here those units were stepped in the first
+    micro-batch and the second was refused (after they moved); now such a backward is a
+    micro-batch, as under ``accumulate()``: equal."""
+    ours, plain, (optim,), (reference_optim,) = _both(_model)
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        for step in range(3):
+            x, y = _batch(step)
+            for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+                if root_only:
+                    model.set_requires_gradient_sync(i == 1, recurse=False)
+                else:
+                    model[1].set_requires_gradient_sync(i == 1)
+                (_loss(model, xm, ym) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_match(ours, plain)
+
+
+def _gathered_before_step_body() -> None:
+    """``model.unshard()`` between backward and ``step()`` (the next forward's all-gather
+    started early): the plain loop gathers the weights before its update and its next forward
+    runs on that copy; here the update was made in backward (3.4e-3 apart after four steps,
+    no error). Refused at ``step()``; an evaluation forward there (the root stays gathered) too.
+    ``reshard()`` before ``step()``, or ``unshard()`` after it, trains equal."""
+    for between in ("unshard", "forward"):
+        model = _model()
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+        _loss(model, *_batch(0)).backward()
+        if between == "unshard":
+            model.unshard()
+        else:
+            with torch.no_grad():
+                model(_batch(1)[0])
+        with pytest.raises(RuntimeError, match="all-gathered its weights after they were updated"):
+            optim.step()
+    ours, plain, (optim,), (reference_optim,) = _both(_model)
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        for step in range(4):
+            _loss(model, *_batch(step)).backward()
+            if step % 2:
+                model.unshard()
+                model.reshard()
+                opt.step()
+            else:
+                opt.step()
+                model.unshard()
+            opt.zero_grad()
+        model.reshard()
+    assert_match(ours, plain)
+
+
+def _gan_frozen_root_body() -> None:
+    """A GAN whose generator and discriminator are FSDP2 roots of their own. The discriminator
+    phase freezes the generator and runs it (a forward with no backward: its root stays
+    unsharded), so ``G.requires_grad_(True)`` before the generator phase reaches only FSDP2's
+    unsharded parameters; the gradient still reaches the sharded ones, and the plain optimizer
+    steps it. Here it was refused as a freeze between forward and backward; now equal."""
+
+    def gan(seed: int) -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(seed)
+        generator = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4))
+        discriminator = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1))
+        return fully_shard(generator), fully_shard(discriminator)
+
+    bce = nn.BCEWithLogitsLoss()
+    runs = []
+    for ours in (True, False):
+        generator, discriminator = gan(0)
+        opt_g = (
+            OptimizerInBackward(generator.parameters(), torch.optim.Adam, lr=2e-2)
+            if ours
+            else torch.optim.Adam(generator.parameters(), lr=2e-2)
+        )
+        opt_d = torch.optim.Adam(discriminator.parameters(), lr=2e-2)
+        for step in range(4):
+            real, _ = _batch(step)
+            z = real[:, :3] * 0.5
+            ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+            generator.requires_grad_(False)
+            fake = generator(z)
+            opt_d.zero_grad()
+            (bce(discriminator(real), ones) + bce(discriminator(fake), zeros)).backward()
+            opt_d.step()
+            generator.requires_grad_(True)
+            opt_g.zero_grad()
+            bce(discriminator(generator(z)), ones).backward()
+            opt_g.step()
+        runs.append(generator)
+    assert_match(*runs)
+
+
+def _unfrozen_after_evaluation_body() -> None:
+    """A frozen head in the root unit, unfrozen after an evaluation forward under ``no_grad``
+    (the root stays unsharded, so only FSDP2's unsharded parameters require grad): the plain
+    optimizer steps the gradient FSDP2 reduces into the sharded head. Here ``step()`` refused
+    it as a frozen parameter holding a gradient, after the other units had moved; now equal."""
+
+    def build() -> nn.Module:
+        model = _model()
+        model[2].requires_grad_(False)
+        return model
+
+    ours, plain, (optim,), (reference_optim,) = _both(build)
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        for step in range(4):
+            x, y = _batch(step)
+            if step == 2:
+                with torch.no_grad():
+                    model(x)
+                model[2].requires_grad_(True)
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_match(ours, plain)
+
+
+def _all_body() -> None:
+    _partial_no_sync_body(root_only=True)
+    _partial_no_sync_body(root_only=False)
+    _gathered_before_step_body()
+    _gan_frozen_root_body()
+    _unfrozen_after_evaluation_body()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_controls_equal_plain_or_refused(worlds, world_size):
+    worlds.run(world_size, _all_body)
