@@ -2,14 +2,14 @@
 
 The loop differs from the plain one in two places, both here::
 
-    from fused_optim_dist.integrations.accelerate import backward, in_backward_optimizer, prepare
+    from fused_optim_dist.integrations.accelerate import in_backward_optimizer, prepare
 
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-3,
                                 max_grad_norm=1.0)  # clipping is configured here, once
     model, optim, loader = prepare(accelerator, model, optim, loader)  # refuses DDP
     for batch in loader:
         with accelerator.accumulate(model):
-            backward(accelerator, loss_fn(model(batch)), optim)  # steps when sync_gradients
+            accelerator.backward(loss_fn(model(batch)))  # steps when sync_gradients
             if accelerator.sync_gradients:
                 grad_norm = in_backward_optimizer(optim).grad_norm()  # no clip_grad_norm_
             optim.step()
@@ -19,16 +19,18 @@ Why each piece: :func:`prepare` is ``accelerator.prepare``, then :func:`check_ac
 (DDP would step unreduced gradients) and :func:`hook_swapped_parameters` (FSDP2's prepare
 replaces the optimizer's parameters). ``accelerator.accumulate`` decides per micro-batch
 whether the optimizer steps (``accelerator.sync_gradients``) and skips ``optim.step()``
-otherwise, but an in-backward optimizer steps in backward, before ``step()``: :func:`backward`
-runs the backward of a non-stepping micro-batch under :meth:`OptimizerInBackward.accumulate`.
-The gradients are freed once stepped, so ``accelerator.clip_grad_norm_`` would clip nothing
-(it raises: see [Note: freed gradients]): clip with ``max_grad_norm`` at construction and read
-the norm with ``grad_norm()``.
+otherwise, but an in-backward optimizer steps in backward, before ``step()``: :func:`prepare`
+makes ``accelerator.backward`` run a non-stepping micro-batch's backward under
+:meth:`OptimizerInBackward.accumulate` (:func:`backward` does the same for an accelerator
+prepared otherwise). The gradients are freed once stepped, so ``accelerator.clip_grad_norm_``
+would clip nothing (it raises: see [Note: freed gradients]): clip with ``max_grad_norm`` at
+construction and read the norm with ``grad_norm()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -112,9 +114,31 @@ def backward(
     (:func:`check_accelerator`).
     """
     check_accelerator(accelerator)
-    inner = in_backward_optimizer(optimizer)
-    with contextlib.nullcontext() if accelerator.sync_gradients else inner.accumulate():
+    with _unless_syncing(accelerator, in_backward_optimizer(optimizer)):
         accelerator.backward(loss, **kwargs)
+
+
+def _unless_syncing(
+    accelerator: Accelerator, optimizer: OptimizerInBackward
+) -> contextlib.AbstractContextManager[None]:
+    """``optimizer.accumulate()`` on a micro-batch ``accelerator.accumulate`` does not step on."""
+    return contextlib.nullcontext() if accelerator.sync_gradients else optimizer.accumulate()
+
+
+def _step_on_sync_only(accelerator: Accelerator, optimizer: OptimizerInBackward) -> None:
+    """Make ``accelerator.backward`` (this instance's) run under ``optimizer.accumulate()`` on
+    micro-batches it does not step on, as :func:`backward` does: the accelerate loop written for
+    a plain optimizer, ``accelerator.backward(loss)`` inside ``accelerator.accumulate(model)``,
+    then sums them, where it stepped the first micro-batch in backward (1.0e-2 moved before
+    the second was refused)."""
+    original = accelerator.backward
+
+    @functools.wraps(original)
+    def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+        with _unless_syncing(accelerator, optimizer):
+            original(loss, **kwargs)
+
+    accelerator.backward = backward  # type: ignore[method-assign]
 
 
 def hook_swapped_parameters(optimizer: Optimizer) -> None:
@@ -137,7 +161,9 @@ def prepare(accelerator: Accelerator, *args: Any) -> Any:
 
     Refuses a distributed type other than one process or FSDP2 (:func:`check_accelerator`)
     before preparing anything, then hooks the parameters FSDP2's prepare swapped into each
-    in-backward optimizer among ``args`` (:func:`hook_swapped_parameters`). Returns what
+    in-backward optimizer among ``args`` (:func:`hook_swapped_parameters`), and makes
+    ``accelerator.backward`` accumulate on the micro-batches it does not step on (so that
+    ``accelerator.backward(loss)`` works as :func:`backward`). Returns what
     ``accelerator.prepare`` returns.
     """
     check_accelerator(accelerator)
@@ -146,6 +172,7 @@ def prepare(accelerator: Accelerator, *args: Any) -> Any:
     for obj in prepared if len(args) > 1 else (prepared,):
         if isinstance(obj, Optimizer) and _wraps_in_backward(obj):
             hook_swapped_parameters(obj)
+            _step_on_sync_only(accelerator, in_backward_optimizer(obj))
     return prepared
 
 
