@@ -5,10 +5,15 @@ freezing and unfreezing, groups added later, a backward that raises, a second ba
 ``step()``, gradients read before ``step()``, kept as zeros by the module or never zeroed, an
 optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the
 load then rolled back), reentrant activation checkpointing, ``step()`` without a backward, LR
-changes (lr 0 included),
-``state_dict``/``load_state_dict`` round trips; also with a class that counts steps in its
-param groups, with CompactAdamW, and on bfloat16 models. After every rule
-both models must hold the same parameters (1e-6) and, between steps, the same optimizer state.
+changes (lr 0 included), an LR scheduler,
+``state_dict``/``load_state_dict`` round trips, ``state.clear()``, the head frozen and unfrozen
+(also before it is added as a group); ``state_dict()``, a deep copy or a pickle of the optimizer
+between backward and ``step()`` (refused) and under ``accumulate()`` (equal), two backwards on
+disjoint parameters before one ``step()`` and gradients set by hand before it (stepped, or
+refused where the plain step differs), NaN batches with ``skip_nonfinite``; also with a class
+that counts steps in its param groups, with CompactAdamW, and on bfloat16 models. After every
+rule both models must hold the same parameters (1e-6) and, between steps, the same optimizer
+state, its entries listed in the same order.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
 """
@@ -17,11 +22,13 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
+import warnings
 from typing import ClassVar
 
 import pytest
 import torch
-from _toy import batch, loss_fn, make_models, rank_slice, shard
+from _toy import batch, bypassed, loss_fn, make_models, rank_slice, shard
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -42,6 +49,7 @@ from fused_optim_dist.compact_adamw import CompactAdamW
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 LAYERS = 3
+SNAPSHOTS = ("state_dict", "deepcopy", "pickle")
 
 
 class _Boom(RuntimeError):
@@ -70,10 +78,43 @@ def _assert_same_parameters(model: nn.Module, reference: nn.Module) -> None:
         _assert_close(param, ref, name)
 
 
+def _parameters(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_unchanged(model: nn.Module, before: list[torch.Tensor]) -> None:
+    """``model``'s parameters are bitwise those ``_parameters`` took."""
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old)
+
+
+def _take(optim: torch.optim.Optimizer, kind: str) -> dict | torch.optim.Optimizer:
+    """``optim.state_dict()``, a deep copy of ``optim``, or ``optim`` pickled and unpickled."""
+    if kind == "state_dict":
+        return optim.state_dict()
+    if kind == "deepcopy":
+        return copy.deepcopy(optim)
+    return pickle.loads(pickle.dumps(optim))
+
+
+def _state_dict_of(snapshot: dict | torch.optim.Optimizer) -> dict:
+    """The state dict of what ``_take`` returned. A copy's ``step()`` steps the copy, not the
+    optimizer an LR scheduler wrapped the ``step`` of."""
+    if isinstance(snapshot, dict):
+        return snapshot
+    assert snapshot.step.__self__ is snapshot
+    return snapshot.state_dict()
+
+
 def _assert_same_state(ours: torch.optim.Optimizer, plain: torch.optim.Optimizer) -> None:
-    a, b = ours.state_dict(), plain.state_dict()
+    _assert_same_state_dicts(ours.state_dict(), plain.state_dict())
+
+
+def _assert_same_state_dicts(a: dict, b: dict) -> None:
+    """The same groups, and the same state entries in the same order (code may find an entry by
+    its position), equal to 1e-6."""
     assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
+    assert list(a["state"]) == list(b["state"]), (list(a["state"]), list(b["state"]))
     for index, entry in b["state"].items():
         assert entry.keys() == a["state"][index].keys(), index
         for key, value in entry.items():
@@ -92,6 +133,14 @@ class LoopMachine(RuleBasedStateMachine):
     stepping: str | None = None
     """The ``stepping`` option: ``None``, as declared (an undeclared class is stepped
     jointly)."""
+    skip_nonfinite: bool = False
+    """Ours skips non-finite buckets; the plain loop skips a step whose gradients are not all
+    finite (the same where a non-finite loss reaches every bucket)."""
+    second_pass_refused = False
+    """Whether ours refuses a second pass (a backward, or ``step()`` stepping gradients set by
+    hand) after a backward's updates before ``step()``: when clipping by norm, with a class
+    stepped jointly or one that counts steps in its param groups, whose one plain ``step()``
+    depends on all the step's gradients or advances once."""
 
     @initialize()
     def build(self) -> None:
@@ -108,25 +157,38 @@ class LoopMachine(RuleBasedStateMachine):
         ref_body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
         cls, kwargs = self.optimizer_cls, self.optimizer_kwargs
         options = InBackwardOptions(
-            max_grad_norm=self.max_grad_norm, bucket_numel=self.bucket_numel, stepping=self.stepping
+            max_grad_norm=self.max_grad_norm,
+            bucket_numel=self.bucket_numel,
+            stepping=self.stepping,
+            skip_nonfinite=self.skip_nonfinite,
         )
         self.ours = OptimizerInBackward(body, cls, options=options, **kwargs)
         self.plain = cls(ref_body, **kwargs)
         self.head_added = False
         self.pending = False  # gradients accumulated, not yet stepped
         self.step = 0
+        self.schedulers: tuple[torch.optim.lr_scheduler.LRScheduler, ...] = ()
 
-    def _backward(self, model: nn.Module, step: int) -> None:
+    def _loss(self, model: nn.Module, step: int, scale: float = 1.0) -> torch.Tensor:
+        """The loss of ``step``'s batch (this rank's share), its inputs scaled by ``scale``."""
         x, y = (t.to(self.dtype) for t in batch(step))
         if self.sharded:
             x, y = rank_slice(x), rank_slice(y)
-        loss_fn(model, x, y).backward()
+        return loss_fn(model, x * scale, y)
+
+    def _backward(self, model: nn.Module, step: int, scale: float = 1.0) -> None:
+        self._loss(model, step, scale).backward()
 
     def _step(self, optim: torch.optim.Optimizer) -> None:
-        """``optim.step()``; the plain loop clips its optimizer's gradients first."""
-        if optim is self.plain and self.max_grad_norm is not None:
+        """``optim.step()``; the plain loop clips its optimizer's gradients first, and with
+        ``skip_nonfinite`` skips the step where one of them is not finite."""
+        if optim is self.plain:
             params = [p for group in optim.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            grads = [p.grad for p in params if p.grad is not None]
+            if self.skip_nonfinite and not all(bool(_local(g).isfinite().all()) for g in grads):
+                return
         optim.step()
 
     @rule()
@@ -219,11 +281,10 @@ class LoopMachine(RuleBasedStateMachine):
         ours_model, plain_model = self.models
         self._backward(ours_model, self.step)
         if self.ours._pending:
-            before = [p.detach().clone() for p in ours_model.parameters()]
+            before = _parameters(ours_model)
             with pytest.raises(RuntimeError, match=r"accumulate\(\)"):
                 self._backward(ours_model, self.step + 1)
-            for param, old in zip(ours_model.parameters(), before, strict=True):
-                assert torch.equal(param.detach(), old)
+            _assert_unchanged(ours_model, before)
         self._step(self.ours)
         self.ours.zero_grad()
         ours_model.zero_grad()
@@ -380,15 +441,199 @@ class LoopMachine(RuleBasedStateMachine):
             self._backward(model, self.step)
             self._step(optim)
         if self._plain_holds("all"):
-            before = [p.detach().clone() for p in ours_model.parameters()]
+            before = _parameters(ours_model)
             with pytest.raises(RuntimeError, match=r"never dropped"):
                 self._backward(ours_model, self.step + 1)
-            for param, old in zip(ours_model.parameters(), before, strict=True):
-                assert torch.equal(param.detach(), old)
+            _assert_unchanged(ours_model, before)
         for model, optim in ((ours_model, self.ours), (plain_model, self.plain)):
             optim.zero_grad()
             model.zero_grad()
         self.step += 2
+
+    @precondition(lambda self: not self.pending)
+    @rule(kind=st.sampled_from(SNAPSHOTS))
+    def snapshot_between_backward_and_step(self, kind: str) -> None:
+        """``state_dict()``, a deep copy or a pickle of the optimizer between backward and
+        ``step()``: refused for ours (the plain one's would hold the state before this step's
+        update), nothing moved. Both loops then step and zero, and the same snapshot of each
+        is equal."""
+        ours_model, plain_model = self.models
+        self._backward(plain_model, self.step)
+        self._backward(ours_model, self.step)
+        if self._plain_holds("any"):
+            before = _parameters(ours_model)
+            with pytest.raises(RuntimeError, match=r"await step\(\)"):
+                _take(self.ours, kind)
+            _assert_unchanged(ours_model, before)
+        snapshots = []
+        for optim in (self.ours, self.plain):
+            self._step(optim)
+            optim.zero_grad()
+            snapshots.append(_state_dict_of(_take(optim, kind)))
+        _assert_same_state_dicts(*snapshots)
+        self.step += 1
+
+    @precondition(lambda self: self.pending)
+    @rule(kind=st.sampled_from(SNAPSHOTS), load=st.booleans())
+    def snapshot_under_accumulate(self, kind: str, load: bool) -> None:
+        """Under ``accumulate()`` no update was made: ``state_dict()``, a deep copy and a pickle
+        of ours are allowed and equal to the plain optimizer's; with ``load`` each optimizer
+        then loads its snapshot's state dict, the accumulated gradients still to step. No deep
+        copy on FSDP2: torch cannot deep-copy a DTensor parameter holding a gradient (the
+        plain optimizer's neither)."""
+        if kind == "deepcopy" and self.sharded:
+            return
+        states = [_state_dict_of(_take(optim, kind)) for optim in (self.ours, self.plain)]
+        _assert_same_state_dicts(*states)
+        if load:
+            for optim, state in zip((self.ours, self.plain), states, strict=True):
+                optim.load_state_dict(copy.deepcopy(state))
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def state_dict_round_trip(self) -> None:
+        """Each optimizer loads (a copy of) its own state dict."""
+        for optim in (self.ours, self.plain):
+            optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def clear_state(self) -> None:
+        """``optim.state.clear()``: the next step creates the state afresh (ours in backward's
+        order, listed in the plain optimizer's)."""
+        for optim in (self.ours, self.plain):
+            optim.state.clear()
+
+    @precondition(lambda self: not self.pending)
+    @rule(trainable=st.booleans())
+    def set_head_requires_grad(self, trainable: bool) -> None:
+        """The head frozen or unfrozen, before or after it is added as a group. Frozen, it
+        drops the gradient it may hold (accumulated outside the optimizers): ours refuses a
+        frozen parameter holding one at ``step()``, see :meth:`hand_set_grad`."""
+        for model in self.models:
+            model.head.requires_grad_(trainable)
+            if not trainable:
+                for param in model.head.parameters():
+                    param.grad = None
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def scheduler_step(self) -> None:
+        """A ``StepLR`` (built at its first use, on the groups there are then) stepped
+        between steps: it halves each group's LR every second call."""
+        if not self.schedulers:
+            self.schedulers = tuple(
+                torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+                for optim in (self.ours, self.plain)
+            )
+        with warnings.catch_warnings():
+            # Given alike for both where no step() ran since the scheduler was built.
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`")
+            for scheduler in self.schedulers:
+                scheduler.step()
+
+    @precondition(lambda self: not self.pending and self.second_pass_refused)
+    @rule(split=st.integers(1, LAYERS - 1))
+    def disjoint_backwards(self, split: int) -> None:
+        """Two losses, both forwards first, then ``loss1.backward(inputs=A)`` and
+        ``loss2.backward(inputs=B)`` before one ``step()`` (an actor and a critic), ``A`` the
+        trainable parameters of the first ``split`` layers, ``B`` those of the others: the
+        plain loop steps all their gradients at once. Ours refuses the second backward before
+        it moves anything: this library (autograd never reaches ``A``'s layers in it), or,
+        with a class stepped jointly, autograd's version check first (the joint step of the
+        first moved the version counters of ``B``'s parameters too, left as they were). The
+        loop drops the gradients the second wrote; both loops step the first."""
+        ours_model, plain_model = self.models
+
+        def parts(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+            a, b = [], []
+            for index, layer in enumerate(model.layers):
+                trainable = [p for p in layer.parameters() if p.requires_grad]
+                (a if index < split else b).extend(trainable)
+            return a, b
+
+        a, b = parts(ours_model)
+        if not a or not b:
+            return
+        first = self._loss(ours_model, self.step)
+        second = self._loss(ours_model, self.step + 1)
+        first.backward(inputs=a)
+        before = _parameters(ours_model)
+        with pytest.raises(RuntimeError, match=r"a second backward|modified by an inplace"):
+            second.backward(inputs=b)
+        _assert_unchanged(ours_model, before)
+        del first, second
+        for param in b:
+            param.grad = None
+        a, _ = parts(plain_model)
+        self._loss(plain_model, self.step).backward(inputs=a)
+        for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+            self._step(optim)
+            optim.zero_grad()
+            model.zero_grad()
+        self.step += 2
+
+    @precondition(lambda self: not self.pending)
+    @rule(layer=st.integers(0, LAYERS - 1), trainable=st.booleans(), with_backward=st.booleans())
+    def hand_set_grad(self, layer: int, trainable: bool, with_backward: bool) -> None:
+        """Gradients set by hand on a layer before ``step()``, after a backward that did not
+        reach it (``with_backward``) or none: the plain optimizer steps them, with the
+        backward's. Ours steps them at ``step()`` too, or refuses that ``step()`` before it
+        moves anything: where the layer is frozen (this optimizer steps trainable parameters
+        only), and after a backward where a second pass is refused. The loop then drops them
+        and steps again; the plain loop never sets them. The layer is first frozen or
+        unfrozen (``trainable``)."""
+        ours_model, plain_model = self.models
+        for model in self.models:
+            model.layers[layer].requires_grad_(trainable)
+        grads = [
+            0.1 * torch.cos(3 * p.detach() + self.step)
+            for p in plain_model.layers[layer].parameters()
+        ]
+        if not trainable:
+            refusal = r"is frozen \(requires_grad=False\) but holds a gradient"
+        elif with_backward and self.second_pass_refused:
+            refusal = r"a second backward \(or a step\(\) stepping gradients set by hand\)"
+        else:
+            refusal = None
+
+        def set_grads(model: nn.Module) -> None:
+            for param, grad in zip(model.layers[layer].parameters(), grads, strict=True):
+                param.grad = grad.clone()
+
+        if with_backward:
+            with bypassed(ours_model.layers[layer]):
+                self._backward(ours_model, self.step)
+        set_grads(ours_model)
+        if refusal is not None:
+            before = _parameters(ours_model)
+            with pytest.raises(RuntimeError, match=refusal):
+                self._step(self.ours)
+            _assert_unchanged(ours_model, before)
+            for param in ours_model.layers[layer].parameters():
+                param.grad = None
+        self._step(self.ours)
+        self.ours.zero_grad()
+        if with_backward:
+            with bypassed(plain_model.layers[layer]):
+                self._backward(plain_model, self.step)
+        if refusal is None:
+            set_grads(plain_model)
+        self._step(self.plain)
+        self.plain.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: self.skip_nonfinite and not self.pending)
+    @rule()
+    def nonfinite_batch(self) -> None:
+        """A NaN batch: ours skips every bucket, the plain loop the whole step. Both models then
+        drop every gradient, the head's too (outside the optimizers until added)."""
+        for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+            self._backward(model, self.step, scale=math.nan)
+            self._step(optim)
+            optim.zero_grad()
+            model.zero_grad()
+        self.step += 1
 
     @invariant()
     def same_parameters(self) -> None:
@@ -412,6 +657,20 @@ class ClippedLoopMachine(LoopMachine):
 
     max_grad_norm = 0.05
     bucket_numel = None
+    second_pass_refused = True
+
+
+class SkipNonfiniteLoopMachine(LoopMachine):
+    """The same loops skipping non-finite gradients, with NaN batches."""
+
+    skip_nonfinite = True
+
+
+class ClippedSkipNonfiniteLoopMachine(ClippedLoopMachine):
+    """The clipped loops skipping non-finite gradients, with NaN batches: a skipped step clips
+    nothing, and the next one is clipped as the plain loop's."""
+
+    skip_nonfinite = True
 
 
 class GroupCounterLoopMachine(LoopMachine):
@@ -421,6 +680,7 @@ class GroupCounterLoopMachine(LoopMachine):
     optimizer_cls = GroupStepLamb
     optimizer_kwargs: ClassVar[dict] = {"lr": 1e-2}
     stepping = "dtensor"
+    second_pass_refused = True
 
 
 class JointLoopMachine(LoopMachine):
@@ -429,6 +689,7 @@ class JointLoopMachine(LoopMachine):
 
     optimizer_cls = GlobalClipSGD
     optimizer_kwargs: ClassVar[dict] = {"lr": 0.05}
+    second_pass_refused = True
 
 
 class CompactLoopMachine(LoopMachine):
@@ -459,17 +720,24 @@ class CompactBFloat16LoopMachine(CompactLoopMachine):
 
 
 def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        ),
-    )
+    # One intra-op thread: on tensors this small, handing ops to a thread pool costs more than
+    # the ops (several times the whole run on a busy machine); the ranks of a world run so.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=steps,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_random_loops_plain_module():
@@ -482,6 +750,14 @@ def test_random_loops_clipped():
 
 def test_random_loops_group_counter():
     _run(GroupCounterLoopMachine, examples=6, steps=10)
+
+
+def test_random_loops_skip_nonfinite():
+    _run(SkipNonfiniteLoopMachine, examples=8, steps=15)
+
+
+def test_random_loops_clipped_skip_nonfinite():
+    _run(ClippedSkipNonfiniteLoopMachine, examples=8, steps=15)
 
 
 def test_random_loops_joint():
@@ -501,8 +777,8 @@ def test_random_loops_compact_adamw_bfloat16():
 
 
 def test_random_loops_fsdp2(worlds):
-    worlds.run(2, _run, machine=ShardedLoopMachine, examples=4, steps=8)
+    worlds.run(2, _run, machine=ShardedLoopMachine, examples=6, steps=30)
 
 
 def test_random_loops_fsdp2_bfloat16(worlds):
-    worlds.run(2, _run, machine=ShardedBFloat16LoopMachine, examples=3, steps=8)
+    worlds.run(2, _run, machine=ShardedBFloat16LoopMachine, examples=4, steps=16)
