@@ -90,6 +90,7 @@ Everything else in the package uses public APIs. What this module relies on, for
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -165,11 +166,8 @@ class FSDPUnit(NamedTuple):
         its gradients are handed out, still the flags they were computed with), or ``None``
         otherwise (the sharded parameters' own flags hold: the next all-gather copies them).
         See [Note: FSDP2's copies and flags]."""
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
         group = self.group
-        in_backward = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-        if not (group.is_unsharded or group._training_state in in_backward):
+        if not (group.is_unsharded or group._training_state in _in_backward_states()):
             return None
         return [record.unsharded_param.requires_grad for record in self.records]
 
@@ -190,6 +188,14 @@ class FSDPUnit(NamedTuple):
         """Whether the unit reduce-scatters its gradients in this backward (``False`` under
         ``set_requires_gradient_sync(False)``: FSDP2 accumulates them unsharded)."""
         return bool(self.group.reduce_grads)
+
+
+@functools.cache
+def _in_backward_states() -> tuple[Any, ...]:
+    """FSDP2's training states of a unit from its unshard in backward to its final callback."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    return TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
 
 
 def register_post_accumulate_grad_hook(
