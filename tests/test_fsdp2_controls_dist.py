@@ -58,18 +58,32 @@ def _both(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module, list, l
     )
 
 
-def _partial_no_sync_body(root_only: bool) -> None:
-    """Micro-batches with gradient sync off for the root unit alone (``recurse=False``) or for
-    the child alone: the other units reduce every micro-batch and FSDP2 sums their sharded
-    gradients, which the plain optimizer steps. Here those units were stepped in the first
-    micro-batch and the second was refused (after they moved); now such a backward is a
-    micro-batch, as under ``accumulate()``: equal."""
-    ours, plain, (optim,), (reference_optim,) = _both(_model)
+def _child_only() -> nn.Sequential:
+    """The child a unit, the layers around it plain tensors outside ``fully_shard`` (each rank
+    steps its own gradient of them, alike in both loops)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+    )
+    fully_shard(model[1])
+    return model
+
+
+def _partial_no_sync_body(unsynced: str) -> None:
+    """Micro-batches with gradient sync off for the root unit alone (``recurse=False``), for
+    the child alone, or for the only unit beside parameters outside ``fully_shard``: the
+    other units (autograd, for those outside) add to their gradients every micro-batch, and
+    the plain optimizer steps the sums. Here those were stepped in the first micro-batch and
+    the second was refused (after they moved); now such a backward is a micro-batch, as
+    under ``accumulate()``: equal."""
+    ours, plain, (optim,), (reference_optim,) = _both(
+        _child_only if unsynced == "unit beside plain" else _model
+    )
     for model, opt in ((ours, optim), (plain, reference_optim)):
         for step in range(3):
             x, y = _batch(step)
             for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
-                if root_only:
+                if unsynced == "root":
                     model.set_requires_gradient_sync(i == 1, recurse=False)
                 else:
                     model[1].set_requires_gradient_sync(i == 1)
@@ -178,8 +192,8 @@ def _unfrozen_after_evaluation_body() -> None:
 
 
 def _all_body() -> None:
-    _partial_no_sync_body(root_only=True)
-    _partial_no_sync_body(root_only=False)
+    for unsynced in ("root", "child", "unit beside plain"):
+        _partial_no_sync_body(unsynced)
     _gathered_before_step_body()
     _gan_frozen_root_body()
     _unfrozen_after_evaluation_body()
