@@ -104,10 +104,7 @@ class BucketPlan:
             Bucket(index, params, group_of)
             for index, params in enumerate(_split(trainable, self.units, bucket_numel))
         )
-        trainable_ids = {id(p) for p in trainable}
-        self._trainable_units = [
-            unit for unit in self.units if any(id(p) in trainable_ids for p in unit.params)
-        ]
+
         buckets = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.bucket_of: Callable[[int], Bucket | None] = buckets.get
         """The bucket of the parameter an id names; ``None`` if not a trainable parameter."""
@@ -144,11 +141,6 @@ class BucketPlan:
                 for i, flag in zip(positions, module_flags, strict=True):
                     flags[i] = flag
         return flags
-
-    def defers_reduction(self) -> bool:
-        """Whether an FSDP2 unit of the trainable parameters does not reduce its gradients in
-        this backward (``set_requires_gradient_sync(False)``): the backward is a micro-batch."""
-        return not all(unit.reduces_gradients() for unit in self._trainable_units)
 
     def gathered_units(self) -> list[FSDPUnit]:
         """The units that hold all-gathered weights now."""

@@ -93,7 +93,7 @@ import contextlib
 import functools
 import gc
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
@@ -115,6 +115,7 @@ __all__ = [
     "enclosing_backward_node",
     "flatten",
     "fsdp_gradient_slots",
+    "fsdp_sync_off",
     "fsdp_units",
     "global_step_pre_hooks",
     "local_tensor",
@@ -184,11 +185,6 @@ class FSDPUnit(NamedTuple):
                     tensors.append(alias)
         return tensors
 
-    def reduces_gradients(self) -> bool:
-        """Whether the unit reduce-scatters its gradients in this backward (``False`` under
-        ``set_requires_gradient_sync(False)``: FSDP2 accumulates them unsharded)."""
-        return bool(self.group.reduce_grads)
-
 
 @functools.cache
 def _in_backward_states() -> tuple[Any, ...]:
@@ -213,53 +209,54 @@ def register_post_accumulate_grad_hook(
         param.requires_grad_(False)
 
 
+def _fsdp_param_groups() -> Iterator[Any]:
+    """Every FSDP2 unit (``FSDPParamGroup``) of the process, once each."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    seen: set[int] = set()
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        if not isinstance(state, FSDPState):
+            continue
+        for param_group in state._fsdp_param_groups:
+            if id(param_group) not in seen:
+                seen.add(id(param_group))
+                yield param_group
+
+
 def fsdp_units(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
     """Group ``params`` by the FSDP2 unit (``FSDPParamGroup``) that reduces their gradients.
 
     Returns one unit per ``FSDPParamGroup`` that holds at least one of ``params``, its members
     in the unit's own parameter order; parameters that no ``fully_shard`` manages are left out.
     """
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
     wanted = {id(p) for p in params}
     units: list[FSDPUnit] = []
-    seen_groups: set[int] = set()
-    for state_ref in list(_module_state_mapping.values()):
-        state = state_ref()
-        if not isinstance(state, FSDPState):
-            continue
-        for param_group in state._fsdp_param_groups:
-            if id(param_group) in seen_groups:
-                continue
-            seen_groups.add(id(param_group))
-            records = [
-                record for record in param_group.fsdp_params if id(record.sharded_param) in wanted
-            ]
-            if records:
-                units.append(FSDPUnit(param_group, records))
+    for param_group in _fsdp_param_groups():
+        records = [r for r in param_group.fsdp_params if id(r.sharded_param) in wanted]
+        if records:
+            units.append(FSDPUnit(param_group, records))
     return units
+
+
+def fsdp_sync_off() -> bool:
+    """Whether an FSDP2 unit of the process does not reduce its gradients in this backward
+    (``set_requires_gradient_sync(False)``: FSDP2 accumulates them unsharded)."""
+    return not all(param_group.reduce_grads for param_group in _fsdp_param_groups())
 
 
 def fsdp_gradient_slots(params: Iterable[torch.Tensor]) -> dict[int, int]:
     """``id(param)`` -> elements of the slot FSDP2 reserves for ``param``'s sharded gradient in
     its unit's reduce-scatter output, for the ``params`` whose gradient FSDP2 leaves there (in a
     ``fully_shard`` unit, not offloaded to the CPU)."""
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
     wanted = {id(p) for p in params}
-    slots: dict[int, int] = {}
-    for state_ref in list(_module_state_mapping.values()):
-        state = state_ref()
-        if not isinstance(state, FSDPState):
-            continue
-        for param_group in state._fsdp_param_groups:
-            for fsdp_param in param_group.fsdp_params:
-                key = id(fsdp_param.sharded_param)
-                if key in wanted and not fsdp_param.offload_to_cpu:
-                    slots[key] = fsdp_param.padded_sharded_param_size.numel()
-    return slots
+    return {
+        id(record.sharded_param): record.padded_sharded_param_size.numel()
+        for param_group in _fsdp_param_groups()
+        for record in param_group.fsdp_params
+        if id(record.sharded_param) in wanted and not record.offload_to_cpu
+    }
 
 
 def storage_numel(grad: torch.Tensor) -> int:

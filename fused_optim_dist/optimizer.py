@@ -38,6 +38,7 @@ from fused_optim_dist._torch_internals import (
     ddp_modules_holding,
     ddp_wrapped,
     drop_grads,
+    fsdp_sync_off,
     global_step_pre_hooks,
     hooked_after,
     observes_only,
@@ -855,14 +856,17 @@ class OptimizerInBackward(Optimizer):
         optimizer (e.g. divide by the number of micro-batches).
 
         [Note: FSDP2's micro-batches]
-        A backward in which an FSDP2 unit of this optimizer does not reduce its gradients
+        A backward while an FSDP2 unit does not reduce its gradients
         (``set_requires_gradient_sync(False)``, FSDP2's own accumulation) is a micro-batch and
         runs as if inside this context: FSDP2 keeps that unit's gradients unsharded until a
         backward that reduces them, and a plain optimizer steps the sum. Units still
         reducing (sync turned off for the root alone with ``recurse=False``, or for some
-        children) add their gradients to their sharded ones each micro-batch, which the plain
-        optimizer also steps summed: stepped as they arrived, they would have moved before
-        the next micro-batch's gradients came.
+        children) add their gradients to their sharded ones each micro-batch, and autograd
+        those of parameters outside ``fully_shard``, which the plain optimizer also steps
+        summed: stepped as they arrived, they would have moved before the next
+        micro-batch's gradients came. Any unit of the process counts, not only this
+        optimizer's: another optimizer's unit with sync off makes the backward a
+        micro-batch for the model's other parameters too.
         """
         self._accumulate_depth += 1
         try:
@@ -952,7 +956,7 @@ class OptimizerInBackward(Optimizer):
             return
         if current is None or not (current.owns(backward_id) or current.adopt(backward_id)):
             # The first gradient of a new backward. See [Note: one backward, one BackwardPass].
-            if self._current_plan().defers_reduction():
+            if fsdp_sync_off():
                 # See [Note: FSDP2's micro-batches].
                 self._micro_batch = backward_id
                 return

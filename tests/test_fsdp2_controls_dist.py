@@ -93,6 +93,35 @@ def _partial_no_sync_body(unsynced: str) -> None:
     assert_match(ours, plain)
 
 
+def _no_sync_two_optimizers_body() -> None:
+    """Two optimizers on one model, the head's and the body's, with gradient sync off for the
+    child unit (the body's) during micro-batches: the head's root unit reduces every
+    micro-batch and the plain head optimizer steps the sum. The head's optimizer saw only its
+    own unit reducing, stepped the first micro-batch (1.0e-2 moved) and refused the second;
+    a unit of any optimizer with sync off now makes the backward a micro-batch: equal."""
+    runs = []
+    for ours in (True, False):
+        model = _model()
+
+        groups = ([*model[0].parameters(), *model[1].parameters()], list(model[2].parameters()))
+        optims = [
+            OptimizerInBackward(params, torch.optim.AdamW, lr=LR)
+            if ours
+            else torch.optim.AdamW(params, lr=LR)
+            for params in groups
+        ]
+        for step in range(3):
+            x, y = _batch(step)
+            for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+                model[1].set_requires_gradient_sync(i == 1)
+                (_loss(model, xm, ym) / 2).backward()
+            for opt in optims:
+                opt.step()
+                opt.zero_grad()
+        runs.append(model)
+    assert_match(*runs)
+
+
 def _gathered_before_step_body() -> None:
     """``model.unshard()`` between backward and ``step()`` (the next forward's all-gather
     started early): the plain loop gathers the weights before its update and its next forward
@@ -194,6 +223,7 @@ def _unfrozen_after_evaluation_body() -> None:
 def _all_body() -> None:
     for unsynced in ("root", "child", "unit beside plain"):
         _partial_no_sync_body(unsynced)
+    _no_sync_two_optimizers_body()
     _gathered_before_step_body()
     _gan_frozen_root_body()
     _unfrozen_after_evaluation_body()
