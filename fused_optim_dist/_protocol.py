@@ -28,11 +28,9 @@ loops would train differently without a word. Instead, the updates made in backw
   set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
   and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises;
-* at ``step()``, an FSDP2 unit holding updates that was sharded when they were made and holds
-  all-gathered weights now (``model.unshard()``, or a forward, between backward and ``step()``):
-  the plain loop's all-gather read the weights before ``step()``, and its next forward runs on
-  that copy (FSDP2 does not gather again an unsharded unit); here it read the updated ones.
-  ``step()`` raises, naming ``reshard()``.
+* an FSDP2 unit holding updates that was sharded when they were made and holds all-gathered
+  weights at ``step()`` (``model.unshard()``, or a forward, between backward and ``step()``):
+  see [Note: copies gathered before step()].
 
 A second ``step()`` with no backward and no ``zero_grad()`` since the first would step the
 held gradients again in the plain optimizer: refused, seeing the freed gradients.
@@ -56,15 +54,18 @@ A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is ref
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fused_optim_dist._torch_internals import FSDPUnit
 
-__all__ = ["KeptGradients", "PendingUpdates", "describe", "refuse_stepping_again"]
+__all__ = ["KeptGradients", "PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
 
 
 def describe(param: torch.Tensor) -> str:
@@ -277,23 +278,16 @@ class PendingUpdates:
         self._unfinished = False
         self._gathered = []
 
-    def refuse_gathered(self, gathered: list[FSDPUnit]) -> None:
-        """Raise for ``step()`` when a unit holding updates holds all-gathered weights
-        (``gathered``: the units that do now) it did not hold once the updates were made. See
-        [Note: the step protocol]."""
+    def gathered_since(self, gathered: list[FSDPUnit]) -> list[FSDPUnit]:
+        """The units of ``gathered`` (those holding all-gathered weights now) that hold updates
+        and did not hold such weights once the updates were made. See [Note: copies gathered
+        before step()]."""
         then = {id(unit.group) for unit in self._gathered}
-        for unit in gathered:
-            held = [p for p in unit.params if id(p) in self._ids]
-            if held and id(unit.group) not in then:
-                raise RuntimeError(
-                    f"step(): the FSDP2 unit holding {describe(held[0])} all-gathered its "
-                    "weights after they were updated in backward (model.unshard(), or a "
-                    "forward, between backward and step()). A plain optimizer's all-gather "
-                    "there reads the weights before step(), and the next forward runs on that "
-                    "copy; here it read the updated ones. Call model.unshard() and run forwards "
-                    "after step(), or model.reshard() before step(). Restart from the last "
-                    "checkpoint."
-                )
+        return [
+            unit
+            for unit in gathered
+            if id(unit.group) not in then and any(id(p) in self._ids for p in unit.params)
+        ]
 
     def refuse_second_gradient(self, param: torch.Tensor) -> None:
         """Raise for a gradient arriving at ``param``, updated in backward since ``step()``."""
@@ -491,3 +485,46 @@ class KeptGradients:
             "is skipped by both. The updates this backward made cannot be undone: fix the "
             "loop and restart from the last checkpoint."
         )
+
+
+class StaleCopies:
+    """Refuses a forward that would run on weights FSDP2 gathered before ``step()``.
+
+    [Note: copies gathered before step()]
+    An all-gather between backward and ``step()`` (``model.unshard()``, a forward) reads the
+    plain optimizer's weights before its update; FSDP2 does not gather an unsharded unit
+    again, so the plain loop's next forward runs on that copy, unless the unit is resharded
+    first (``model.reshard()``, ``model.state_dict()``). Here the update was made in backward
+    and the copy holds it. Whether the copy is used is known only at the unit's next
+    forward: ``step()`` hands the units gathered since their updates to :meth:`watch`, and a
+    forward pre-hook on each unit's modules raises at that forward if the unit still holds a
+    gathered copy (nothing has read it yet), and otherwise removes itself. A unit that held
+    gathered weights through backward (``set_reshard_after_backward(False)``) holds the
+    weights of before the update in both loops, and is not watched.
+    """
+
+    def __init__(self) -> None:
+        self._handles: dict[int, list[RemovableHandle]] = {}
+
+    def watch(self, units: list[FSDPUnit]) -> None:
+        for unit in units:
+            if id(unit.group) in self._handles:
+                continue
+            hook = functools.partial(self._check, unit)
+            self._handles[id(unit.group)] = [
+                module.register_forward_pre_hook(hook, prepend=True) for module in unit.modules
+            ]
+
+    def _check(self, unit: FSDPUnit, _module: nn.Module, _args: Any) -> None:
+        for handle in self._handles.pop(id(unit.group), []):
+            handle.remove()
+        if unit.holds_gathered_copy():
+            raise RuntimeError(
+                f"this forward would run on the weights FSDP2 all-gathered for the unit holding "
+                f"{describe(unit.params[0])} between backward and optim.step() "
+                "(model.unshard(), or a forward, there): a plain optimizer's copy holds the "
+                "weights of before step(), on which its forward would run (FSDP2 does not "
+                "gather an unsharded unit again); here it holds the updated ones. Call "
+                "model.unshard() and run forwards after step(), or model.reshard() before "
+                "step(). Restart from the last checkpoint."
+            )

@@ -154,6 +154,11 @@ class FSDPUnit(NamedTuple):
     def params(self) -> list[torch.Tensor]:
         return [record.sharded_param for record in self.records]
 
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The modules of the ``fully_shard`` call that made the unit."""
+        return tuple(self.group.modules)
+
     def holds_gathered_copy(self) -> bool:
         """Whether the unit holds all-gathered weights: unsharded, resharded after forward to a
         smaller world, or with an all-gather issued and not yet waited for (its copy-in has

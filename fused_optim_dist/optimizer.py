@@ -28,6 +28,7 @@ from fused_optim_dist._plan import BucketPlan
 from fused_optim_dist._protocol import (
     KeptGradients,
     PendingUpdates,
+    StaleCopies,
     describe,
     refuse_stepping_again,
 )
@@ -220,7 +221,16 @@ def _as_group(param_group: dict[str, Any]) -> dict[str, Any]:
 
 
 _REATTACHED = frozenset(
-    {"_hook_handles", "_hooked", "_hook_ids", "_detached", "_plan", "_pass", "_freed"}
+    {
+        "_hook_handles",
+        "_hooked",
+        "_hook_ids",
+        "_detached",
+        "_plan",
+        "_pass",
+        "_freed",
+        "_stale_copies",
+    }
 )
 """What ``_attach_hooks`` builds anew for a copy: never copied or pickled."""
 
@@ -358,6 +368,9 @@ class OptimizerInBackward(Optimizer):
         # The bucket plan, rebuilt when stale, and the backward pass in progress (or the last).
         self._plan: BucketPlan | None = None
         self._pass: BackwardPass | None = None
+        # Forward hooks on FSDP2 units gathered before step(): see [Note: copies gathered
+        # before step()].
+        self._stale_copies = StaleCopies()
         # What stepped parameters' .grad holds until zero_grad(). See [Note: freed gradients].
         self._freed = FreedGradients(_freed_refusal(self))
         self._current_plan()
@@ -635,7 +648,8 @@ class OptimizerInBackward(Optimizer):
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
         plan = self._current_plan()
         if self._pending:
-            self._pending.refuse_gathered(plan.gathered_units())
+            # See [Note: copies gathered before step()].
+            self._stale_copies.watch(self._pending.gathered_since(plan.gathered_units()))
         frozen = [
             p
             for p, grad in zip(plan.frozen, read_grads(plan.frozen), strict=True)

@@ -126,8 +126,11 @@ def _gathered_before_step_body() -> None:
     """``model.unshard()`` between backward and ``step()`` (the next forward's all-gather
     started early): the plain loop gathers the weights before its update and its next forward
     runs on that copy; here the update was made in backward (3.4e-3 apart after four steps,
-    no error). Refused at ``step()``; an evaluation forward there (the root stays gathered) too.
-    ``reshard()`` before ``step()``, or ``unshard()`` after it, trains equal."""
+    no error). Refused at that next forward, before it reads the copy; an evaluation forward
+    there (the root stays gathered) too. Where the copy is dropped before the next forward
+    (``reshard()`` before or after ``step()``, ``model.state_dict()`` after it), or gathered
+    after ``step()``, the plain loop runs on the stepped weights: equal (an evaluation there
+    followed by a save after ``step()`` was refused at ``step()``)."""
     for between in ("unshard", "forward"):
         model = _model()
         optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
@@ -137,16 +140,24 @@ def _gathered_before_step_body() -> None:
         else:
             with torch.no_grad():
                 model(_batch(1)[0])
-        with pytest.raises(RuntimeError, match="all-gathered its weights after they were updated"):
-            optim.step()
+        optim.step()
+        optim.zero_grad()
+        with pytest.raises(RuntimeError, match="would run on the weights FSDP2 all-gathered"):
+            _loss(model, *_batch(1)).backward()
     ours, plain, (optim,), (reference_optim,) = _both(_model)
     for model, opt in ((ours, optim), (plain, reference_optim)):
-        for step in range(4):
-            _loss(model, *_batch(step)).backward()
-            if step % 2:
+        for step in range(6):
+            x, y = _batch(step)
+            _loss(model, x, y).backward()
+            if step % 3 == 0:
                 model.unshard()
                 model.reshard()
                 opt.step()
+            elif step % 3 == 1:
+                with torch.no_grad():
+                    model(x)
+                opt.step()
+                model.state_dict()
             else:
                 opt.step()
                 model.unshard()
