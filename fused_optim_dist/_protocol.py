@@ -289,6 +289,23 @@ class PendingUpdates:
             if id(unit.group) not in then and any(id(p) in self._ids for p in unit.params)
         ]
 
+    def refuse_unreduced(self, units: list[FSDPUnit]) -> None:
+        """Raise for ``step()`` when an FSDP2 unit of ``units`` holds gradients it has not
+        reduced: a backward with gradient sync off ran after the backward whose updates were
+        made, on the updated weights, where the plain loop's ran on those of before
+        ``step()``."""
+        unreduced = [unit for unit in units if unit.holds_unreduced_gradients()]
+        if unreduced:
+            raise RuntimeError(
+                "step(): a backward with FSDP2 gradient sync off "
+                "(set_requires_gradient_sync(False)) ran after a backward whose updates were "
+                f"made (the unit holding {describe(unreduced[0].params[0])} holds its "
+                "unreduced gradients): its forward ran on the updated weights, where a plain "
+                "optimizer's ran on those of before step(). Turn sync off for the micro-batches "
+                "before the last of a step, not after it "
+                "(set_requires_gradient_sync(i == last)). Restart from the last checkpoint."
+            )
+
     def refuse_second_gradient(self, param: torch.Tensor) -> None:
         """Raise for a gradient arriving at ``param``, updated in backward since ``step()``."""
         raise RuntimeError(

@@ -177,6 +177,17 @@ class FSDPUnit(NamedTuple):
             return None
         return [record.unsharded_param.requires_grad for record in self.records]
 
+    def holds_unreduced_gradients(self) -> bool:
+        """Whether FSDP2 holds gradients of the unit it has not reduced (accumulated unsharded
+        by backwards with gradient sync off)."""
+        for record in self.records:
+            if record.unsharded_accumulated_grad is not None:
+                return True
+            unsharded = getattr(record, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                return True
+        return False
+
     def aliases(self) -> list[torch.Tensor]:
         """Every tensor FSDP2 registers on the unit's modules for these parameters, whatever
         the unit's state: the sharded parameters, and the unsharded ones (and those resharded
@@ -246,9 +257,14 @@ def fsdp_units(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
 
 
 def fsdp_sync_off() -> bool:
-    """Whether an FSDP2 unit of the process does not reduce its gradients in this backward
-    (``set_requires_gradient_sync(False)``: FSDP2 accumulates them unsharded)."""
-    return not all(param_group.reduce_grads for param_group in _fsdp_param_groups())
+    """Whether an FSDP2 unit of the process with a parameter that requires grad does not
+    reduce its gradients (``set_requires_gradient_sync(False)``: FSDP2 accumulates them
+    unsharded). A frozen unit's flag does not count: no gradient of it is accumulated."""
+    return any(
+        not param_group.reduce_grads
+        and any(record.sharded_param.requires_grad for record in param_group.fsdp_params)
+        for param_group in _fsdp_param_groups()
+    )
 
 
 def fsdp_gradient_slots(params: Iterable[torch.Tensor]) -> dict[int, int]:

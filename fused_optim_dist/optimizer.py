@@ -648,6 +648,7 @@ class OptimizerInBackward(Optimizer):
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
         plan = self._current_plan()
         if self._pending:
+            self._pending.refuse_unreduced(plan.units)
             # See [Note: copies gathered before step()].
             self._stale_copies.watch(self._pending.gathered_since(plan.gathered_units()))
         frozen = [
@@ -878,9 +879,12 @@ class OptimizerInBackward(Optimizer):
         children) add their gradients to their sharded ones each micro-batch, and autograd
         those of parameters outside ``fully_shard``, which the plain optimizer also steps
         summed: stepped as they arrived, they would have moved before the next
-        micro-batch's gradients came. Any unit of the process counts, not only this
-        optimizer's: another optimizer's unit with sync off makes the backward a
-        micro-batch for the model's other parameters too.
+        micro-batch's gradients came. Any unit of the process with a trainable parameter
+        counts, not only this optimizer's (which units a backward reaches is known only as
+        it reaches them): another optimizer's unit with sync off makes the backward a
+        micro-batch for the model's other parameters too, and a model left with sync off
+        makes every backward one, whose gradients ``step()`` then steps (equal, without the
+        saving of stepping in backward).
         """
         self._accumulate_depth += 1
         try:

@@ -93,6 +93,25 @@ def _partial_no_sync_body(unsynced: str) -> None:
     assert_match(ours, plain)
 
 
+def _sync_off_after_a_stepping_backward_body() -> None:
+    """Sync on for the first micro-batch and off for the second (the condition reversed): the
+    first was stepped in backward, so the second's forward ran on the updated weights (the
+    plain loop's on those of before ``step()``; FSDP2 carries its unreduced gradients into the
+    next step: 5.6e-3 apart after four steps, no error). No hook runs in a backward with every
+    unit's sync off: refused at ``step()``."""
+    model = _model()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+    x, y = _batch(0)
+    for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+        model.set_requires_gradient_sync(i == 0)
+        (_loss(model, xm, ym) / 2).backward()
+    with pytest.raises(RuntimeError, match=r"gradient sync off .* ran after a backward"):
+        optim.step()
+    # Left with sync off, this model would make every later backward of the process a
+    # micro-batch (see [Note: FSDP2's micro-batches]).
+    model.set_requires_gradient_sync(True)
+
+
 def _no_sync_two_optimizers_body() -> None:
     """Two optimizers on one model, the head's and the body's, with gradient sync off for the
     child unit (the body's) during micro-batches: the head's root unit reduces every
@@ -235,6 +254,7 @@ def _all_body() -> None:
     for unsynced in ("root", "child", "unit beside plain"):
         _partial_no_sync_body(unsynced)
     _no_sync_two_optimizers_body()
+    _sync_off_after_a_stepping_backward_body()
     _gathered_before_step_body()
     _gan_frozen_root_body()
     _unfrozen_after_evaluation_body()
