@@ -229,6 +229,12 @@ class BackwardPass:
         key = id(param)
         bucket = self._plan.bucket_of(key)
         if bucket is None or key in self._stepped:
+            frozen = bucket is None and not param.requires_grad and self._plan.holds(param)
+            if frozen and param.grad is None:
+                # Frozen after the forward that used it: autograd runs a leaf's hooks even
+                # where it accumulated nothing because the leaf no longer requires grad
+                # (torch 2.13), and the plain optimizer steps nothing of it.
+                return
             self._refuse(param, bucket)
         if self._pending and self._pending.holds(param):
             self._pending.refuse_second_gradient(param)
@@ -258,15 +264,6 @@ class BackwardPass:
             self._refuse(param, self._plan.bucket_of(id(param)))
 
     def _refuse(self, param: torch.Tensor, bucket: Bucket | None) -> NoReturn:
-        if bucket is None and not param.requires_grad and self._plan.holds(param):
-            raise RuntimeError(
-                f"{describe(param)} received a gradient in this backward though it does not "
-                "require one now: requires_grad was turned off after the forward that "
-                "computed it (autograd still delivers the gradient, and a plain optimizer "
-                "steps it). Freeze or unfreeze parameters before the forward, not between "
-                "forward and backward. The buckets stepped before this one in this backward "
-                "moved: restart from the last checkpoint."
-            )
         if bucket is None and not param.requires_grad:
             # Not a trainable parameter: what a hook before ours returned, passed on by torch.
             raise RuntimeError(

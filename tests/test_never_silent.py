@@ -967,19 +967,24 @@ def test_state_dict_lists_entries_in_the_plain_order():
     assert_match(model, reference)
 
 
-def test_frozen_between_forward_and_backward_named():
-    """``requires_grad_(False)`` between forward and backward: autograd still delivers the
-    gradient (the plain optimizer steps it), where the plan made at the backward's start has
-    no bucket for it. The error blamed a post-accumulate-grad hook returning a value; it now
-    names the freeze (raised when that gradient arrives: buckets stepped before it moved)."""
-    model, _ = make_models()
+def test_frozen_between_forward_and_backward_equal():
+    """``requires_grad_(False)`` between forward and backward: autograd accumulates no
+    gradient into the frozen parameters (it still runs their post-accumulate-grad hooks), so
+    the plain optimizer does not step them. It was refused as a gradient delivered to a
+    frozen parameter, after the buckets stepped before it had moved; now equal."""
+    model, reference = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)
-    _step_both(((model, optim),), 0, zero=True)
-    x, y = _x(1)
-    out = model(x)
-    model.layers[0].requires_grad_(False)
-    with pytest.raises(RuntimeError, match="requires_grad was turned off after the forward"):
-        nn.functional.mse_loss(out, y).backward()
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        for net, opt in ((model, optim), (reference, plain)):
+            x, y = _x(step)
+            out = net(x)
+            net.layers[0].requires_grad_(step == 0)
+            nn.functional.mse_loss(out, y).backward()
+            net.layers[0].requires_grad_(True)
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference)
 
 
 def test_loop_ending_after_a_backward_without_step_warns():
