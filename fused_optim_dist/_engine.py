@@ -229,11 +229,7 @@ class BackwardPass:
         key = id(param)
         bucket = self._plan.bucket_of(key)
         if bucket is None or key in self._stepped:
-            frozen = bucket is None and not param.requires_grad and self._plan.holds(param)
-            if frozen and param.grad is None:
-                # Frozen after the forward that used it: autograd runs a leaf's hooks even
-                # where it accumulated nothing because the leaf no longer requires grad
-                # (torch 2.13), and the plain optimizer steps nothing of it.
+            if bucket is None and self._plan.delivers_nothing(param):
                 return
             self._refuse(param, bucket)
         if self._pending and self._pending.holds(param):

@@ -89,6 +89,7 @@ class BucketPlan:
         self.units = fsdp_units(self._all_params)
         """The FSDP2 units of the parameters, trainable or not."""
         self._unit_positions = [[position[id(p)] for p in unit.params] for unit in self.units]
+        self._in_units = frozenset(id(p) for unit in self.units for p in unit.params)
         self._requires_grad = self._read_requires_grad()
         trainable = [
             p for p, flag in zip(self._all_params, self._requires_grad, strict=True) if flag
@@ -141,6 +142,15 @@ class BucketPlan:
                 for i, flag in zip(positions, module_flags, strict=True):
                     flags[i] = flag
         return flags
+
+    def delivers_nothing(self, param: torch.Tensor) -> bool:
+        """Whether a post-accumulate-grad hook call for ``param``, one of the plan's parameters
+        outside FSDP2 units, came with no gradient: autograd runs a leaf's hooks even where it
+        accumulated nothing because the leaf no longer requires grad (frozen between forward
+        and backward; torch 2.13), and the plain optimizer then steps nothing of it. FSDP2
+        calls its sharded parameters' hooks only with the gradient it reduced into them,
+        whatever their flag. For a rare path: ``holds`` is a scan."""
+        return not param.requires_grad and id(param) not in self._in_units and self.holds(param)
 
     def gathered_units(self) -> list[FSDPUnit]:
         """The units that hold all-gathered weights now."""

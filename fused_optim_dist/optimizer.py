@@ -958,7 +958,8 @@ class OptimizerInBackward(Optimizer):
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._ever_arrived = True
         if self._pending and self._pending.holds(param):
-            # See [Note: the step protocol].
+            # See [Note: the step protocol]. Refused even when this backward gave it no
+            # gradient (frozen after its forward): that forward read the updated weights.
             self._pending.refuse_second_gradient(param)
         if self._accumulate_depth:
             return

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from _toy import assert_match
+from _toy import assert_match, full
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -202,6 +202,7 @@ def _gan_frozen_root_body() -> None:
     runs = []
     for ours in (True, False):
         generator, discriminator = gan(0)
+        start = [full(p).detach().clone() for p in generator.parameters()]
         opt_g = (
             OptimizerInBackward(generator.parameters(), torch.optim.Adam, lr=2e-2)
             if ours
@@ -221,6 +222,9 @@ def _gan_frozen_root_body() -> None:
             opt_g.zero_grad()
             bce(discriminator(generator(z)), ones).backward()
             opt_g.step()
+        # The loop trains the generator (else equality would hold with both left alone).
+        moved = zip(generator.parameters(), start, strict=True)
+        assert all(not torch.equal(full(p), p0) for p, p0 in moved)
         runs.append(generator)
     assert_match(*runs)
 
@@ -237,6 +241,7 @@ def _unfrozen_after_evaluation_body() -> None:
         return model
 
     ours, plain, (optim,), (reference_optim,) = _both(build)
+    head = full(plain[2].weight).detach().clone()
     for model, opt in ((ours, optim), (plain, reference_optim)):
         for step in range(4):
             x, y = _batch(step)
@@ -247,6 +252,8 @@ def _unfrozen_after_evaluation_body() -> None:
             _loss(model, x, y).backward()
             opt.step()
             opt.zero_grad()
+    # The plain loop trains the unfrozen head (else equality would hold with both frozen).
+    assert not torch.equal(full(plain[2].weight), head)
     assert_match(ours, plain)
 
 
