@@ -38,6 +38,17 @@ buckets still to come had in the previous stepping backward. So:
   rebuilt and the history of buckets it no longer has is dropped; it would otherwise be
   predicted in every backward and never arrive.
 
+[Note: clip_grad_norm_'s own norm]
+Exact is bit for bit where it can be: a bucket of plain tensors (no collective) in float32 or
+float64, clipped by norm, takes its norm as ``clip_grad_norm_`` does, one ``_foreach_norm`` per
+device and dtype, in the order of its parameters, then the norm of their stack, and while it is
+the only bucket of the backward and of the history, that norm is the coefficient's and
+``grad_norm()``'s, not the square root of its square. Both loops then scale by the same float32
+coefficient: a difference of one rounding in it changes the gradients in their last bit, which
+an optimizer with quantized state (``CompactAdamW``: a code flips) turns into a difference of a
+whole code step. Elsewhere (several buckets, DTensor shares summed across ranks, bfloat16
+gradients summed in float32) the norm equals ``clip_grad_norm_``'s to float32 rounding.
+
 So clipping is exact with one bucket, and the buckets are what the user chose: FSDP units, or
 runs of ``bucket_numel`` elements of the parameters outside them when ``bucket_numel`` is
 given. By default those parameters are one bucket when clipping by norm: their gradients are
@@ -116,6 +127,10 @@ class _Shares:
             small, large = by_key.setdefault(_reduce_key(param), ([], []))
             (small if local_tensor(param).numel() <= _SMALL_NUMEL else large).append(index)
         self._by_key = [(key, small, large) for key, (small, large) in by_key.items()]
+        # See [Note: clip_grad_norm_'s own norm].
+        self.exact = list(by_key) == [None] and all(
+            p.dtype in (torch.float32, torch.float64) for p in params
+        )
         # Summed in fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is
         # (a gradient has its parameter's dtype).
         self._dtype = (
@@ -143,6 +158,19 @@ class _Shares:
             assert share is not None
             out.append((key, share))
         return out
+
+
+def clip_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` (local tensors) computed as ``torch.nn.utils.clip_grad_norm_``
+    computes it (torch 2.13, ``_get_total_norm``): one ``_foreach_norm`` per device and dtype,
+    in order of first appearance, then the norm of their stack on the first one's device. See
+    [Note: clip_grad_norm_'s own norm]."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    norms = [norm for group in by_kind.values() for norm in torch._foreach_norm(group, 2.0)]
+    first = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
 
 
 def all_zero(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
@@ -188,6 +216,9 @@ class BackwardNorms:
         # The part of the previous backward's squared norm that belongs to buckets seen now.
         self.previous_seen: torch.Tensor | float = 0.0
         self.any = False
+        # The norm of the first bucket as clip_grad_norm_ takes it, where it can: see [Note:
+        # clip_grad_norm_'s own norm].
+        self.exact: torch.Tensor | None = None
 
 
 class GradientProcessor:
@@ -240,7 +271,14 @@ class GradientProcessor:
         verdict = BucketVerdict()
         if self._needs_norm:
             norms.any = True
-            shares = self._shares_of(bucket, params).squares(grads)
+            of_bucket = self._shares_of(bucket, params)
+            if self.max_grad_norm is not None and of_bucket.exact and grads:
+                exact = clip_grad_norm(grads)
+                # Exact only while it is the first bucket (checked again at the end).
+                norms.exact = exact if not norms.bucket_sq else None
+                shares = [(None, exact.square())]
+            else:
+                shares = of_bucket.squares(grads)
             if not self._reduce_per_bucket:
                 for key, share in shares:
                     norms.pending.setdefault(key, []).append(share)
@@ -280,8 +318,17 @@ class GradientProcessor:
 
     def _clip_coefficient(self, norms: BackwardNorms, key: str) -> torch.Tensor:
         norms.previous_seen = norms.previous_seen + self._previous_sq.get(key, 0.0)
-        predicted = norms.seen + (self._previous_total - norms.previous_seen)
-        return (self.max_grad_norm / (predicted.sqrt() + 1e-6)).clamp(max=1.0)
+        if self._only_bucket(norms) and self._previous_sq.keys() <= {key}:
+            # Nothing seen or predicted besides this bucket: its norm as clip_grad_norm_'s.
+            norm = norms.exact
+        else:
+            norm = (norms.seen + (self._previous_total - norms.previous_seen)).sqrt()
+        return (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+
+    @staticmethod
+    def _only_bucket(norms: BackwardNorms) -> bool:
+        """Whether the backward's norm so far is one bucket's, taken as clip_grad_norm_ does."""
+        return norms.exact is not None and len(norms.bucket_sq) == 1 and not norms.pending
 
     def end_of_backward(self, norms: BackwardNorms) -> None:
         """Close a stepping backward: complete the norm, update the clipping history.
@@ -296,7 +343,7 @@ class GradientProcessor:
             share = torch.stack([s.to(device) for s in shares]).sum()
             total = _add(total, _all_reduce(share, key))
         assert total is not None
-        self._last_norm = total.sqrt()
+        self._last_norm = norms.exact if self._only_bucket(norms) else total.sqrt()
         if self.max_grad_norm is not None:
             # Buckets that did not step this time are predicted to stay silent; a non-finite
             # bucket keeps its previous norm. No host sync.

@@ -28,6 +28,7 @@ from torch import nn
 
 import fused_optim_dist._options
 from fused_optim_dist import OptimizerInBackward, accumulate_grads, clip_grad_norm_
+from fused_optim_dist.compact_adamw import CompactAdamW
 
 STEPS = 3
 KWARGS = dict(lr=1e-2, weight_decay=0.1)
@@ -274,6 +275,36 @@ def test_plain_module_clipped_as_one_bucket_by_default(monkeypatch):
     for step in range(STEPS):
         _step_against_clipped_plain((model, optim), (reference, ref_optim), step)
     assert_match(model, reference)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, CompactAdamW])
+def test_one_bucket_clipped_bit_for_bit(cls):
+    """A plain float32 module clipped by norm takes ``clip_grad_norm_``'s own norm, so the
+    norm and the weights are those of the plain clipped loop bit for bit. A coefficient one
+    rounding off changed the gradients in their last bit, which CompactAdamW's codes turned
+    into 4.2e-4 (a code flipped); AdamW's 1.3e-7. See [Note: clip_grad_norm_'s own norm]."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(
+            nn.Sequential(nn.Linear(16, 70), nn.GELU(), nn.Linear(70, 40), nn.LayerNorm(40))
+        )
+    model, reference = models
+    optim = OptimizerInBackward(model.parameters(), cls, lr=1e-2, max_grad_norm=0.3)
+    ref_optim = cls(reference.parameters(), lr=1e-2)
+    for step in range(8):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 40, generator=g)
+        for net, opt in ((model, optim), (reference, ref_optim)):
+            nn.functional.mse_loss(net(x), y).backward()
+            if opt is ref_optim:
+                norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
+                assert norm > 0.3, "clipping must engage for the test to see it"
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(optim.grad_norm(), norm), step
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach())
 
 
 @pytest.mark.parametrize("change", ["freeze", "unfreeze", "add_param_group"])
