@@ -42,7 +42,7 @@ import torch
 from torch.optim import Optimizer
 
 from fused_optim_dist._classes import ClassSteppers
-from fused_optim_dist._kinds import keeps_state_per_parameter
+from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
 from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
 
@@ -282,4 +282,6 @@ class ClassState:
 
 
 def _instance_attrs(optimizer: Optimizer) -> dict[str, Any]:
-    return {k: v for k, v in vars(optimizer).items() if k not in _OPTIMIZER_ATTRS}
+    """The instance's own state: its attributes but torch.optim's and its class's caches."""
+    skip = _OPTIMIZER_ATTRS | cache_attributes(type(optimizer))
+    return {k: v for k, v in vars(optimizer).items() if k not in skip}

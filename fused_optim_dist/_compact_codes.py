@@ -26,7 +26,10 @@ divides by, with half the dynamic range of the variance), divided by the group's
 and rounded to ``round(255 r)``, but never to 0 unless it is 0: a second moment rounded to 0
 under a nonzero momentum would divide the update by ``eps`` alone. Scales are bfloat16 (the
 range of float32; their rounding is part of the encoding, codes are computed against the
-rounded scale).
+rounded scale). A scale below ``2**-120`` is stored as 0, and its group decodes to zero: the
+factor the codes are computed with, up to 255 over the scale, would overflow for a smaller
+one (an infinity, whose codes the C kernel and eager ops would write differently), and such a
+momentum or root is far below anything an update can show.
 
 [Note: 4-bit variance]
 With ``variance_bits=4`` the root of the variance takes 16 levels per group instead of 256.
@@ -64,6 +67,8 @@ ROOT_LEVELS = 255  # uint8 codes 0..255
 ROOT4_LEVELS = 15  # 4-bit codes 0..15, two to a byte
 VARIANCE_BITS = (8, 4)
 """Bits of a second moment's code (``variance_bits``). See [Note: 4-bit variance]."""
+SMALLEST_SCALE = 2.0**-120
+"""A group whose bfloat16 scale is below this is stored as zero. See [Note: 8-bit moments]."""
 HALF_BF16_BIT = 0x8000  # float32 bits: half of the lowest bit a bfloat16 keeps
 HALF_ERROR_BIT = 0x80  # half of the lowest bit the error keeps (bit 8 of the float32)
 ERROR_BITS = ~0xFF  # the float32 bits the pair keeps: all but the lowest 8
@@ -203,12 +208,13 @@ def sqrt_rn(value: torch.Tensor) -> torch.Tensor:
 def group_scale(
     magnitude: torch.Tensor, groups: Groups, out: torch.Tensor, numerator: float
 ) -> torch.Tensor:
-    """Each group's largest ``magnitude`` rounded into the bfloat16 ``out``; returns
-    ``numerator`` divided by it (by 1 for an all-zero group), one float32 factor per group,
-    broadcastable: codes are computed against the rounded scale."""
+    """Each group's largest ``magnitude`` rounded into the bfloat16 ``out`` (0 below
+    ``SMALLEST_SCALE``); returns ``numerator`` divided by it (by 1 for a zero scale), one
+    float32 factor per group, broadcastable: codes are computed against the rounded scale."""
     out.copy_(groups.amax(magnitude))
-    divisor = out.float()
-    divisor.masked_fill_(divisor == 0, 1.0)
+    tiny = out < SMALLEST_SCALE  # 0 too; a NaN is kept
+    out.masked_fill_(tiny, 0.0)
+    divisor = out.float().masked_fill_(tiny, 1.0)
     return groups.expand(torch.full_like(divisor, numerator).div_(divisor))
 
 

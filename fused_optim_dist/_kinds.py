@@ -37,7 +37,9 @@ from torch.optim import Optimizer
 
 __all__ = [
     "Stepping",
+    "cache_attributes",
     "declare_stepping",
+    "instance_caches",
     "keeps_state_per_parameter",
     "per_parameter_state",
     "stepping_of",
@@ -83,6 +85,28 @@ def per_parameter_state(cls: _Cls) -> _Cls:
     no tracking (see [Note: group and instance state])."""
     _PER_PARAMETER_STATE[cls] = True
     return cls
+
+
+_CACHES: WeakKeyDictionary[type, frozenset[str]] = WeakKeyDictionary()
+
+
+def instance_caches(*names: str) -> Callable[[_Cls], _Cls]:
+    """Class decorator for this library's own optimizers: the instance attributes ``names`` are
+    caches (remade whenever they no longer match the parameters and state), not state, so a
+    subclass's own instance state is tracked without them (see [Note: group and instance
+    state] in ``_class_state.py``)."""
+
+    def mark(cls: _Cls) -> _Cls:
+        _CACHES[cls] = frozenset(names)
+        return cls
+
+    return mark
+
+
+def cache_attributes(optimizer_cls: type[Optimizer]) -> frozenset[str]:
+    """The instance attributes of ``optimizer_cls`` and its bases marked
+    :func:`instance_caches`."""
+    return frozenset().union(*(_CACHES.get(cls, ()) for cls in optimizer_cls.__mro__))
 
 
 def keeps_state_per_parameter(optimizer_cls: type[Optimizer]) -> bool:

@@ -72,7 +72,7 @@ from fused_optim_dist._compact_codes import (
 )
 from fused_optim_dist._compact_plan import FlatPlan, KernelPlan, KernelTable, Plan, kernel_table
 from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param, update_flat
-from fused_optim_dist._kinds import declare_stepping, per_parameter_state
+from fused_optim_dist._kinds import declare_stepping, instance_caches, per_parameter_state
 from fused_optim_dist._stepping import _placed_like
 from fused_optim_dist._torch_internals import holds_values
 
@@ -208,6 +208,7 @@ def _on_local(fn: Any, param: torch.Tensor, entry: dict[str, Any], *args: Any) -
 
 
 @per_parameter_state
+@instance_caches("_plans", "_plan_of")
 @declare_stepping("elementwise")
 class CompactAdamW(Optimizer):
     """AdamW with bfloat16 weights, an int8 error of their rounding and 8-bit moments.
@@ -291,32 +292,65 @@ class CompactAdamW(Optimizer):
             variance_bits=variance_bits,
         )
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.dtype not in _WEIGHT_DTYPES:
-                    raise TypeError(
-                        f"CompactAdamW takes bfloat16 or float32 parameters, not {param.dtype} "
-                        f"(shape {tuple(param.shape)}); convert the model with .to(torch.bfloat16)"
-                    )
-                if isinstance(param, DTensor) and any(
-                    p.is_shard() and not p.is_shard(0) for p in param.placements
-                ):
-                    raise ValueError(
-                        f"CompactAdamW needs parameters sharded along dim 0 only (FSDP2), not "
-                        f"{param.placements} (shape {tuple(param.shape)}): its quantization "
-                        "groups lie within rows"
-                    )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``Optimizer.add_param_group``, refusing parameters this class cannot step (at
+        construction too, which adds the first groups through it)."""
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # a set: Optimizer's own error
+            params = param_group["params"] = list(params)
+        for param in params:
+            if param.dtype not in _WEIGHT_DTYPES:
+                raise TypeError(
+                    f"CompactAdamW takes bfloat16 or float32 parameters, not {param.dtype} "
+                    f"(shape {tuple(param.shape)}); convert the model with .to(torch.bfloat16)"
+                )
+            if isinstance(param, DTensor) and any(
+                p.is_shard() and not p.is_shard(0) for p in param.placements
+            ):
+                raise ValueError(
+                    f"CompactAdamW needs parameters sharded along dim 0 only (FSDP2), not "
+                    f"{param.placements} (shape {tuple(param.shape)}): its quantization "
+                    "groups lie within rows"
+                )
+            local = _local(param)
+            if self.kernel == "c" and local.device.type == "cpu" and not local.is_contiguous():
+                # Refused here rather than at a step: in backward, other buckets would have
+                # been stepped before this one's.
+                raise ValueError(
+                    f"CompactAdamW(kernel='c') cannot step a parameter that is not contiguous "
+                    f"(shape {tuple(param.shape)}, strides {local.stride()}: channels_last?); "
+                    "make it contiguous, or use kernel='auto' to step it with the eager path"
+                )
+        super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore state dtypes by key and convert AdamW entries. See [Note: state dtypes
-        across load_state_dict]."""
+        across load_state_dict].
+
+        Param groups without this class's options (``torch.optim.AdamW``'s, or
+        :func:`to_adamw_state_dict`'s) take them from this optimizer's groups as they were,
+        else from its defaults: loading such a state dict into an optimizer built with other
+        options (``variance_bits=4``, say) keeps them. Groups asking for an update this class
+        does not make (``maximize``, ``amsgrad``, ``torch.optim.Adam``'s weight decay added to
+        the gradient) are refused before anything is loaded."""
+        for index, group in enumerate(state["param_groups"]):
+            _refuse_unsupported(group, index)
+        previous = self.__dict__.get("param_groups") or []
+        if len(previous) == len(state["param_groups"]):
+            fallbacks = [{k: g[k] for k in _OPTIONS if k in g} for g in previous]
+        else:
+            fallbacks = [{}] * len(state["param_groups"])
+        defaults = {**_OPTIONS, **{k: v for k, v in self.__dict__.get("defaults", {}).items()}}
         super().__setstate__(state)
         self.__dict__.setdefault("kernel", "auto")
         self._plans, self._plan_of = {}, {}
         group_of = {}
-        for group in self.param_groups:
-            for option, default in _OPTIONS.items():
-                group.setdefault(option, default)
+        for group, fallback in zip(self.param_groups, fallbacks, strict=True):
+            for option in _OPTIONS:
+                group.setdefault(option, fallback.get(option, defaults[option]))
             for param in group["params"]:
                 group_of[param] = group
         for param, entry in list(self.state.items()):
@@ -506,6 +540,23 @@ class CompactAdamW(Optimizer):
         if self.kernel == "compile":
             return _compact_compiled.compiled(update_flat)
         return update_flat
+
+
+def _refuse_unsupported(group: dict[str, Any], index: int) -> None:
+    """Raise if a loaded param group asks for an update CompactAdamW does not make."""
+    for option in ("maximize", "amsgrad"):
+        if group.get(option):
+            raise ValueError(
+                f"CompactAdamW cannot load param group {index}: it has {option}=True, which "
+                "CompactAdamW does not implement; load it into the optimizer it came from"
+            )
+    if group.get("decoupled_weight_decay") is False and group.get("weight_decay"):
+        raise ValueError(
+            f"CompactAdamW cannot load param group {index}: its weight decay "
+            f"({group['weight_decay']}) is added to the gradient (torch.optim.Adam's L2), "
+            "where CompactAdamW decays the weights as AdamW does; set the group's "
+            "weight_decay to the AdamW value you want, or load it into torch.optim.Adam"
+        )
 
 
 def _batch_keys(grouped: bool, group: dict[str, Any], weight: torch.Tensor) -> tuple[str, ...]:

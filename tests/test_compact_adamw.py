@@ -415,3 +415,98 @@ def test_a_batch_of_empty_local_shards(kernel):
 
 def test_declared_elementwise():
     assert _kinds.stepping_of(CompactAdamW, None) is _kinds.Stepping.ELEMENTWISE
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_adamw_state_loaded_keeps_the_options_built_with(in_backward):
+    """An AdamW-layout state dict (``to_adamw_state_dict``'s, the documented way to change
+    ``variance_bits``) has no CompactAdamW options: loaded into an optimizer built with
+    ``variance_bits=4, weight_correction=False, compand=False`` it keeps them, quantizing into
+    4-bit codes. It reset them to the defaults (8-bit codes, 5.125 B/param) without a word."""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    old = CompactAdamW([weight], **KWARGS)
+    weight.grad = torch.randn_like(weight)
+    old.step()
+    exported = to_adamw_state_dict(old.state_dict())
+    options = dict(variance_bits=4, weight_correction=False, compand=False)
+    cls = (lambda p, **k: OptimizerInBackward(p, CompactAdamW, **k)) if in_backward else None
+    new = (cls or CompactAdamW)([weight], **KWARGS, **options)
+    new.load_state_dict(copy.deepcopy(exported))  # loaded twice: no step counter shared
+    assert {k: new.param_groups[0][k] for k in options} == options
+    assert new.state[weight]["exp_avg_sq_root_code"].shape == (64, 32)
+    # Trained as the optimizer built so, from the same state.
+    reference = CompactAdamW([nn.Parameter(weight.detach().clone())], **KWARGS, **options)
+    reference.load_state_dict(exported)
+    for opt, p in ((new, weight), (reference, reference.param_groups[0]["params"][0])):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    assert torch.equal(weight.detach(), reference.param_groups[0]["params"][0].detach())
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "match"),
+    [
+        (torch.optim.AdamW, dict(maximize=True), "maximize=True"),
+        (torch.optim.AdamW, dict(amsgrad=True), "amsgrad=True"),
+        (torch.optim.Adam, dict(weight_decay=0.1), "added to the gradient"),
+    ],
+)
+def test_state_asking_for_another_update_refused_on_load(cls, options, match):
+    """A state dict whose groups ask for an update CompactAdamW does not make is refused
+    before anything is loaded; it loaded and the flags were ignored (maximize: minimised)."""
+    params = [nn.Parameter(torch.randn(4, 32))]
+    source = cls(params, lr=1e-2, **options)
+    params[0].grad = torch.randn_like(params[0])
+    source.step()
+    compact = CompactAdamW(params, lr=1e-3)
+    with pytest.raises(ValueError, match=match):
+        compact.load_state_dict(source.state_dict())
+    assert compact.param_groups[0]["lr"] == 1e-3 and not compact.state
+    # Adam without weight decay is AdamW's update: it loads.
+    adam = torch.optim.Adam(params, lr=1e-2)
+    adam.step()
+    compact.load_state_dict(adam.state_dict())
+
+
+def test_kernel_c_refuses_a_parameter_it_cannot_step_at_construction():
+    """``kernel="c"`` cannot step a channels_last weight: refused when built (and when a group
+    is added), where in backward it raised at that bucket's step, after later buckets had
+    moved."""
+    conv = nn.Conv2d(3, 8, 3).bfloat16().to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="not contiguous"):
+        CompactAdamW(conv.parameters(), kernel="c")
+    with pytest.raises(ValueError, match="not contiguous"):
+        OptimizerInBackward(conv.parameters(), CompactAdamW, kernel="c")
+    optim = CompactAdamW([conv.bias], kernel="c")
+    with pytest.raises(ValueError, match="not contiguous"):
+        optim.add_param_group({"params": [conv.weight]})
+    assert len(optim.param_groups) == 1
+    CompactAdamW(conv.parameters(), kernel="auto")  # the eager path steps it
+
+
+@_kinds.declare_stepping("elementwise")
+class _CompactWithDefault(CompactAdamW):
+    """A user's subclass: only a default changed."""
+
+    def __init__(self, params, lr: float = 3e-3, **kwargs) -> None:
+        super().__init__(params, lr=lr, **kwargs)
+
+
+def test_declared_subclass_steps_in_backward():
+    """A subclass declared elementwise, as OptimizerInBackward's warning asks, trains as the
+    plain subclass. It was refused: the check of state kept on the instance saw the plans,
+    caches that differ per bucket by construction (``instance_caches``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)).bfloat16()
+    reference = copy.deepcopy(model)
+    optim = OptimizerInBackward(model.parameters(), _CompactWithDefault, bucket_numel=100)
+    ref_optim = _CompactWithDefault(reference.parameters())
+    for step in range(4):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).bfloat16()
+        for net, opt in ((model, optim), (reference, ref_optim)):
+            net(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach())

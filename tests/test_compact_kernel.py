@@ -47,21 +47,23 @@ def test_same_bits_as_eager_with_4_bit_variance(weight_dtype, grad_dtype, correc
     assert_same_run(train("c", *args, variance_bits=4), train("eager", *args, variance_bits=4))
 
 
-def test_same_codes_as_eager_where_a_scale_is_below_float32s_range():
-    """A group whose largest momentum is below 2**-128 has a scale whose inverse is infinite:
-    its values scale to infinities, which eager clamps to the extreme codes (linear momentum;
-    companded, inf / inf is NaN, whose code is unspecified). The kernel gives the same codes
-    without converting an infinite float to an integer."""
+@pytest.mark.parametrize("compand", [True, False])
+@pytest.mark.parametrize("magnitude", [1e-39, 1e-37])
+def test_same_codes_as_eager_where_a_scale_is_tiny(compand, magnitude):
+    """A group whose largest momentum is below 2**-120 (a subnormal 1e-39, or 1e-37) has a
+    scale whose inverse times the levels overflows: it is stored as zero, with zero codes,
+    by both paths. Before, the factor was infinite and the codes NaN (eager wrote 0, the
+    kernel -127, companded) or the extreme ones."""
     results = []
     for kernel in ("c", "eager"):
         weight = nn.Parameter(torch.ones(2, 32, dtype=torch.bfloat16))
         signs = torch.tensor([1.0, -1.0]).repeat(32)
-        weight.grad = (signs * 1e-38).view(2, 32).to(torch.bfloat16)  # momentum 1e-39
-        optim = CompactAdamW([weight], compand=False, kernel=kernel)
+        weight.grad = (signs * magnitude * 10).view(2, 32).to(torch.bfloat16)
+        optim = CompactAdamW([weight], compand=compand, kernel=kernel)
         optim.step()
         results.append(optim.state[weight])
     c_state, eager_state = results
-    assert c_state["exp_avg_code"].abs().eq(127).all()
+    assert c_state["exp_avg_code"].eq(0).all() and c_state["exp_avg_scale"].eq(0).all()
     for key, value in c_state.items():
         assert torch.equal(value, eager_state[key]), key
 

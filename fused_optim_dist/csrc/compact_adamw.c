@@ -51,6 +51,7 @@ enum { FLAG_WEIGHT_BF16 = 1, FLAG_GRAD_BF16 = 2, FLAG_GROUPED = 4, FLAG_ROOT4 = 
 #define MOMENTUM_LEVELS 127.0f
 #define ROOT_LEVELS 255.0f
 #define ROOT4_SQUARED_LEVELS 225.0f /* 4-bit codes: 15 levels of the root's square root */
+#define SMALLEST_SCALE_BITS 0x0380 /* bfloat16 bits of 2**-120, the smallest scale kept */
 
 #if defined(__clang__)
 #define INLINE static inline __attribute__((always_inline))
@@ -278,6 +279,10 @@ INLINE void encode_group(Tensors t, int64_t at, uint8_t *r_code, int size, float
     if (l.root4) pack4(codes, size, r_code);
 }
 
+/* A bfloat16 scale below 2**-120 (exponent field below 7) is stored as 0: its inverse times the
+ * levels would overflow (see [Note: 8-bit moments] in _compact_codes.py). */
+INLINE uint16_t kept_scale(uint16_t scale) { return scale < SMALLEST_SCALE_BITS ? 0 : scale; }
+
 /* Round `count` groups' largest magnitudes into their bfloat16 scales, and the factors their
  * codes are computed with: against the rounded scale, 1 for an all-zero group. */
 INLINE void round_scales(const float *m_max, const float *r_max, uint16_t *m_scale,
@@ -286,7 +291,8 @@ INLINE void round_scales(const float *m_max, const float *r_max, uint16_t *m_sca
     const float r_levels = l.root4 ? ROOT4_SQUARED_LEVELS : ROOT_LEVELS;
     IVDEP
     for (int k = 0; k < count; k++) {
-        const uint16_t ms = float_to_bf16(m_max[k]), rs = float_to_bf16(r_max[k]);
+        const uint16_t ms = kept_scale(float_to_bf16(m_max[k]));
+        const uint16_t rs = kept_scale(float_to_bf16(r_max[k]));
         m_scale[k] = ms;
         r_scale[k] = rs;
         m_factor[k] = 1.0f / (ms ? bf16_to_float(ms) : 1.0f);
