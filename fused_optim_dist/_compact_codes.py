@@ -12,7 +12,10 @@ to nearest (add half of bit 16, shift), and the error is the rest, ``rounded - b
 16``, a multiple of 2**8 in [-2**15, 2**15), stored divided by it (-128..127). Decoding is
 ``bits(x) = bits(w) << 16 + error << 8``: exact integer arithmetic, the same on every device,
 within half of 2**8 float32 ULPs of ``x``, which is 1/512 of the weight's bfloat16 ULP. Each
-step decodes ``x``, updates it in float32 and splits it again. Without the error
+step decodes ``x``, updates it in float32 and splits it again. A split never pairs a zero
+(either sign) with a negative error, which decoded would cross zero into a NaN; such a pair
+is a value written since the split (a pruned weight zeroed in place, a moment reset), and is
+decoded as the zero it holds: the error is stale. Without the error
 (``weight_correction=False``) the weights are plain bfloat16 and small updates are lost
 (``tests/test_compact_adamw.py`` shows it; ``benchmarks/results/compact_adamw_quality.md``
 measures what it costs in training).
@@ -77,8 +80,15 @@ ERROR_BITS = ~0xFF  # the float32 bits the pair keeps: all but the lowest 8
 def join24(high: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
     """float32 of a bfloat16 ``high`` and its int8 ``error``. See [Note: 24-bit weights]."""
     bits = high.view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
-    bits += error.to(torch.int32).bitwise_left_shift_(8)
-    return bits.view(torch.float32)
+    return bits.add_(error_bits(bits, error)).view(torch.float32)
+
+
+def error_bits(bits: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """What ``error`` adds to the float32 bits ``bits`` of its bfloat16 value: ``error << 8``,
+    but nothing below a zero. See [Note: 24-bit weights]."""
+    shifted = error.to(torch.int32).bitwise_left_shift_(8)
+    crossing = (bits.bitwise_and(0x7FFFFFFF) == 0) & (shifted < 0)
+    return shifted.masked_fill_(crossing, 0)
 
 
 def split24(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

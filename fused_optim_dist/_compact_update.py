@@ -34,6 +34,7 @@ from fused_optim_dist._compact_codes import (
     decode_root,
     encode_momentum,
     encode_root,
+    error_bits,
     join24,
     split24,
     sqrt_rn,
@@ -156,7 +157,8 @@ def update_flat(
     split = "weight_error" in buffers
     if split:
         # x holds the bfloat16 bits in its upper half: add the error below them.
-        x.view(torch.int32).add_(buffers["weight_error"].to(torch.int32).bitwise_left_shift_(8))
+        bits = x.view(torch.int32)
+        bits.add_(error_bits(bits, buffers["weight_error"]))
     if groups is None:  # parameters of at most one dim: 24-bit moments
         m = join24(buffers["exp_avg"], buffers["exp_avg_error"])
         v = join24(buffers["exp_avg_sq"], buffers["exp_avg_sq_error"])

@@ -510,3 +510,39 @@ def test_declared_subclass_steps_in_backward():
             opt.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_weights_and_moments_zeroed_in_place_train_on():
+    """Magnitude pruning (half a layer's weights zeroed in place after a step) and an AdamW-
+    style reset of one-dim moments (``exp_avg.zero_()``) leave a stale error beside a zero:
+    a negative one decoded across zero into a NaN, so the weight stayed 0 for good, silently
+    (524 of 1,030 pruned weights), and ``master_weight`` was NaN. Such a zero is now decoded
+    as zero: the pruned weights regrow as AdamW's do, and both paths give the same bits."""
+    runs = []
+    for path in ("c", "eager"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 1)).bfloat16()
+        optim = CompactAdamW(model.parameters(), lr=1e-3, kernel=path)
+        x, y = torch.randn(64, 32).bfloat16(), torch.randn(64, 1)
+        weight = model[0].weight
+        for step in range(8):
+            nn.functional.mse_loss(model(x).float(), y).backward()
+            optim.step()
+            optim.zero_grad()
+            if step == 2:
+                with torch.no_grad():
+                    pruned = weight.abs() <= weight.abs().flatten().median()
+                    weight.masked_fill_(pruned, 0.0)
+                for entry in optim.state.values():
+                    if "exp_avg_error" in entry:
+                        entry["exp_avg"].zero_()
+        assert (weight[pruned] != 0).float().mean() > 0.9  # regrown
+        for p in model.parameters():
+            assert not master_weight(p, optim.state[p]).isnan().any()
+            for key in ("exp_avg", "exp_avg_sq"):
+                if f"{key}_error" in optim.state[p]:
+                    state = optim.state[p]
+                    assert not join24(state[key], state[f"{key}_error"]).isnan().any()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*runs, strict=True):
+        assert torch.equal(p, q)

@@ -107,9 +107,11 @@ INLINE uint16_t float_to_bf16(float f) {
     return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* [Note: 24-bit weights] of _compact_codes.py: bits(x) = bits(high) << 16 + error << 8. */
+/* [Note: 24-bit weights] of _compact_codes.py: bits(x) = bits(high) << 16 + error << 8; a zero
+ * with a negative error (no split's, a value written since) is zero. */
 INLINE float join24(uint16_t high, int8_t error) {
-    return bits_to_float(((uint32_t)high << 16) + ((uint32_t)(int32_t)error << 8));
+    const int32_t kept = (high & 0x7FFF) == 0 && error < 0 ? 0 : error;
+    return bits_to_float(((uint32_t)high << 16) + ((uint32_t)kept << 8));
 }
 
 /* bits(x) rounded to nearest 2**8 (ties up), then split: the upper 16 bits rounded to nearest
