@@ -298,7 +298,8 @@ class PendingUpdates:
         if unreduced:
             raise RuntimeError(
                 "step(): a backward with FSDP2 gradient sync off "
-                "(set_requires_gradient_sync(False)) ran after a backward whose updates were "
+                "(set_requires_gradient_sync(False), or HSDP's set_requires_all_reduce(False)) "
+                "ran after a backward whose updates were "
                 f"made (the unit holding {describe(unreduced[0].params[0])} holds its "
                 "unreduced gradients): its forward ran on the updated weights, where a plain "
                 "optimizer's ran on those of before step(). Turn sync off for the micro-batches "

@@ -72,7 +72,11 @@ Everything else in the package uses public APIs. What this module relies on, for
   all-gathered weights (``is_sharded``, ``is_unsharded``; ``_all_gather_result`` is set from
   the issue of an all-gather, whose copy-in reads the shards at once, until it is waited for)
   and whether it reduces its gradients (``reduce_grads``, which
-  ``set_requires_gradient_sync`` sets). While a unit is unsharded its modules hold FSDP2's
+  ``set_requires_gradient_sync`` sets; on a mesh with a replicate dimension,
+  ``mesh_info`` a ``DDPMeshInfo``, also ``all_reduce_grads``, which
+  ``set_requires_all_reduce`` sets: off, the reduce-scatter's output is kept in
+  ``_partial_reduce_output`` and no gradient is handed out until a backward that all-reduces).
+  While a unit is unsharded its modules hold FSDP2's
   unsharded parameters (``FSDPParam.unsharded_param``); each all-gather copies the sharded
   parameter's ``requires_grad`` to the unsharded one (``FSDPParam.to_unsharded``), never back.
   A root unit stays unsharded after a forward that gets no backward, so a
@@ -179,7 +183,10 @@ class FSDPUnit(NamedTuple):
 
     def holds_unreduced_gradients(self) -> bool:
         """Whether FSDP2 holds gradients of the unit it has not reduced (accumulated unsharded
-        by backwards with gradient sync off)."""
+        by backwards with gradient sync off, or reduce-scattered but not all-reduced across
+        HSDP's replicas, all-reduce off)."""
+        if self.group._partial_reduce_output is not None:  # HSDP, all-reduce off
+            return True
         for record in self.records:
             if record.unsharded_accumulated_grad is not None:
                 return True
@@ -258,10 +265,17 @@ def fsdp_units(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
 
 def fsdp_sync_off() -> bool:
     """Whether an FSDP2 unit of the process with a parameter that requires grad does not
-    reduce its gradients (``set_requires_gradient_sync(False)``: FSDP2 accumulates them
-    unsharded). A frozen unit's flag does not count: no gradient of it is accumulated."""
+    reduce its gradients fully: ``set_requires_gradient_sync(False)`` (FSDP2 accumulates them
+    unsharded) or, on a mesh with a replicate dimension (HSDP), ``set_requires_all_reduce
+    (False)`` (FSDP2 keeps the reduce-scatter's output and hands out no gradient). A frozen
+    unit's flags do not count: no gradient of it is accumulated."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
     return any(
-        not param_group.reduce_grads
+        (
+            not param_group.reduce_grads
+            or (not param_group.all_reduce_grads and isinstance(param_group.mesh_info, DDPMeshInfo))
+        )
         and any(record.sharded_param.requires_grad for record in param_group.fsdp_params)
         for param_group in _fsdp_param_groups()
     )

@@ -1,6 +1,7 @@
 """Loops that drive FSDP2's own controls, with ours swapped in for the plain optimizer.
 
-``set_requires_gradient_sync`` on part of the model, ``unshard()``/``reshard()`` around
+``set_requires_gradient_sync`` (and HSDP's ``set_requires_all_reduce``) on part of the model,
+``unshard()``/``reshard()`` around
 ``step()``, and ``requires_grad_()`` while a root unit is unsharded (a forward with no
 backward leaves it so: a GAN's frozen generator, an evaluation before unfreezing a head). Each
 loop runs with plain AdamW and with ours on identical FSDP2 models (2 and 3 gloo ranks):
@@ -257,7 +258,56 @@ def _unfrozen_after_evaluation_body() -> None:
     assert_match(ours, plain)
 
 
+def _hsdp_model() -> nn.Sequential:
+    """``_model`` on an HSDP mesh: every rank a replica, shards of one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("rep", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+    )
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _no_all_reduce_body(unsynced: str) -> None:
+    """HSDP micro-batches with ``set_requires_all_reduce(False)`` for the root alone, the
+    child alone, or the whole model on the first micro-batch only (the condition reversed):
+    FSDP2 keeps such a unit's reduce-scattered gradients and hands none out until a backward
+    that all-reduces. The units still all-reducing were stepped in the first micro-batch and
+    the second refused after they moved (1.0e-2), or, reversed, the later micro-batches' forward
+    ran on updated weights (4.5e-3 apart, no error). Such a backward is now a micro-batch, as
+    with gradient sync off: equal; reversed, refused at ``step()``, as with sync off."""
+    ours, plain, (optim,), (reference_optim,) = _both(_hsdp_model)
+    if unsynced == "reversed":
+        x, y = _batch(0)
+        for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+            ours.set_requires_all_reduce(i == 0)
+            (_loss(ours, xm, ym) / 2).backward()
+        with pytest.raises(RuntimeError, match=r"set_requires_all_reduce\(False\)\) ran after"):
+            optim.step()
+        ours.set_requires_all_reduce(True)
+        return
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        for step in range(3):
+            x, y = _batch(step)
+            for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+                if unsynced == "root":
+                    model.set_requires_all_reduce(i == 1, recurse=False)
+                else:
+                    model[1].set_requires_all_reduce(i == 1)
+                (_loss(model, xm, ym) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        model.set_requires_all_reduce(True)
+    assert_match(ours, plain)
+
+
 def _all_body() -> None:
+    for unsynced in ("root", "child", "reversed"):
+        _no_all_reduce_body(unsynced)
     for unsynced in ("root", "child", "unit beside plain"):
         _partial_no_sync_body(unsynced)
     _no_sync_two_optimizers_body()
