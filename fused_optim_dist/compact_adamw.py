@@ -134,6 +134,32 @@ def _new_state(
     return state
 
 
+def _check_shapes(param: torch.Tensor, entry: dict[str, Any], bits: int) -> None:
+    """Raise if a state tensor of ``param``'s ``entry`` (this layout's or AdamW's) is not
+    shaped for ``param``'s local tensor: state saved for a parameter of another shape, which
+    the C kernel, reading lengths from the weight, would step past its end. The second-moment
+    code may have the other ``variance_bits``' shape (refused at the step, saying so)."""
+    local = _local(param)
+    weight = torch.empty(local.shape, dtype=local.dtype, device="meta")
+    expected = {k: v.shape for k, v in _new_state(weight, True, bits).items() if k != "step"}
+    if weight.dim() >= 2:
+        expected["exp_avg"] = expected["exp_avg_sq"] = weight.shape  # AdamW's
+        other = _root_code_shape(weight.shape, 4 if bits == 8 else 8)
+    for key, value in entry.items():
+        shape = getattr(_local(value), "shape", None) if key in expected else None
+        if shape is None or shape == expected[key]:
+            continue
+        if key == "exp_avg_sq_root_code" and tuple(shape) == tuple(other):
+            continue
+        raise ValueError(
+            f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
+            f"{key!r} of shape {tuple(_local(value).shape)} on this rank, where "
+            f"{tuple(expected[key])} was expected: it was saved for a parameter of another "
+            "shape (a resized head or vocabulary?). Load state that matches the model, or drop "
+            "this parameter's entry (del optimizer.state[param]) to start its state afresh"
+        )
+
+
 def _codes_of(group: dict[str, Any]) -> tuple[bool, int]:
     """``compand`` and ``variance_bits`` of a param group (a state dict's too, which may
     predate an option: then its default)."""
@@ -335,27 +361,32 @@ class CompactAdamW(Optimizer):
         else from its defaults: loading such a state dict into an optimizer built with other
         options (``variance_bits=4``, say) keeps them. Groups asking for an update this class
         does not make (``maximize``, ``amsgrad``, ``torch.optim.Adam``'s weight decay added to
-        the gradient) are refused before anything is loaded."""
-        for index, group in enumerate(state["param_groups"]):
+        the gradient) are refused before anything is loaded, as is state shaped for
+        parameters of other shapes."""
+        groups = state["param_groups"]
+        for index, group in enumerate(groups):
             _refuse_unsupported(group, index)
         previous = self.__dict__.get("param_groups") or []
-        if len(previous) == len(state["param_groups"]):
-            fallbacks = [{k: g[k] for k in _OPTIONS if k in g} for g in previous]
-        else:
-            fallbacks = [{}] * len(state["param_groups"])
-        defaults = {**_OPTIONS, **{k: v for k, v in self.__dict__.get("defaults", {}).items()}}
-        super().__setstate__(state)
-        self.__dict__.setdefault("kernel", "auto")
-        self._plans, self._plan_of = {}, {}
+        defaults = {**_OPTIONS, **self.__dict__.get("defaults", {})}
         group_of = {}
-        for group, fallback in zip(self.param_groups, fallbacks, strict=True):
+        for index, group in enumerate(groups):
+            fallback = previous[index] if len(previous) == len(groups) else {}
             for option in _OPTIONS:
                 group.setdefault(option, fallback.get(option, defaults[option]))
             for param in group["params"]:
                 group_of[param] = group
+        for param, entry in state["state"].items():
+            if isinstance(param, torch.Tensor) and entry and param in group_of:
+                _check_shapes(param, entry, group_of[param]["variance_bits"])
+        super().__setstate__(state)
+        self.__dict__.setdefault("kernel", "auto")
+        self._plans, self._plan_of = {}, {}
         for param, entry in list(self.state.items()):
             if not isinstance(param, torch.Tensor) or not entry:
                 continue
+            if "step" in entry and not isinstance(entry["step"], torch.Tensor):
+                # torch.optim.AdamW's state before torch 1.12: a Python number, as AdamW loads it
+                entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)
             for key, dtype in _CODE_DTYPES.items():
                 if key in entry and entry[key].dtype != dtype:
                     entry[key] = entry[key].to(dtype)
@@ -513,6 +544,7 @@ class CompactAdamW(Optimizer):
         elif correction and param.dtype == torch.bfloat16 and "weight_error" not in entry:
             error = _placed_like(torch.zeros_like(local, dtype=torch.int8), param, local)
             entry = self.state[param] = {**entry, "weight_error": error}
+        _check_shapes(param, entry, bits)
         code = entry.get("exp_avg_sq_root_code")
         if code is not None and tuple(_local(code).shape) != _root_code_shape(local.shape, bits):
             raise ValueError(
@@ -581,8 +613,8 @@ _KERNEL_LAYOUT = (
 def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
     """The float32 weights of ``param`` (bfloat16 weight plus its ``weight_error``); a DTensor
     placed like ``param`` for a DTensor."""
-    if "weight_error" not in entry:
-        return param.detach().float()
+    if "weight_error" not in entry or param.dtype != torch.bfloat16:
+        return param.detach().float()  # float32 weights are their own master weights
     local = _local(param).detach()
     value = join24(local.reshape(-1), _local(entry["weight_error"]).reshape(-1))
     return _placed_like(value.view(local.shape), param, local)

@@ -446,17 +446,16 @@ class OptimizerInBackward(Optimizer):
                 f"add_param_group: optimizer_cls {key} is not one of this optimizer's classes; "
                 "name every class in the param groups given at construction"
             )
-        if key is None:
-            super().add_param_group(param_group)
-        else:
-            # Filled with that class's defaults, by the class itself.
-            inner = self._stepper.steppers[key].optimizer
-            inner.add_param_group(param_group)
-            group = inner.param_groups.pop()
+        # Filled with the class's defaults and checked, by the class itself (CompactAdamW
+        # refuses parameters it cannot step).
+        inner = self._stepper.steppers[key].optimizer
+        inner.add_param_group(param_group)
+        group = inner.param_groups.pop()
+        if key is not None:
             group[GROUP_CLASS_KEY] = key
-            self.state.update(inner.state)
-            inner.state = type(inner.state)()
-            self.param_groups.append(group)
+        self.state.update(inner.state)
+        inner.state = type(inner.state)()
+        self.param_groups.append(group)
         self._current_plan()
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:

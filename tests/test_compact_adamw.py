@@ -546,3 +546,54 @@ def test_weights_and_moments_zeroed_in_place_train_on():
         runs.append([p.detach().clone() for p in model.parameters()])
     for p, q in zip(*runs, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize(("saved", "now"), [((30,), (40,)), ((16,), (4096,)), ((4, 64), (6, 64))])
+def test_state_of_another_shape_refused_on_load(saved, now, in_backward):
+    """State saved for a parameter of another shape (a head resized after the checkpoint) is
+    refused by ``load_state_dict``, before anything loads. The C kernel took its lengths from
+    the weight and stepped past the state's end: NaN in the bias, then heap corruption."""
+    old = nn.Parameter(torch.zeros(saved, dtype=torch.bfloat16))
+    optim = CompactAdamW([old])
+    old.grad = torch.randn_like(old)
+    optim.step()
+    new = nn.Parameter(torch.zeros(now, dtype=torch.bfloat16))
+    resumed = OptimizerInBackward([new], CompactAdamW) if in_backward else CompactAdamW([new])
+    with pytest.raises(ValueError, match="saved for a parameter of another shape"):
+        resumed.load_state_dict(optim.state_dict())
+    assert not resumed.state
+
+
+def test_groups_added_later_and_old_states_checked_as_at_construction():
+    """A float16 parameter added with ``add_param_group`` (alone or through
+    ``OptimizerInBackward``) is refused as at construction (it was stepped, rounded into
+    float16); ``master_weight`` of float32 weights is themselves, whatever error a bfloat16
+    run's state left (it raised a size mismatch); an AdamW state whose step counts are Python
+    numbers (torch before 1.12, which AdamW loads) loads and steps (it raised
+    ``AttributeError``)."""
+    half = nn.Parameter(torch.randn(4, 40).half())
+    for optim in (
+        CompactAdamW([nn.Parameter(torch.randn(4, 40).bfloat16())]),
+        OptimizerInBackward([nn.Parameter(torch.randn(4, 40).bfloat16())], CompactAdamW),
+    ):
+        with pytest.raises(TypeError, match="bfloat16 or float32"):
+            optim.add_param_group({"params": [half]})
+        assert len(optim.param_groups) == 1
+    weight = nn.Parameter(torch.randn(4, 40).bfloat16())
+    optim = CompactAdamW([weight])
+    weight.grad = torch.randn_like(weight)
+    optim.step()
+    as_float = nn.Parameter(weight.detach().float())
+    resumed = CompactAdamW([as_float])
+    resumed.load_state_dict(optim.state_dict())
+    assert torch.equal(master_weight(as_float, resumed.state[as_float]), as_float.detach())
+    adamw = torch.optim.AdamW([as_float])
+    as_float.grad = torch.randn_like(as_float)
+    adamw.step()
+    old = adamw.state_dict()
+    old["state"][0]["step"] = int(old["state"][0]["step"])
+    resumed = CompactAdamW([as_float])
+    resumed.load_state_dict(old)
+    resumed.step()
+    assert resumed.state[as_float]["step"].item() == 2
