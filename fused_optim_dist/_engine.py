@@ -229,7 +229,11 @@ class BackwardPass:
         key = id(param)
         bucket = self._plan.bucket_of(key)
         if bucket is None or key in self._stepped:
-            if bucket is None and self._plan.delivers_nothing(param):
+            if bucket is None and (
+                self._plan.delivers_nothing(param) or not self._in_param_groups(param)
+            ):
+                # Not the optimizer's now (a group removed by hand): the plain optimizer
+                # leaves its gradient to accumulate, and so does this one.
                 return
             self._refuse(param, bucket)
         if self._pending and self._pending.holds(param):
@@ -253,6 +257,9 @@ class BackwardPass:
                 del self._arrived[bucket.index]
                 self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
 
+    def _in_param_groups(self, param: torch.Tensor) -> bool:
+        return any(p is param for group in self._param_groups for p in group["params"])
+
     def refuse_if_stepped(self, param: torch.Tensor) -> None:
         """Raise if ``param`` was stepped in this backward, still running: a gradient is being
         added to its freed one (see [Note: freed gradients])."""
@@ -272,9 +279,9 @@ class BackwardPass:
             )
         if bucket is None:
             raise RuntimeError(
-                f"{describe(param)} received a gradient and is hooked by this "
-                "OptimizerInBackward, but is no longer in its param_groups; add it with "
-                "add_param_group() or call detach() before editing param_groups by hand"
+                f"{describe(param)} received a gradient but is no trainable parameter of this "
+                "OptimizerInBackward's plan; call optim.step() or zero_grad() once after "
+                "changing its param_groups or requires_grad flags by hand"
             )
         raise RuntimeError(
             f"{describe(param)} received a second gradient after it was stepped in this "
