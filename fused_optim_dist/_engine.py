@@ -230,7 +230,8 @@ class BackwardPass:
         bucket = self._plan.bucket_of(key)
         if bucket is None or key in self._stepped:
             if bucket is None and (
-                self._plan.delivers_nothing(param) or not self._in_param_groups(param)
+                self._plan.delivers_nothing(param)
+                or (param.requires_grad and not self._in_param_groups(param))
             ):
                 # Not the optimizer's now (a group removed by hand): the plain optimizer
                 # leaves its gradient to accumulate, and so does this one.
