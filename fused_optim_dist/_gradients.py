@@ -39,15 +39,18 @@ buckets still to come had in the previous stepping backward. So:
   predicted in every backward and never arrive.
 
 [Note: clip_grad_norm_'s own norm]
-Exact is bit for bit where it can be: a bucket of plain tensors (no collective) in float32 or
-float64, clipped by norm, takes its norm as ``clip_grad_norm_`` does, one ``_foreach_norm`` per
-device and dtype, in the order of its parameters, then the norm of their stack, and while it is
+Exact is bit for bit where it can be: a bucket of plain tensors, or of DTensors all sharded
+alike (an FSDP2 unit), in float32 or float64, clipped by norm, takes its norm as
+``clip_grad_norm_`` does, one ``_foreach_norm`` per device and dtype, in the order of its
+parameters, and for DTensors the squares of that stack summed across ranks and their roots
+taken (as DTensor completes the partial norms), then the norm of the stack; and while it is
 the only bucket of the backward and of the history, that norm is the coefficient's and
 ``grad_norm()``'s, not the square root of its square. Both loops then scale by the same float32
 coefficient: a difference of one rounding in it changes the gradients in their last bit, which
 an optimizer with quantized state (``CompactAdamW``: a code flips) turns into a difference of a
-whole code step. Elsewhere (several buckets, DTensor shares summed across ranks, bfloat16
-gradients summed in float32) the norm equals ``clip_grad_norm_``'s to float32 rounding.
+whole code step. Elsewhere (several buckets, DTensors of several meshes or placements,
+bfloat16 gradients summed in float32) the norm equals ``clip_grad_norm_``'s to float32
+rounding.
 
 So clipping is exact with one bucket, and the buckets are what the user chose: FSDP units, or
 runs of ``bucket_numel`` elements of the parameters outside them when ``bucket_numel`` is
@@ -127,10 +130,13 @@ class _Shares:
             small, large = by_key.setdefault(_reduce_key(param), ([], []))
             (small if local_tensor(param).numel() <= _SMALL_NUMEL else large).append(index)
         self._by_key = [(key, small, large) for key, (small, large) in by_key.items()]
-        # See [Note: clip_grad_norm_'s own norm].
-        self.exact = list(by_key) == [None] and all(
-            p.dtype in (torch.float32, torch.float64) for p in params
+        # See [Note: clip_grad_norm_'s own norm]: one reduce key, DTensors or plain tensors.
+        self.exact = (
+            len(by_key) == 1
+            and len({isinstance(p, DTensor) for p in params}) == 1
+            and all(p.dtype in (torch.float32, torch.float64) for p in params)
         )
+        self.key = next(iter(by_key), None)
         # Summed in fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is
         # (a gradient has its parameter's dtype).
         self._dtype = (
@@ -160,17 +166,22 @@ class _Shares:
         return out
 
 
-def clip_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of ``grads`` (local tensors) computed as ``torch.nn.utils.clip_grad_norm_``
-    computes it (torch 2.13, ``_get_total_norm``): one ``_foreach_norm`` per device and dtype,
-    in order of first appearance, then the norm of their stack on the first one's device. See
-    [Note: clip_grad_norm_'s own norm]."""
+def clip_grad_norm(grads: Sequence[torch.Tensor], key: _ReduceKey) -> torch.Tensor:
+    """The L2 norm of ``grads`` (local tensors, of DTensors sharded as ``key`` says or of plain
+    tensors) computed as ``torch.nn.utils.clip_grad_norm_`` computes it (torch 2.13,
+    ``_get_total_norm``): one ``_foreach_norm`` per device and dtype, in order of first
+    appearance, stacked on the first one's device; for DTensors, the stack's squares summed
+    across the ranks and their roots taken, as DTensor completes a ``_NormPartial``; then the
+    norm of the stack. See [Note: clip_grad_norm_'s own norm]."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     norms = [norm for group in by_kind.values() for norm in torch._foreach_norm(group, 2.0)]
     first = grads[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+    stacked = torch.stack([n.to(first) for n in norms])
+    if key is not None:
+        stacked = _all_reduce(stacked**2.0, key).to(first) ** 0.5
+    return torch.linalg.vector_norm(stacked, 2.0)
 
 
 def all_zero(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
@@ -273,7 +284,7 @@ class GradientProcessor:
             norms.any = True
             of_bucket = self._shares_of(bucket, params)
             if self.max_grad_norm is not None and of_bucket.exact and grads:
-                exact = clip_grad_norm(grads)
+                exact = clip_grad_norm(grads, of_bucket.key)
                 # Exact only while it is the first bucket (checked again at the end).
                 norms.exact = exact if not norms.bucket_sq else None
                 shares = [(None, exact.square())]

@@ -25,6 +25,7 @@ from _toy import (
     unit_order,
 )
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fused_optim_dist._options
 from fused_optim_dist import OptimizerInBackward, accumulate_grads, clip_grad_norm_
@@ -277,34 +278,53 @@ def test_plain_module_clipped_as_one_bucket_by_default(monkeypatch):
     assert_match(model, reference)
 
 
-@pytest.mark.parametrize("cls", [torch.optim.AdamW, CompactAdamW])
-def test_one_bucket_clipped_bit_for_bit(cls):
-    """A plain float32 module clipped by norm takes ``clip_grad_norm_``'s own norm, so the
-    norm and the weights are those of the plain clipped loop bit for bit. A coefficient one
-    rounding off changed the gradients in their last bit, which CompactAdamW's codes turned
-    into 4.2e-4 (a code flipped); AdamW's 1.3e-7. See [Note: clip_grad_norm_'s own norm]."""
+def _one_bucket_clipped_body(cls_name: str, sharded: bool) -> None:
+    """A model clipped by norm as one bucket: plain float32 tensors, or one FSDP2 unit of
+    float32 shards computing in bfloat16 (the setup ``docs/gradients.md`` recommends), against
+    the plain loop with ``clip_grad_norm_``, bit for bit."""
+    cls = {"AdamW": torch.optim.AdamW, "CompactAdamW": CompactAdamW}[cls_name]
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(
-            nn.Sequential(nn.Linear(16, 70), nn.GELU(), nn.Linear(70, 40), nn.LayerNorm(40))
-        )
+        net = nn.Sequential(nn.Linear(16, 70), nn.GELU(), nn.Linear(70, 40), nn.LayerNorm(40))
+        if sharded:
+            fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        models.append(net)
     model, reference = models
     optim = OptimizerInBackward(model.parameters(), cls, lr=1e-2, max_grad_norm=0.3)
     ref_optim = cls(reference.parameters(), lr=1e-2)
     for step in range(8):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 40, generator=g)
+        if sharded:
+            x, y = rank_slice(x), rank_slice(y)
         for net, opt in ((model, optim), (reference, ref_optim)):
-            nn.functional.mse_loss(net(x), y).backward()
+            nn.functional.mse_loss(net(x).float(), y).backward()
             if opt is ref_optim:
                 norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
+                norm = norm.full_tensor() if sharded else norm
                 assert norm > 0.3, "clipping must engage for the test to see it"
             opt.step()
             opt.zero_grad()
         assert torch.equal(optim.grad_norm(), norm), step
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(full(p.detach()), full(q.detach()))
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "CompactAdamW"])
+def test_one_bucket_clipped_bit_for_bit(cls):
+    """A coefficient one rounding off changed the gradients in their last bit, which
+    CompactAdamW's codes turned into 4.2e-4 (a code flipped); AdamW's 1.3e-7. See [Note:
+    clip_grad_norm_'s own norm]."""
+    _one_bucket_clipped_body(cls, sharded=False)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_fsdp2_unit_clipped_bit_for_bit(worlds, world_size):
+    """The same on one FSDP2 unit: CompactAdamW 8.1e-5 apart before (the norm summed as one
+    dot product per rank, where DTensor sums each tensor's squared norm across ranks)."""
+    for cls in ("AdamW", "CompactAdamW"):
+        worlds.run(world_size, _one_bucket_clipped_body, cls_name=cls, sharded=True)
 
 
 @pytest.mark.parametrize("change", ["freeze", "unfreeze", "add_param_group"])
