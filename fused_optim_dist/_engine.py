@@ -113,6 +113,17 @@ class _GraphTaskToken:
     __slots__ = ("__weakref__",)
 
 
+def _refuse_gradient_view(param: torch.Tensor) -> NoReturn:
+    raise RuntimeError(
+        f"{describe(param)}: its gradient is a view of a larger tensor (a flat gradient "
+        "buffer, as hand-written data parallelism keeps). Whatever is done to the buffer after "
+        "backward (an all-reduce, a scaling) reaches the gradients a plain optimizer steps, "
+        "but this one steps each gradient in backward, before that. Let each gradient be its "
+        "own tensor (optim.zero_grad(), set_to_none=True, drops the views), and use "
+        "fully_shard or replicate for data parallelism"
+    )
+
+
 class BackwardPass:
     """One backward pass (or one ``step()``) of an ``OptimizerInBackward``.
 
@@ -231,7 +242,7 @@ class BackwardPass:
         if bucket is None or key in self._stepped:
             if bucket is None and (
                 self._plan.delivers_nothing(param)
-                or (param.requires_grad and not self._in_param_groups(param))
+                or (param.requires_grad and not self._plan.holds(param))
             ):
                 # Not the optimizer's now (a group removed by hand): the plain optimizer
                 # leaves its gradient to accumulate, and so does this one.
@@ -239,6 +250,8 @@ class BackwardPass:
             self._refuse(param, bucket)
         if self._pending and self._pending.holds(param):
             self._pending.refuse_second_gradient(param)
+        if key in self._plan.plain_ids and param.grad._base is not None:
+            _refuse_gradient_view(param)
         arrived = self._arrived.get(bucket.index)
         if arrived is None:
             arrived = self._arrived[bucket.index] = set()
@@ -257,9 +270,6 @@ class BackwardPass:
             if slot_end(grad, slot) == output:
                 del self._arrived[bucket.index]
                 self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
-
-    def _in_param_groups(self, param: torch.Tensor) -> bool:
-        return any(p is param for group in self._param_groups for p in group["params"])
 
     def refuse_if_stepped(self, param: torch.Tensor) -> None:
         """Raise if ``param`` was stepped in this backward, still running: a gradient is being

@@ -214,13 +214,10 @@ class FreedGradients:
 
     def dropped(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``params``, each given its freed gradient, whose ``.grad`` no longer holds
-        it (dropped by ``model.zero_grad()``, or replaced)."""
+        it (dropped by ``model.zero_grad()``, or replaced, also through ``.grad.data =``). A
+        copy of it (``p.grad = p.grad.detach()``, a conversion) still holds it."""
         with torch._C.DisableTorchFunctionSubclass():
-            return [
-                param
-                for param in params
-                if (made := self._made.get(id(param))) is None or param.grad is not made[1]
-            ]
+            return [param for param in params if not _holds_own_freed(param, param.grad)]
 
     def _make(self, param: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], torch.Tensor]:
         ref = weakref.ref(param)
@@ -228,6 +225,18 @@ class FreedGradients:
             local = FreedGradient(param._local_tensor, ref, self._refuse)
             return ref, DTensor(local, param._spec, requires_grad=False)
         return ref, FreedGradient(param, ref, self._refuse)
+
+
+def _holds_own_freed(param: torch.Tensor, grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` is a freed gradient of ``param`` (the one made for it, or a copy) that
+    holds no values: ``grad.data = values`` (``Tensor.set_data``, which no dispatch sees)
+    gives the object its storage, and so a nonzero address."""
+    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+    return (
+        type(local) is FreedGradient
+        and local._param() is param
+        and torch.Tensor.data_ptr(local) == 0
+    )
 
 
 def drop_freed(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:

@@ -101,6 +101,7 @@ class BucketPlan:
         )
         # The trainable parameters that are plain tensors (what DistributedDataParallel trains).
         self.plain_trainable = tuple(p for p in trainable if not hasattr(p, "device_mesh"))
+        self.plain_ids = frozenset(map(id, self.plain_trainable))
         self.buckets = tuple(
             Bucket(index, params, group_of)
             for index, params in enumerate(_split(trainable, self.units, bucket_numel))

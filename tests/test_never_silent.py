@@ -1348,6 +1348,51 @@ def test_gradients_dropped_by_the_module_before_step_refused():
         optim.step()
 
 
+def test_gradient_set_through_data_before_step_refused():
+    """``p.grad.data = values`` between backward and ``step()``: the plain optimizer steps the
+    values; here the backward's gradient was stepped. It went unseen (``set_data`` reaches no
+    dispatch) and the values were ignored: SGD 2.5e-1 apart after six steps. Refused at
+    ``step()``, as ``p.grad = values`` is."""
+    model, _, optim, _ = _adamw_loops(sharded=False)
+    loss_fn(model, *_x(0)).backward()
+    model.head.weight.grad.data = torch.full_like(model.head.weight, 0.01)
+    with pytest.raises(RuntimeError, match=r"dropped or replaced before this step\(\)"):
+        optim.step()
+
+
+def test_gradient_detached_before_step_trains_as_plain():
+    """``p.grad = p.grad.detach()`` after ``backward(create_graph=True)`` (dropping the
+    gradients' graph before the step) changes nothing for the plain optimizer; here it was
+    refused at ``step()`` as a replaced gradient, after every parameter had moved. The copy
+    of a freed gradient still holds it: equal."""
+    model, reference, optim, plain = _adamw_loops(sharded=False)
+    for step in range(3):
+        for net, opt in ((model, optim), (reference, plain)):
+            loss_fn(net, *_x(step)).backward(create_graph=True)
+            for p in net.parameters():
+                p.grad = p.grad.detach()
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference)
+
+
+def test_gradients_in_a_flat_buffer_refused_before_anything_moves():
+    """Hand-written data parallelism keeps every ``p.grad`` as a view of one flat buffer and
+    reduces the buffer after backward (``dist.all_reduce(flat); flat /= world``): the plain
+    optimizer steps the reduced gradients, ours stepped each rank's own in backward (SGD
+    8.0e-2 apart on 2 ranks, the replicas 1.6e-1 apart, no error). Refused at the first
+    gradient, before any parameter moves."""
+    model, _, _optim, _ = _adamw_loops(sharded=False)
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    for p, view in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad = view.view_as(p)
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match="view of a larger tensor"):
+        loss_fn(model, *_x(0)).backward()
+    _assert_unchanged(model, before)
+
+
 def _loaded_between_backward_and_step_body(sharded: bool = False) -> None:
     """A checkpoint loaded between backward and ``step()`` (a rollback after a loss spike): the
     plain optimizer steps the loaded parameters and state with the backward's gradients; here
