@@ -134,30 +134,36 @@ def _new_state(
     return state
 
 
-def _check_shapes(param: torch.Tensor, entry: dict[str, Any], bits: int) -> None:
+def _check_shapes(param: torch.Tensor, entry: dict[str, Any]) -> None:
     """Raise if a state tensor of ``param``'s ``entry`` (this layout's or AdamW's) is not
     shaped for ``param``'s local tensor: state saved for a parameter of another shape, which
     the C kernel, reading lengths from the weight, would step past its end. The second-moment
-    code may have the other ``variance_bits``' shape (refused at the step, saying so)."""
-    local = _local(param)
-    weight = torch.empty(local.shape, dtype=local.dtype, device="meta")
-    expected = {k: v.shape for k, v in _new_state(weight, True, bits).items() if k != "step"}
-    if weight.dim() >= 2:
-        expected["exp_avg"] = expected["exp_avg_sq"] = weight.shape  # AdamW's
-        other = _root_code_shape(weight.shape, 4 if bits == 8 else 8)
+    code may have either ``variance_bits``' shape (the other one is refused at the step,
+    saying so)."""
+    shape = tuple(_local(param).shape)
+    codes: tuple[tuple[int, ...], ...] = ()
+    scales = None
+    if len(shape) >= 2:
+        scales = (shape[0], -(-math.prod(shape[1:]) // GROUP_SIZE))
+        codes = (_root_code_shape(shape, 8), _root_code_shape(shape, 4))
     for key, value in entry.items():
-        shape = getattr(_local(value), "shape", None) if key in expected else None
-        if shape is None or shape == expected[key]:
+        if key == "step" or not isinstance(value, torch.Tensor):
             continue
-        if key == "exp_avg_sq_root_code" and tuple(shape) == tuple(other):
-            continue
-        raise ValueError(
-            f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
-            f"{key!r} of shape {tuple(_local(value).shape)} on this rank, where "
-            f"{tuple(expected[key])} was expected: it was saved for a parameter of another "
-            "shape (a resized head or vocabulary?). Load state that matches the model, or drop "
-            "this parameter's entry (del optimizer.state[param]) to start its state afresh"
-        )
+        found = tuple(_local(value).shape)
+        if key.endswith("_scale"):
+            expected_ok = found == scales
+        elif key == "exp_avg_sq_root_code":
+            expected_ok = found in codes
+        else:  # the weight's error, one-dim moments, AdamW's moments, 8-bit momentum codes
+            expected_ok = found == shape
+        if not expected_ok:
+            raise ValueError(
+                f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
+                f"{key!r} of shape {found} on this rank, where its local tensor is {shape}: "
+                "it was saved for a parameter of another shape (a resized head or "
+                "vocabulary?). Load state that matches the model, or drop this parameter's "
+                "entry (del optimizer.state[param]) to start its state afresh"
+            )
 
 
 def _codes_of(group: dict[str, Any]) -> tuple[bool, int]:
@@ -377,7 +383,7 @@ class CompactAdamW(Optimizer):
                 group_of[param] = group
         for param, entry in state["state"].items():
             if isinstance(param, torch.Tensor) and entry and param in group_of:
-                _check_shapes(param, entry, group_of[param]["variance_bits"])
+                _check_shapes(param, entry)
         super().__setstate__(state)
         self.__dict__.setdefault("kernel", "auto")
         self._plans, self._plan_of = {}, {}
@@ -544,7 +550,7 @@ class CompactAdamW(Optimizer):
         elif correction and param.dtype == torch.bfloat16 and "weight_error" not in entry:
             error = _placed_like(torch.zeros_like(local, dtype=torch.int8), param, local)
             entry = self.state[param] = {**entry, "weight_error": error}
-        _check_shapes(param, entry, bits)
+        _check_shapes(param, entry)
         code = entry.get("exp_avg_sq_root_code")
         if code is not None and tuple(_local(code).shape) != _root_code_shape(local.shape, bits):
             raise ValueError(
