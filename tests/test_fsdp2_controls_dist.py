@@ -80,37 +80,59 @@ def _partial_no_sync_body(unsynced: str) -> None:
     ours, plain, (optim,), (reference_optim,) = _both(
         _child_only if unsynced == "unit beside plain" else _model
     )
-    for model, opt in ((ours, optim), (plain, reference_optim)):
+    before = _off_but_last("set_requires_gradient_sync", unsynced)
+    _micro_batches((ours, optim), (plain, reference_optim), before)
+
+
+def _off_but_last(flag: str, unsynced: str) -> Callable[[nn.Module, int], None]:
+    """What runs before micro-batch ``i`` of two: FSDP2's ``flag`` setter off but for the last,
+    on the root unit alone (``recurse=False``) when ``unsynced`` says so, else on the child."""
+
+    def before(model: nn.Module, i: int) -> None:
+        if unsynced == "root":
+            getattr(model, flag)(i == 1, recurse=False)
+        else:
+            getattr(model[1], flag)(i == 1)
+
+    return before
+
+
+def _micro_batches(
+    ours: tuple[nn.Module, object],
+    plain: tuple[nn.Module, object],
+    before: Callable[[nn.Module, int], None],
+) -> None:
+    """Three steps of two micro-batches on both loops, ``before(model, i)`` ahead of
+    micro-batch ``i``: equal."""
+    for model, opt in (ours, plain):
         for step in range(3):
             x, y = _batch(step)
             for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
-                if unsynced == "root":
-                    model.set_requires_gradient_sync(i == 1, recurse=False)
-                else:
-                    model[1].set_requires_gradient_sync(i == 1)
+                before(model, i)
                 (_loss(model, xm, ym) / 2).backward()
             opt.step()
             opt.zero_grad()
-    assert_match(ours, plain)
+    assert_match(ours[0], plain[0])
 
 
-def _sync_off_after_a_stepping_backward_body() -> None:
-    """Sync on for the first micro-batch and off for the second (the condition reversed): the
-    first was stepped in backward, so the second's forward ran on the updated weights (the
-    plain loop's on those of before ``step()``; FSDP2 carries its unreduced gradients into the
-    next step: 5.6e-3 apart after four steps, no error). No hook runs in a backward with every
-    unit's sync off: refused at ``step()``."""
-    model = _model()
+def _sync_off_after_a_stepping_backward_body(flag: str) -> None:
+    """Sync on for the first micro-batch and off for the second (the condition reversed), with
+    ``set_requires_gradient_sync`` or HSDP's ``set_requires_all_reduce``: the first was
+    stepped in backward, so the second's forward ran on the updated weights (the plain loop's
+    on those of before ``step()``; FSDP2 carries its unreduced gradients into the next step:
+    5.6e-3 apart after four steps, 4.5e-3 with the all-reduce flag, no error). No hook runs in
+    a backward with every unit's sync off: refused at ``step()``."""
+    model = _hsdp_model() if flag == "set_requires_all_reduce" else _model()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
     x, y = _batch(0)
     for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
-        model.set_requires_gradient_sync(i == 0)
+        getattr(model, flag)(i == 0)
         (_loss(model, xm, ym) / 2).backward()
     with pytest.raises(RuntimeError, match=r"gradient sync off .* ran after a backward"):
         optim.step()
     # Left with sync off, this model would make every later backward of the process a
     # micro-batch (see [Note: FSDP2's micro-batches]).
-    model.set_requires_gradient_sync(True)
+    getattr(model, flag)(True)
 
 
 def _no_sync_two_optimizers_body() -> None:
@@ -273,45 +295,24 @@ def _hsdp_model() -> nn.Sequential:
 
 
 def _no_all_reduce_body(unsynced: str) -> None:
-    """HSDP micro-batches with ``set_requires_all_reduce(False)`` for the root alone, the
-    child alone, or the whole model on the first micro-batch only (the condition reversed):
-    FSDP2 keeps such a unit's reduce-scattered gradients and hands none out until a backward
-    that all-reduces. The units still all-reducing were stepped in the first micro-batch and
-    the second refused after they moved (1.0e-2), or, reversed, the later micro-batches' forward
-    ran on updated weights (4.5e-3 apart, no error). Such a backward is now a micro-batch, as
-    with gradient sync off: equal; reversed, refused at ``step()``, as with sync off."""
+    """HSDP micro-batches with ``set_requires_all_reduce(False)`` for the root alone or the
+    child alone: FSDP2 keeps such a unit's reduce-scattered gradients and hands none out until
+    a backward that all-reduces. The units still all-reducing were stepped in the first
+    micro-batch and the second refused after they moved (1.0e-2). Such a backward is now a
+    micro-batch, as with gradient sync off: equal."""
     ours, plain, (optim,), (reference_optim,) = _both(_hsdp_model)
-    if unsynced == "reversed":
-        x, y = _batch(0)
-        for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
-            ours.set_requires_all_reduce(i == 0)
-            (_loss(ours, xm, ym) / 2).backward()
-        with pytest.raises(RuntimeError, match=r"set_requires_all_reduce\(False\)\) ran after"):
-            optim.step()
-        ours.set_requires_all_reduce(True)
-        return
-    for model, opt in ((ours, optim), (plain, reference_optim)):
-        for step in range(3):
-            x, y = _batch(step)
-            for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
-                if unsynced == "root":
-                    model.set_requires_all_reduce(i == 1, recurse=False)
-                else:
-                    model[1].set_requires_all_reduce(i == 1)
-                (_loss(model, xm, ym) / 2).backward()
-            opt.step()
-            opt.zero_grad()
-        model.set_requires_all_reduce(True)
-    assert_match(ours, plain)
+    before = _off_but_last("set_requires_all_reduce", unsynced)
+    _micro_batches((ours, optim), (plain, reference_optim), before)
 
 
 def _all_body() -> None:
-    for unsynced in ("root", "child", "reversed"):
+    for unsynced in ("root", "child"):
         _no_all_reduce_body(unsynced)
     for unsynced in ("root", "child", "unit beside plain"):
         _partial_no_sync_body(unsynced)
     _no_sync_two_optimizers_body()
-    _sync_off_after_a_stepping_backward_body()
+    for flag in ("set_requires_gradient_sync", "set_requires_all_reduce"):
+        _sync_off_after_a_stepping_backward_body(flag)
     _gathered_before_step_body()
     _gan_frozen_root_body()
     _unfrozen_after_evaluation_body()
