@@ -250,8 +250,10 @@ class BackwardPass:
             self._refuse(param, bucket)
         if self._pending and self._pending.holds(param):
             self._pending.refuse_second_gradient(param)
-        if key in self._plan.plain_ids and param.grad._base is not None:
-            _refuse_gradient_view(param)
+        if key in self._plan.plain_ids:
+            base = param.grad._base
+            if base is not None and base.numel() > param.numel():
+                _refuse_gradient_view(param)
         arrived = self._arrived.get(bucket.index)
         if arrived is None:
             arrived = self._arrived[bucket.index] = set()

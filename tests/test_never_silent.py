@@ -1393,6 +1393,40 @@ def test_gradients_in_a_flat_buffer_refused_before_anything_moves():
     _assert_unchanged(model, before)
 
 
+def test_gradients_set_from_autograd_grad_then_accumulated_train_as_plain():
+    """An auxiliary loss's gradients from ``torch.autograd.grad`` set as ``.grad`` by hand,
+    then the main loss's backward adding to them: ``autograd.grad`` returns views of tensors
+    of their own size (a transpose), no flat buffer. Equal to plain SGD, with one bucket and
+    several (the view check refused it once)."""
+    for bucket_numel in (None, 20):
+        runs = []
+        for ours in (True, False):
+            torch.manual_seed(0)
+            enc, head = nn.Linear(4, 8), nn.Linear(8, 2)
+            params = [*enc.parameters(), *head.parameters()]
+            if ours:
+                optim = OptimizerInBackward(
+                    params, torch.optim.SGD, lr=0.1, bucket_numel=bucket_numel
+                )
+            else:
+                optim = torch.optim.SGD(params, lr=0.1)
+            for step in range(3):
+                h = torch.tanh(enc(torch.randn(16, 4, generator=torch.manual_seed(step))))
+                aux = h.pow(2).mean()
+                for p, g in zip(
+                    enc.parameters(),
+                    torch.autograd.grad(aux, list(enc.parameters()), retain_graph=True),
+                    strict=True,
+                ):
+                    p.grad = g
+                head(h).pow(2).mean().backward()
+                optim.step()
+                optim.zero_grad()
+            runs.append([p.detach().clone() for p in params])
+        for p, q in zip(*runs, strict=True):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
 def _loaded_between_backward_and_step_body(sharded: bool = False) -> None:
     """A checkpoint loaded between backward and ``step()`` (a rollback after a loss spike): the
     plain optimizer steps the loaded parameters and state with the backward's gradients; here
