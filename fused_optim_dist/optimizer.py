@@ -502,6 +502,10 @@ class OptimizerInBackward(Optimizer):
                 mine = [i for i, g in enumerate(groups) if g.get(GROUP_CLASS_KEY) == key]
                 params = {p for i in mine for p in groups[i]["params"]}
                 inner = stepper.optimizer
+                if len(self.param_groups) == len(groups):
+                    # The groups as they are, for a class that keeps their values where the
+                    # loaded ones lack them (CompactAdamW's options in AdamW's state dict).
+                    inner.param_groups = [self.param_groups[i] for i in mine]
                 inner.__setstate__(
                     {
                         **state,

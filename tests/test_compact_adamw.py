@@ -431,8 +431,10 @@ def test_adamw_state_loaded_keeps_the_options_built_with(in_backward):
     exported = to_adamw_state_dict(old.state_dict())
     options = dict(variance_bits=4, weight_correction=False, compand=False)
     cls = (lambda p, **k: OptimizerInBackward(p, CompactAdamW, **k)) if in_backward else None
-    new = (cls or CompactAdamW)([weight], **KWARGS, **options)
-    new.load_state_dict(copy.deepcopy(exported))  # loaded twice: no step counter shared
+    # The options given for the group (not the defaults), loaded twice: kept each time.
+    new = (cls or CompactAdamW)([{"params": [weight], **options}], **KWARGS)
+    for _ in range(2):
+        new.load_state_dict(copy.deepcopy(exported))  # no step counter shared
     assert {k: new.param_groups[0][k] for k in options} == options
     assert new.state[weight]["exp_avg_sq_root_code"].shape == (64, 32)
     # Trained as the optimizer built so, from the same state.
