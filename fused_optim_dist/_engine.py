@@ -251,7 +251,12 @@ class BackwardPass:
         if self._pending and self._pending.holds(param):
             self._pending.refuse_second_gradient(param)
         if key in self._plan.plain_ids:
-            base = param.grad._base
+            grad = param.grad
+            if grad is None:
+                # Dropped by a hook that ran before ours: no gradient in this backward, as the
+                # plain optimizer's step finds it.
+                return
+            base = grad._base
             if base is not None and base.numel() > param.numel():
                 _refuse_gradient_view(param)
         arrived = self._arrived.get(bucket.index)

@@ -294,7 +294,14 @@ class PendingUpdates:
         reduced: a backward with gradient sync off ran after the backward whose updates were
         made, on the updated weights, where the plain loop's ran on those of before
         ``step()``."""
-        unreduced = [unit for unit in units if unit.holds_unreduced_gradients()]
+        # A unit holding no update has nothing to refuse: its unreduced gradients (an HSDP
+        # branch used in an early micro-batch only) wait for its next reducing backward, in
+        # the plain loop too.
+        unreduced = [
+            unit
+            for unit in units
+            if any(id(p) in self._ids for p in unit.params) and unit.holds_unreduced_gradients()
+        ]
         if unreduced:
             raise RuntimeError(
                 "step(): a backward with FSDP2 gradient sync off "

@@ -334,6 +334,8 @@ class CompactAdamW(Optimizer):
         elif not isinstance(params, set):  # a set: Optimizer's own error
             params = param_group["params"] = list(params)
         for param in params:
+            if isinstance(param, tuple):  # (name, parameter), as Optimizer takes them
+                param = param[1]
             if param.dtype not in _WEIGHT_DTYPES:
                 raise TypeError(
                     f"CompactAdamW takes bfloat16 or float32 parameters, not {param.dtype} "

@@ -217,6 +217,17 @@ def _as_group(param_group: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("param_group has no 'params' entry")
     else:
         params = list(params)
+    named = [isinstance(p, tuple) for p in params]
+    if any(named):  # (name, parameter) pairs, as torch.optim takes them
+        if not all(named):
+            raise ValueError(
+                "all optimizer params should be with/without names. Some param names are missing"
+            )
+        return {
+            **param_group,
+            "params": [p for _, p in params],
+            "param_names": [n for n, _ in params],
+        }
     return {**param_group, "params": params}
 
 

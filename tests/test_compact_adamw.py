@@ -599,3 +599,17 @@ def test_groups_added_later_and_old_states_checked_as_at_construction():
     resumed.load_state_dict(old)
     resumed.step()
     assert resumed.state[as_float]["step"].item() == 2
+
+
+def test_named_parameters_taken_as_torch_optim_takes_them():
+    """``model.named_parameters()``, as torch.optim takes it: CompactAdamW alone and through
+    ``OptimizerInBackward``, and a named group added later (the new checks of added groups
+    read the pairs as parameters and raised ``AttributeError``)."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 4)).bfloat16()
+    CompactAdamW(model[0].named_parameters())
+    optim = OptimizerInBackward(model[0].named_parameters(), CompactAdamW)
+    optim.add_param_group({"params": model[1].named_parameters()})
+    assert optim.param_groups[1]["param_names"] == ["weight", "bias"]
+    model(torch.randn(2, 8).bfloat16()).float().sum().backward()
+    optim.step()
+    assert all(optim.state[p]["step"].item() == 1 for p in model.parameters())

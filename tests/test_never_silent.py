@@ -1427,6 +1427,32 @@ def test_gradients_set_from_autograd_grad_then_accumulated_train_as_plain():
             torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
 
 
+def test_gradient_dropped_by_an_earlier_hook_trains_as_plain():
+    """A post-accumulate-grad hook registered before the optimizer that sets ``p.grad = None``
+    (a parameter left out of this step): the plain optimizer skips it. Ours stepped the
+    bucket on a missing gradient and raised ``AttributeError`` in backward, after other
+    buckets moved. Equal."""
+    runs = []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        model[0].bias.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        cls = torch.optim.SGD
+        opt = (
+            OptimizerInBackward(model.parameters(), cls, lr=0.1)
+            if ours
+            else cls(model.parameters(), lr=0.1)
+        )
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*runs, strict=True):
+        assert torch.equal(p, q)
+
+
 def _loaded_between_backward_and_step_body(sharded: bool = False) -> None:
     """A checkpoint loaded between backward and ``step()`` (a rollback after a loss spike): the
     plain optimizer steps the loaded parameters and state with the backward's gradients; here
