@@ -113,17 +113,6 @@ class _GraphTaskToken:
     __slots__ = ("__weakref__",)
 
 
-def _refuse_gradient_view(param: torch.Tensor) -> NoReturn:
-    raise RuntimeError(
-        f"{describe(param)}: its gradient is a view of a larger tensor (a flat gradient "
-        "buffer, as hand-written data parallelism keeps). Whatever is done to the buffer after "
-        "backward (an all-reduce, a scaling) reaches the gradients a plain optimizer steps, "
-        "but this one steps each gradient in backward, before that. Let each gradient be its "
-        "own tensor (optim.zero_grad(), set_to_none=True, drops the views), and use "
-        "fully_shard or replicate for data parallelism"
-    )
-
-
 class BackwardPass:
     """One backward pass (or one ``step()``) of an ``OptimizerInBackward``.
 
@@ -257,8 +246,9 @@ class BackwardPass:
                 # plain optimizer's step finds it.
                 return
             base = grad._base
-            if base is not None and base.numel() > param.numel():
-                _refuse_gradient_view(param)
+            if base is not None and base.numel() > param.numel() and self._record:
+                # See [Note: gradients in a flat buffer] in _protocol.py.
+                self._pending.note_gradient_buffer(base)
         arrived = self._arrived.get(bucket.index)
         if arrived is None:
             arrived = self._arrived[bucket.index] = set()

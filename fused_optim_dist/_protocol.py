@@ -189,6 +189,7 @@ class PendingUpdates:
 
     __slots__ = (
         "_added",
+        "_buffers",
         "_gathered",
         "_groups",
         "_ids",
@@ -216,6 +217,9 @@ class PendingUpdates:
         self._loaded = False
         # The FSDP2 units holding all-gathered weights once the updates were made.
         self._gathered: list[FSDPUnit] = []
+        # id -> [a tensor the stepped gradients were views of, its version counter once the
+        # updates were made]. See [Note: gradients in a flat buffer].
+        self._buffers: dict[int, list[Any]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -240,6 +244,39 @@ class PendingUpdates:
         self._written = _Written(list(self._params), state)
         self._groups = self._holding_groups(param_groups)
         self._gathered = gathered
+        for entry in self._buffers.values():
+            entry[1] = entry[0]._version
+
+    def note_gradient_buffer(self, base: torch.Tensor) -> None:
+        """A stepped gradient is a view of ``base``, a larger tensor. See [Note: gradients in
+        a flat buffer]."""
+        self._buffers.setdefault(id(base), [base, None])
+
+    def refuse_written_buffers(self) -> None:
+        """Raise for ``step()`` if a tensor the stepped gradients were views of was written
+        since the updates were made. See [Note: gradients in a flat buffer].
+
+        [Note: gradients in a flat buffer]
+        Hand-written data parallelism keeps every ``.grad`` as a view of one flat buffer and
+        reduces the buffer after backward (``dist.all_reduce(flat); flat /= world``): the
+        plain optimizer steps the reduced gradients, this one stepped each rank's own in
+        backward (8.0e-2 apart on 2 ranks, the replicas apart by 1.6e-1, no error). A view's
+        version counter is its base's, so a write into the buffer after backward shows in
+        it; refused at ``step()``, where the write is known. A gradient being a view of a
+        larger tensor is not enough to refuse: ``torch.autograd.grad`` returns narrow views
+        of a concatenation's gradient (a fused QKV weight built with ``torch.cat``), and
+        such gradients set as ``.grad`` train as the plain optimizer does."""
+        for base, version in self._buffers.values():
+            if version is not None and base._version != version:
+                raise RuntimeError(
+                    "step(): the gradients stepped in backward are views of a larger tensor "
+                    f"(a flat gradient buffer of {base.numel()} elements) that was written "
+                    "after backward (an all-reduce, a scaling): a plain optimizer steps the "
+                    "written gradients, this one stepped them in backward, before the write. "
+                    "Let each gradient be its own tensor (optim.zero_grad(), "
+                    "set_to_none=True, drops the views), and use fully_shard or replicate "
+                    "for data parallelism. Restart from the last checkpoint."
+                )
 
     def _holding_groups(
         self, param_groups: list[dict[str, Any]]
@@ -277,6 +314,7 @@ class PendingUpdates:
         self._loaded = False
         self._unfinished = False
         self._gathered = []
+        self._buffers.clear()
 
     def gathered_since(self, gathered: list[FSDPUnit]) -> list[FSDPUnit]:
         """The units of ``gathered`` (those holding all-gathered weights now) that hold updates

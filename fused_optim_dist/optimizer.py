@@ -446,6 +446,16 @@ class OptimizerInBackward(Optimizer):
         """
         param_group = _as_group(param_group)
         check_param_groups([*self.param_groups, param_group])
+        if self.param_groups and ("param_names" in param_group) != (
+            "param_names" in self.param_groups[0]
+        ):
+            # torch.optim's own check, which the wrapped class cannot make: it holds no
+            # groups between steps.
+            raise ValueError(
+                "all optimizer param groups should be with/without names. "
+                f"cannot add param group {'with' if 'param_names' in param_group else 'without'}"
+                " names to the optimizer"
+            )
         self._check_not_driven_elsewhere([p for p in param_group["params"] if p.requires_grad])
         key = param_group.pop(GROUP_CLASS_KEY, None)
         if key is not None:
@@ -659,6 +669,7 @@ class OptimizerInBackward(Optimizer):
             changed = self._pending.changed(self.state)
             if changed:
                 self._pending.refuse_changed(changed)
+            self._pending.refuse_written_buffers()
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
         plan = self._current_plan()
         if self._pending:

@@ -613,3 +613,7 @@ def test_named_parameters_taken_as_torch_optim_takes_them():
     model(torch.randn(2, 8).bfloat16()).float().sum().backward()
     optim.step()
     assert all(optim.state[p]["step"].item() == 1 for p in model.parameters())
+    # An unnamed group among named ones is refused, as torch.optim refuses it, after a step
+    # too (the class's own check sees no groups between steps).
+    with pytest.raises(ValueError, match="with/without names"):
+        optim.add_param_group({"params": [nn.Parameter(torch.zeros(2, 32).bfloat16())]})

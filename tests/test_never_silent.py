@@ -1376,21 +1376,34 @@ def test_gradient_detached_before_step_trains_as_plain():
     assert_match(model, reference)
 
 
-def test_gradients_in_a_flat_buffer_refused_before_anything_moves():
+def test_gradients_in_a_flat_buffer_written_after_backward_refused():
     """Hand-written data parallelism keeps every ``p.grad`` as a view of one flat buffer and
     reduces the buffer after backward (``dist.all_reduce(flat); flat /= world``): the plain
     optimizer steps the reduced gradients, ours stepped each rank's own in backward (SGD
-    8.0e-2 apart on 2 ranks, the replicas 1.6e-1 apart, no error). Refused at the first
-    gradient, before any parameter moves."""
-    model, _, _optim, _ = _adamw_loops(sharded=False)
-    params = list(model.parameters())
-    flat = torch.zeros(sum(p.numel() for p in params))
-    for p, view in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.grad = view.view_as(p)
-    before = _snapshot(model)
-    with pytest.raises(RuntimeError, match="view of a larger tensor"):
-        loss_fn(model, *_x(0)).backward()
-    _assert_unchanged(model, before)
+    8.0e-2 apart on 2 ranks, the replicas 1.6e-1 apart, no error). The write into the buffer
+    is refused at ``step()``; left unwritten, the loop trains as plain. See [Note: gradients
+    in a flat buffer]."""
+    for written in (True, False):
+        runs = []
+        for ours in (True, False):
+            model, reference, optim, plain = _adamw_loops(sharded=False)
+            net, opt = (model, optim) if ours else (reference, plain)
+            params = list(net.parameters())
+            flat = torch.zeros(sum(p.numel() for p in params))
+            for p, view in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad = view.view_as(p)
+            loss_fn(net, *_x(0)).backward()
+            if written:
+                flat.div_(2)  # what an all-reduce averaging over two ranks writes
+            if ours and written:
+                with pytest.raises(RuntimeError, match="flat gradient buffer"):
+                    opt.step()
+                break
+            opt.step()
+            opt.zero_grad()
+            runs.append(net)
+        if not written:
+            assert_match(*runs)
 
 
 def test_gradients_set_from_autograd_grad_then_accumulated_train_as_plain():
