@@ -1466,6 +1466,34 @@ def test_gradient_dropped_by_an_earlier_hook_trains_as_plain():
         assert torch.equal(p, q)
 
 
+def test_gradients_through_a_concatenation_set_by_hand_train_as_plain():
+    """A fused QKV weight built with ``torch.cat`` from three parameters: ``torch.autograd.grad``
+    returns narrow views of the concatenation's gradient, set as ``.grad``, then a backward
+    adds to them. Views of a larger tensor that nothing writes after backward: equal to plain
+    SGD (refused once as a flat gradient buffer)."""
+    runs = []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(4, 8)) for _ in range(3)]
+        optim = (
+            OptimizerInBackward(params, torch.optim.SGD, lr=0.1, bucket_numel=40)
+            if ours
+            else torch.optim.SGD(params, lr=0.1)
+        )
+        for step in range(3):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+            aux = (x @ torch.cat(params).t()).abs().mean()
+            for p, g in zip(params, torch.autograd.grad(aux, params), strict=True):
+                assert g._base is not None and g._base.numel() > g.numel()
+                p.grad = g
+            (x @ torch.cat(params).t()).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+        runs.append([p.detach().clone() for p in params])
+    for p, q in zip(*runs, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
 def _loaded_between_backward_and_step_body(sharded: bool = False) -> None:
     """A checkpoint loaded between backward and ``step()`` (a rollback after a loss spike): the
     plain optimizer steps the loaded parameters and state with the backward's gradients; here
