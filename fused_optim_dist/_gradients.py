@@ -40,17 +40,19 @@ buckets still to come had in the previous stepping backward. So:
 
 [Note: clip_grad_norm_'s own norm]
 Exact is bit for bit where it can be: a bucket of plain tensors, or of DTensors all sharded
-alike (an FSDP2 unit), in float32 or float64, clipped by norm, takes its norm as
-``clip_grad_norm_`` does, one ``_foreach_norm`` per device and dtype, in the order of its
-parameters, and for DTensors the squares of that stack summed across ranks and their roots
-taken (as DTensor completes the partial norms), then the norm of the stack; and while it is
+alike (an FSDP2 unit), clipped by norm, takes its norm as ``clip_grad_norm_`` does, one
+``_foreach_norm`` per device and dtype (so bfloat16 gradients' norms rounded to bfloat16, as
+``clip_grad_norm_`` rounds them, and the coefficient computed in that dtype), in the order of
+its parameters, and for DTensors the squares of that stack summed across ranks and their
+roots taken (as DTensor completes the partial norms), then the norm of the stack; and while it is
 the only bucket of the backward and of the history, that norm is the coefficient's and
 ``grad_norm()``'s, not the square root of its square. Both loops then scale by the same float32
 coefficient: a difference of one rounding in it changes the gradients in their last bit, which
 an optimizer with quantized state (``CompactAdamW``: a code flips) turns into a difference of a
-whole code step. Elsewhere (several buckets, DTensors of several meshes or placements,
-bfloat16 gradients summed in float32) the norm equals ``clip_grad_norm_``'s to float32
-rounding.
+whole code step. Elsewhere (several buckets, DTensors of several meshes or placements, no
+clipping by norm) the norm is summed in float32 at least, bfloat16 gradients' too, and
+equals ``clip_grad_norm_``'s to float32 rounding (bfloat16 gradients: to the two bfloat16
+roundings ``clip_grad_norm_`` makes).
 
 So clipping is exact with one bucket, and the buckets are what the user chose: FSDP units, or
 runs of ``bucket_numel`` elements of the parameters outside them when ``bucket_numel`` is
@@ -134,7 +136,7 @@ class _Shares:
         self.exact = (
             len(by_key) == 1
             and len({isinstance(p, DTensor) for p in params}) == 1
-            and all(p.dtype in (torch.float32, torch.float64) for p in params)
+            and not any(p.is_complex() for p in params)
         )
         self.key = next(iter(by_key), None)
         # Summed in fp32 at least (bf16 sums lose the small gradients), fp64 if any gradient is
