@@ -258,6 +258,9 @@ class GradientProcessor:
         self._nonfinite: torch.Tensor | int = 0
         # _Shares of each bucket's full parameter list, cached by bucket key.
         self._shares: dict[str, _Shares] = {}
+        # id(param) -> position in the order clip_grad_norm_ is given the parameters (set by
+        # OptimizerInBackward.set_norm_order); empty: the buckets' order.
+        self.norm_order: dict[int, int] = {}
 
     @property
     def active(self) -> bool:
@@ -286,7 +289,7 @@ class GradientProcessor:
             norms.any = True
             of_bucket = self._shares_of(bucket, params)
             if self.max_grad_norm is not None and of_bucket.exact and grads:
-                exact = clip_grad_norm(grads, of_bucket.key)
+                exact = clip_grad_norm(self._in_norm_order(params, grads), of_bucket.key)
                 # Exact only while it is the first bucket (checked again at the end).
                 norms.exact = exact if not norms.bucket_sq else None
                 shares = [(None, exact.square())]
@@ -314,6 +317,16 @@ class GradientProcessor:
                 coefficient = self._clip_coefficient(norms, bucket.key)
                 torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return self._clamp(grads, verdict)
+
+    def _in_norm_order(
+        self, params: Sequence[torch.Tensor], grads: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``grads`` (of ``params``) in the order ``clip_grad_norm_`` is given them."""
+        if not self.norm_order:
+            return grads
+        last = len(self.norm_order)
+        positions = [self.norm_order.get(id(p), last + i) for i, p in enumerate(params)]
+        return [grads[i] for i in sorted(range(len(grads)), key=positions.__getitem__)]
 
     def _clamp(self, grads: list[torch.Tensor], verdict: BucketVerdict) -> BucketVerdict:
         if self.clip_grad_value is not None:

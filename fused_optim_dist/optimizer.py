@@ -782,6 +782,20 @@ class OptimizerInBackward(Optimizer):
                 "the plain optimizer with GradScaler."
             )
 
+    def set_norm_order(self, params: Iterable[torch.Tensor]) -> None:
+        """Take the gradient norm over this optimizer's parameters in the order of ``params``
+        (``model.parameters()``), as ``torch.nn.utils.clip_grad_norm_(params)`` takes it.
+
+        A model clipped by norm as one bucket reproduces the plain loop's ``clip_grad_norm_``
+        bit for bit when the per-tensor norms are summed in the same order (see [Note:
+        clip_grad_norm_'s own norm] in ``_gradients.py``). By default that is the order of
+        the param groups, which is not the model's where the groups split it (weight decay on
+        the matrices only): one rounding of the coefficient apart, which an optimizer with
+        quantized state turns into whole code steps. The Hugging Face Trainer integration
+        sets the model's order; parameters ``params`` does not name keep their group order,
+        after those it does."""
+        self._gradients.norm_order = {id(p): i for i, p in enumerate(params)}
+
     def hook_parameters(self) -> None:
         """Hook the trainable parameters ``param_groups`` holds now, stepping nothing.
 

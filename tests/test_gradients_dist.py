@@ -325,6 +325,43 @@ def test_one_bucket_clipped_bit_for_bit(cls, dtype):
     _one_bucket_clipped_body(cls, sharded=False, dtype=dtype)
 
 
+def test_decay_groups_clipped_bit_for_bit_in_the_model_order():
+    """Weight decay on the matrices only, two groups that hold the parameters in another order
+    than ``model.parameters()``: the norm of the stacked norms was summed in another order
+    than the plain loop's ``clip_grad_norm_(model.parameters())`` (CompactAdamW 4.2e-4 apart,
+    the plain loop's own difference between the two orders). With ``set_norm_order``, bit for
+    bit."""
+    runs = []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 8))
+        groups = [
+            {"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        if ours:
+            opt = OptimizerInBackward(groups, CompactAdamW, lr=1e-2, max_grad_norm=0.05)
+            opt.set_norm_order(net.parameters())
+        else:
+            opt = CompactAdamW(groups, lr=1e-2)
+        norms = []
+        for step in range(8):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
+            (((net(x) - y) ** 2).mean() * 10).backward()
+            if not ours:
+                norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05))
+            opt.step()
+            if ours:
+                norms.append(opt.grad_norm())
+            opt.zero_grad()
+        runs.append((net, norms))
+    (model, ours_norms), (reference, plain_norms) = runs
+    assert all(map(torch.equal, ours_norms, plain_norms))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach())
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_one_fsdp2_unit_clipped_bit_for_bit(worlds, world_size):
     """The same on one FSDP2 unit: CompactAdamW 8.1e-5 apart before (the norm summed as one

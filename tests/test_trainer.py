@@ -232,6 +232,30 @@ def test_trainer_with_bf16_autocast_matches_plain(tmp_path, clip):
     torch.testing.assert_close(ours["norms"], plain["norms"], rtol=NORM_RTOL, atol=0)
 
 
+def test_trainer_with_compact_adamw_clipped(tmp_path):
+    """CompactAdamW (float32 weights) with Trainer's clipping: Trainer's two weight-decay groups
+    hold the parameters in another order than its ``clip_grad_norm_(model.parameters())``,
+    so the coefficient differed in its last bit and codes flipped (5.2e-5 apart). The
+    integration takes the norm in the model's order (``set_norm_order``): bit for bit, the
+    logged norms too."""
+    kwargs = dict(max_grad_norm=0.05)
+    compact = {"lr": 1e-2, "weight_decay": 0.1}
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer_cls_and_kwargs=(CompactAdamW, compact),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer_cls_and_kwargs=(in_backward(CompactAdamW), compact),
+        **kwargs,
+    )
+    assert max_difference(ours["params"], plain["params"]) == 0.0
+    assert ours["norms"] == plain["norms"]
+
+
 def test_trainer_with_compact_adamw(tmp_path):
     """CompactAdamW (bfloat16 weights, five bytes per parameter) given as Trainer's
     ``optimizer_cls_and_kwargs``, with accumulation: stepped in backward it ends where

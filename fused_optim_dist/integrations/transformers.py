@@ -105,6 +105,8 @@ class _HookSwappedParameters(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         hook_swapped_parameters(kwargs["optimizer"])
+        # Trainer clips over model.parameters(): its norm, bit for bit, where one bucket.
+        in_backward_optimizer(kwargs["optimizer"]).set_norm_order(kwargs["model"].parameters())
 
 
 class InBackwardTrainerMixin:
