@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from torch import nn
 from torch.optim import Optimizer
 
 from fused_optim_dist.optimizer import OptimizerInBackward
@@ -161,18 +162,27 @@ def prepare(accelerator: Accelerator, *args: Any) -> Any:
 
     Refuses a distributed type other than one process or FSDP2 (:func:`check_accelerator`)
     before preparing anything, then hooks the parameters FSDP2's prepare swapped into each
-    in-backward optimizer among ``args`` (:func:`hook_swapped_parameters`), and makes
+    in-backward optimizer among ``args`` (:func:`hook_swapped_parameters`), makes
     ``accelerator.backward`` accumulate on the micro-batches it does not step on (so that
-    ``accelerator.backward(loss)`` works as :func:`backward`). Returns what
+    ``accelerator.backward(loss)`` works as :func:`backward`), and, with one model among
+    ``args``, takes the optimizers' gradient norm in its parameter order, as the loop's
+    ``clip_grad_norm_(model.parameters())`` takes it
+    (:meth:`~fused_optim_dist.OptimizerInBackward.set_norm_order`). Returns what
     ``accelerator.prepare`` returns.
     """
     check_accelerator(accelerator)
     prepared = accelerator.prepare(*args)
     # One object back for one passed; else a tuple, or a list on the FSDP2 path.
-    for obj in prepared if len(args) > 1 else (prepared,):
+    objects = prepared if len(args) > 1 else (prepared,)
+    models = [obj for obj in objects if isinstance(obj, nn.Module)]
+    for obj in objects:
         if isinstance(obj, Optimizer) and _wraps_in_backward(obj):
             hook_swapped_parameters(obj)
             _step_on_sync_only(accelerator, in_backward_optimizer(obj))
+            if len(models) == 1:
+                # The loop clips over model.parameters(): that norm, bit for bit, where one
+                # bucket (see OptimizerInBackward.set_norm_order).
+                in_backward_optimizer(obj).set_norm_order(models[0].parameters())
     return prepared
 
 
