@@ -373,7 +373,12 @@ class BackwardPass:
                     )
                     with traced("fused_optim_dist::gradients"):
                         verdict = self._gradients.before_step(
-                            self._norms, bucket, params, grads, device_skip=device_skip
+                            self._norms,
+                            bucket,
+                            params,
+                            grads,
+                            device_skip=device_skip,
+                            alone=len(self._plan.buckets) == 1,
                         )
                 if verdict.step:
                     indices = [index for index, _ in split]

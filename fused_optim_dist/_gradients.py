@@ -44,15 +44,15 @@ alike (an FSDP2 unit), clipped by norm, takes its norm as ``clip_grad_norm_`` do
 ``_foreach_norm`` per device and dtype (so bfloat16 gradients' norms rounded to bfloat16, as
 ``clip_grad_norm_`` rounds them, and the coefficient computed in that dtype), in the order of
 its parameters, and for DTensors the squares of that stack summed across ranks and their
-roots taken (as DTensor completes the partial norms), then the norm of the stack; and while it is
-the only bucket of the backward and of the history, that norm is the coefficient's and
-``grad_norm()``'s, not the square root of its square. Both loops then scale by the same float32
-coefficient: a difference of one rounding in it changes the gradients in their last bit, which
-an optimizer with quantized state (``CompactAdamW``: a code flips) turns into a difference of a
-whole code step. Elsewhere (several buckets, DTensors of several meshes or placements, no
-clipping by norm) the norm is summed in float32 at least, bfloat16 gradients' too, and
-equals ``clip_grad_norm_``'s to float32 rounding (bfloat16 gradients: to the two bfloat16
-roundings ``clip_grad_norm_`` makes).
+roots taken (as DTensor completes the partial norms), then the norm of the stack; where it is
+the plan's only bucket, that norm is the coefficient's and ``grad_norm()``'s, not the square
+root of its square (the history holds no other bucket: a plan's change drops it). Both loops
+then scale by the same coefficient: a difference of one rounding in it changes the gradients
+in their last bit, which an optimizer with quantized state (``CompactAdamW``: a code flips)
+turns into a difference of a whole code step. Elsewhere (several buckets, DTensors of several
+meshes or placements, no clipping by norm) the norm is summed in float32 at least, bfloat16
+gradients' too, and equals ``clip_grad_norm_``'s to float32 rounding (bfloat16 gradients: to
+the two bfloat16 roundings ``clip_grad_norm_`` makes).
 
 So clipping is exact with one bucket, and the buckets are what the user chose: FSDP units, or
 runs of ``bucket_numel`` elements of the parameters outside them when ``bucket_numel`` is
@@ -229,8 +229,8 @@ class BackwardNorms:
         # The part of the previous backward's squared norm that belongs to buckets seen now.
         self.previous_seen: torch.Tensor | float = 0.0
         self.any = False
-        # The norm of the first bucket as clip_grad_norm_ takes it, where it can: see [Note:
-        # clip_grad_norm_'s own norm].
+        # The norm of the plan's only bucket as clip_grad_norm_ takes it, where it can: see
+        # [Note: clip_grad_norm_'s own norm].
         self.exact: torch.Tensor | None = None
 
 
@@ -274,13 +274,15 @@ class GradientProcessor:
         grads: list[torch.Tensor],
         *,
         device_skip: bool,
+        alone: bool,
     ) -> BucketVerdict:
         """Account for and clip the bucket's gradients (``grads``: the local tensors of the
         gradients of ``params``) in place; say whether to step it.
 
         Collective (all-reduces of one scalar) when clipping by norm or skipping non-finite
         gradients. ``device_skip``: the step takes a ``found_inf`` flag, so a non-finite bucket
-        is skipped on the device with no host sync.
+        is skipped on the device with no host sync. ``alone``: the bucket is the plan's only
+        one (see [Note: clip_grad_norm_'s own norm]).
         """
         if not self.active:
             return BucketVerdict()
@@ -288,10 +290,10 @@ class GradientProcessor:
         if self._needs_norm:
             norms.any = True
             of_bucket = self._shares_of(bucket, params)
-            if self.max_grad_norm is not None and of_bucket.exact and grads:
-                exact = clip_grad_norm(self._in_norm_order(params, grads), of_bucket.key)
-                # Exact only while it is the first bucket (checked again at the end).
-                norms.exact = exact if not norms.bucket_sq else None
+            if alone and self.max_grad_norm is not None and of_bucket.exact and grads:
+                exact = norms.exact = clip_grad_norm(
+                    self._in_norm_order(params, grads), of_bucket.key
+                )
                 shares = [(None, exact.square())]
             else:
                 shares = of_bucket.squares(grads)
@@ -344,17 +346,12 @@ class GradientProcessor:
 
     def _clip_coefficient(self, norms: BackwardNorms, key: str) -> torch.Tensor:
         norms.previous_seen = norms.previous_seen + self._previous_sq.get(key, 0.0)
-        if self._only_bucket(norms) and self._previous_sq.keys() <= {key}:
-            # Nothing seen or predicted besides this bucket: its norm as clip_grad_norm_'s.
+        if norms.exact is not None:
+            # The plan's only bucket: its norm as clip_grad_norm_'s.
             norm = norms.exact
         else:
             norm = (norms.seen + (self._previous_total - norms.previous_seen)).sqrt()
         return (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-
-    @staticmethod
-    def _only_bucket(norms: BackwardNorms) -> bool:
-        """Whether the backward's norm so far is one bucket's, taken as clip_grad_norm_ does."""
-        return norms.exact is not None and len(norms.bucket_sq) == 1 and not norms.pending
 
     def end_of_backward(self, norms: BackwardNorms) -> None:
         """Close a stepping backward: complete the norm, update the clipping history.
@@ -369,7 +366,7 @@ class GradientProcessor:
             share = torch.stack([s.to(device) for s in shares]).sum()
             total = _add(total, _all_reduce(share, key))
         assert total is not None
-        self._last_norm = norms.exact if self._only_bucket(norms) else total.sqrt()
+        self._last_norm = norms.exact if norms.exact is not None else total.sqrt()
         if self.max_grad_norm is not None:
             # Buckets that did not step this time are predicted to stay silent; a non-finite
             # bucket keeps its previous norm. No host sync.

@@ -238,7 +238,13 @@ def test_trainer_with_compact_adamw_clipped(tmp_path):
     so the coefficient differed in its last bit and codes flipped (5.2e-5 apart). The
     integration takes the norm in the model's order (``set_norm_order``): bit for bit, the
     logged norms too."""
-    kwargs = dict(max_grad_norm=0.05)
+    plain, ours = _compact_runs(tmp_path, max_grad_norm=0.05)
+    assert max_difference(ours["params"], plain["params"]) == 0.0
+    assert ours["norms"] == plain["norms"]
+
+
+def _compact_runs(tmp_path: Path, **kwargs: Any) -> tuple[dict, dict]:
+    """Trainer's own loop with CompactAdamW, and ours with it in backward."""
     compact = {"lr": 1e-2, "weight_decay": 0.1}
     plain = _train(
         transformers.Trainer,
@@ -252,8 +258,7 @@ def test_trainer_with_compact_adamw_clipped(tmp_path):
         optimizer_cls_and_kwargs=(in_backward(CompactAdamW), compact),
         **kwargs,
     )
-    assert max_difference(ours["params"], plain["params"]) == 0.0
-    assert ours["norms"] == plain["norms"]
+    return plain, ours
 
 
 def test_trainer_with_compact_adamw(tmp_path):
@@ -262,20 +267,7 @@ def test_trainer_with_compact_adamw(tmp_path):
     Trainer's own loop with CompactAdamW after backward ends, bit for bit. The logged norms
     are within bfloat16's rounding of each other: Trainer's is rounded to the gradients' dtype,
     ours summed in float32 (docs/gradients.md)."""
-    kwargs = dict(gradient_accumulation_steps=2, dtype=torch.bfloat16)
-    compact = {"lr": 1e-2, "weight_decay": 0.1}
-    plain = _train(
-        transformers.Trainer,
-        tmp_path / "plain",
-        optimizer_cls_and_kwargs=(CompactAdamW, compact),
-        **kwargs,
-    )
-    ours = _train(
-        in_backward_trainer(transformers.Trainer),
-        tmp_path / "ours",
-        optimizer_cls_and_kwargs=(in_backward(CompactAdamW), compact),
-        **kwargs,
-    )
+    plain, ours = _compact_runs(tmp_path, gradient_accumulation_steps=2, dtype=torch.bfloat16)
     assert max_difference(ours["params"], plain["params"]) == 0.0
     assert all(value.dtype == torch.bfloat16 for value in ours["params"].values())
     assert ours["in_backward"] == [True] * STEPS
