@@ -287,9 +287,10 @@ class BackwardPass:
             )
         if bucket is None:
             raise RuntimeError(
-                f"{describe(param)} received a gradient but is no trainable parameter of this "
-                "OptimizerInBackward's plan; call optim.step() or zero_grad() once after "
-                "changing its param_groups or requires_grad flags by hand"
+                f"{describe(param)} received a gradient but did not require one when this "
+                "backward began (requires_grad turned on during backward), so this "
+                "OptimizerInBackward has no bucket for it; set requires_grad before the "
+                "forward"
             )
         raise RuntimeError(
             f"{describe(param)} received a second gradient after it was stepped in this "

@@ -85,6 +85,8 @@ class BucketPlan:
         # every parameter's requires_grad.
         self._group_params = tuple(tuple(g["params"]) for g in param_groups)
         self._all_params = [p for params in self._group_params for p in params]
+        # Held by _all_params, so no id is recycled while the plan lives.
+        self._ids = frozenset(map(id, self._all_params))
         position = {id(p): i for i, p in enumerate(self._all_params)}
         self.units = fsdp_units(self._all_params)
         """The FSDP2 units of the parameters, trainable or not."""
@@ -118,7 +120,7 @@ class BucketPlan:
     def holds(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is in the param groups this plan was made from, trainable or
         not."""
-        return any(p is param for p in self._all_params)
+        return id(param) in self._ids
 
     def is_current(self, param_groups: Sequence[dict[str, Any]]) -> bool:
         """Whether ``param_groups`` hold the same parameters, with the same ``requires_grad``.
@@ -150,7 +152,7 @@ class BucketPlan:
         accumulated nothing because the leaf no longer requires grad (frozen between forward
         and backward; torch 2.13), and the plain optimizer then steps nothing of it. FSDP2
         calls its sharded parameters' hooks only with the gradient it reduced into them,
-        whatever their flag. For a rare path: ``holds`` is a scan."""
+        whatever their flag."""
         return not param.requires_grad and id(param) not in self._in_units and self.holds(param)
 
     def gathered_units(self) -> list[FSDPUnit]:

@@ -321,11 +321,11 @@ class PendingUpdates:
         and did not hold such weights once the updates were made. See [Note: copies gathered
         before step()]."""
         then = {id(unit.group) for unit in self._gathered}
-        return [
-            unit
-            for unit in gathered
-            if id(unit.group) not in then and any(id(p) in self._ids for p in unit.params)
-        ]
+        return [unit for unit in gathered if id(unit.group) not in then and self._updated(unit)]
+
+    def _updated(self, unit: FSDPUnit) -> bool:
+        """Whether ``unit`` holds a parameter updated in backward since ``step()``."""
+        return any(id(p) in self._ids for p in unit.params)
 
     def refuse_unreduced(self, units: list[FSDPUnit]) -> None:
         """Raise for ``step()`` when an FSDP2 unit of ``units`` holds gradients it has not
@@ -335,11 +335,7 @@ class PendingUpdates:
         # A unit holding no update has nothing to refuse: its unreduced gradients (an HSDP
         # branch used in an early micro-batch only) wait for its next reducing backward, in
         # the plain loop too.
-        unreduced = [
-            unit
-            for unit in units
-            if any(id(p) in self._ids for p in unit.params) and unit.holds_unreduced_gradients()
-        ]
+        unreduced = [u for u in units if self._updated(u) and u.holds_unreduced_gradients()]
         if unreduced:
             raise RuntimeError(
                 "step(): a backward with FSDP2 gradient sync off "
