@@ -173,6 +173,22 @@ class Groups:
             pairs[..., 0], pairs[..., 1].bitwise_left_shift(4), out=out.view(pairs.shape[:-1])
         )
 
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (one value per element, or a 4-bit code packed) in rows of one group where
+        every group is whole; else ``flat``.
+
+        [Note: rows of one group]
+        The flat update's inputs are shaped so before it is called, not inside it, for its
+        compiled graph (``_compact_compiled.py``): compiled with dynamic sizes, a flat input of
+        ``n`` elements viewed as ``(-1, 32)`` inside the graph has ``n // 32`` rows, and
+        Inductor cannot tell that ``32 * (n // 32)`` is ``n``; its loops then index the flat
+        buffers through ``x % (32 * (n // 32))``, a 64-bit division per vector. Given the rows,
+        the sizes are ``32 * rows`` and the loops index them directly. The arithmetic is the
+        same, element for element."""
+        if self.lengths is not None:
+            return flat
+        return flat.view(-1, GROUP_SIZE if flat.numel() == self.numel else GROUP_SIZE // 2)
+
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (one value per element) shaped for per-group broadcasting."""
         return flat if self.lengths is not None else flat.view(-1, GROUP_SIZE)
@@ -239,7 +255,7 @@ def encode_momentum(
     else:
         level = y.mul_(MOMENTUM_LEVELS)
     level = level.round_().clamp_(-MOMENTUM_LEVELS, MOMENTUM_LEVELS)
-    code.copy_(level.view(-1))
+    code.copy_(level.view_as(code))
 
 
 def decode_momentum(
@@ -267,7 +283,7 @@ def encode_root(
     floor_one = level.clamp(max=1.0).ceil_()
     level = level.round_().maximum(floor_one).clamp_(max=2**bits - 1)
     if bits == 8:
-        code.copy_(level.view(-1))
+        code.copy_(level.view_as(code))
     else:
         groups.pack4(level.view(-1).to(torch.uint8), code)
 

@@ -152,8 +152,10 @@ def update_flat(
 ) -> torch.Tensor:
     """The update of a whole batch in whole-tensor ops, one call each: float32 weights ``x``
     (bfloat16 values, their error in ``buffers["weight_error"]`` where it is there) and
-    gradients ``g``, flat; the state ``buffers`` decoded, updated and encoded in place. Returns
-    the new weights, flat (bfloat16 where they keep an error)."""
+    gradients ``g``; the state ``buffers`` decoded, updated and encoded in place. ``x``, ``g``
+    and the buffers of one value per element are flat, or in rows of one group
+    (:meth:`Groups.rows`). Returns the new weights, flat (bfloat16 where they keep an
+    error)."""
     split = "weight_error" in buffers
     if split:
         # x holds the bfloat16 bits in its upper half: add the error below them.
@@ -176,9 +178,9 @@ def update_flat(
             c if isinstance(c, float) else groups.view(c) for c in corrections
         )
     root = adamw(x, g, m, v, h, corrections)
-    high = x.view(-1)
+    high = x
     if split:
-        high, error = split24(high)
+        high, error = split24(x)
         buffers["weight_error"].copy_(error)
     if groups is None:
         for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
@@ -194,7 +196,7 @@ def update_flat(
             buffers["exp_avg_sq_root_scale"],
             h.variance_bits,
         )
-    return high
+    return high.view(-1)
 
 
 FlatUpdate = Callable[
@@ -256,7 +258,16 @@ class FlatBatch:
         x = torch.cat(self.sources["weight"])
         corrections = bias_corrections(self.numels, _step_counts(buffers["step"]), h, x.device)
         x = x.float() if x.dtype != torch.float32 else x
-        high = update_flat(x, flat_float32(grads), buffers, self.groups, h, corrections)
+        g = flat_float32(grads)
+        if self.groups is not None:  # See [Note: rows of one group].
+            x, g = self.groups.rows(x), self.groups.rows(g)
+            shaped = {
+                key: self.groups.rows(flat) if key in PER_ELEMENT else flat
+                for key, flat in buffers.items()
+            }
+        else:
+            shaped = buffers
+        high = update_flat(x, g, shaped, self.groups, h, corrections)
 
         def write() -> None:
             for key, flat in (("weight", high), *buffers.items()):
@@ -267,6 +278,10 @@ class FlatBatch:
                 torch._foreach_copy_(targets, pieces)
 
         return write
+
+
+PER_ELEMENT = ("weight_error", "exp_avg_code", "exp_avg_sq_root_code")
+"""The state of one value per element (a 4-bit code: half a byte) of a matrix's batch."""
 
 
 def _step_counts(steps: torch.Tensor) -> list[float]:
