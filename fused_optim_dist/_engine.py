@@ -23,19 +23,30 @@ reached the parameters without a hook too, the norm is completed). A ``step()`` 
 backward runs a ``BackwardPass`` of its own over the gradients it finds.
 
 [Note: a unit closes when FSDP2 has reduced it]
-A bucket that is an FSDP unit is stepped when its last gradient arrives, or as soon as FSDP2 has
-handed out the last gradient it reduced for the unit in this backward, whichever comes first:
-a parameter the forward did not use (an expert no token was routed to, a branch not taken) gets
-no gradient, and waiting for it until the end of backward would keep the unit's whole
-reduce-scatter output alive through the rest of backward. FSDP2 runs the unit's hooks back to
-back, in parameter order, each on a view into that one output, so the gradient whose view ends
-at the output's end is the last (``storage_numel``, ``slot_end`` in ``_torch_internals``).
-Every rank reduces the same parameters of a unit, so every rank closes it at the same hook. The
-output's size is read once per unit and backward, from the unit's first gradient, and each later
-hook compares where its gradient's slot ends with it: two integer reads. A gradient that is not
-FSDP2's (set by hand, or accumulated in an earlier backward's output) can at worst close its
-unit early or not at all; either way every gradient is stepped, the rest at the end of
-backward, like a gradient reaching a closed unit.
+A bucket of plain parameters is stepped when its last gradient arrives. A bucket that is an
+FSDP unit is stepped as soon as FSDP2 has handed out every gradient it reduced for the unit in
+this backward: a parameter the forward did not use (an expert no token was routed to, a branch
+not taken) gets no gradient, and waiting for it until the end of backward would keep the
+unit's whole reduce-scatter output alive through the rest of backward. FSDP2 reduces a unit and
+calls all its hooks from one autograd node, the unit's post-backward
+(``fsdp_post_backward_node`` in ``_torch_internals``): the unit's first hook that runs inside
+it registers a post hook on that node, which closes the unit when the node returns, on the
+stream the hook ran on. Every rank reduces the same parameters of a unit, so every rank closes
+it at the same point. A unit FSDP2 reduces in its end-of-backward callback (one whose forward
+inputs did not require grad, such as an embedding's) is stepped at the end of backward.
+
+Neither the count of a unit's gradients nor what they look like can tell the last one. A
+gradient autograd accumulates into a sharded parameter itself (a penalty on the weights the
+modules hold outside their forward, DTensors) arrives through autograd's ``AccumulateGrad``,
+before or after FSDP2 adds the reduced one: counted, it completed the unit before FSDP2's
+gradients came. And under ``accumulate()`` FSDP2 adds into the views of an earlier
+micro-batch's output, so one unit's gradients span two buffers: told by where its view ends in
+its buffer, the unit was closed early. Either way the rest of the unit was stepped as a second
+part (clipped by another norm, judged non-finite apart) or refused after the first part
+moved. A parameter of the unit that holds a gradient FSDP2 did not hand out in this backward
+(accumulated in an earlier micro-batch, or zeros kept by ``zero_grad(set_to_none=False)``)
+keeps the unit open until the end of backward, where it is stepped whole: one norm, one
+clipping, one non-finite verdict, as ``step()`` takes them.
 
 [Note: classes stepped jointly]
 A plain optimizer's ``step()`` is one call over all its parameters, and a class may reduce over
@@ -77,15 +88,14 @@ from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientPr
 from fused_optim_dist._plan import Bucket, BucketPlan
 from fused_optim_dist._protocol import PendingUpdates, describe
 from fused_optim_dist._stepping import Batch, local_gradients
-from fused_optim_dist._streams import StepEvents, keep_alive_until_done
+from fused_optim_dist._streams import StepEvents, hook_stream, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
     current_backward_id,
     enclosing_backward_node,
+    fsdp_post_backward_node,
     local_tensor,
     queue_end_of_backward,
     read_grads,
-    slot_end,
-    storage_numel,
     traced,
 )
 
@@ -160,8 +170,8 @@ class BackwardPass:
         # of the parameters already stepped.
         self._arrived: dict[int, set[int]] = {}
         self._stepped: set[int] = set()
-        # Elements of each unit's reduce-scatter output, read from its first gradient.
-        self._output_numel: dict[int, int] = {}
+        # Indices of the units whose closing is registered on FSDP2's post-backward node.
+        self._closing: set[int] = set()
         self._norms = BackwardNorms()
         self._events = StepEvents()
         # Buckets held until the end of backward: see [Note: classes stepped jointly] and
@@ -222,8 +232,8 @@ class BackwardPass:
         """``param`` holds its gradient: step its bucket if that completes it.
 
         Runs once per parameter per backward, so it does as little as it can: two dict
-        lookups and a set insertion, and the check of [Note: a unit closes when FSDP2 has
-        reduced it].
+        lookups and a set insertion, and at a unit's first gradient the registration of [Note:
+        a unit closes when FSDP2 has reduced it].
         """
         assert self.phase is Phase.COLLECTING, self.phase
         key = id(param)
@@ -253,20 +263,37 @@ class BackwardPass:
         if arrived is None:
             arrived = self._arrived[bucket.index] = set()
         arrived.add(key)
-        if len(arrived) == len(bucket.params):
+        if key in self._plan.reduced_by_fsdp:
+            # See [Note: a unit closes when FSDP2 has reduced it].
+            if bucket.index not in self._closing:
+                node = fsdp_post_backward_node()
+                if node is not None:
+                    self._close_after(node, bucket, param.grad)
+        elif len(arrived) == len(bucket.params):
             del self._arrived[bucket.index]
             self._step_bucket(bucket, bucket.params)
-            return
-        slot = self._plan.gradient_slots.get(key)
-        if slot is not None:
-            # See [Note: a unit closes when FSDP2 has reduced it].
-            grad = param.grad
-            output = self._output_numel.get(bucket.index)
-            if output is None:
-                output = self._output_numel[bucket.index] = storage_numel(grad)
-            if slot_end(grad, slot) == output:
-                del self._arrived[bucket.index]
+
+    def _close_after(
+        self, node: torch.autograd.graph.Node, bucket: Bucket, grad: torch.Tensor
+    ) -> None:
+        """Close ``bucket`` once ``node``, FSDP2's post-backward of its unit, returns. See
+        [Note: a unit closes when FSDP2 has reduced it]."""
+        self._closing.add(bucket.index)
+        stream = hook_stream(grad)
+
+        def close(_grad_inputs: Any, _grad_outputs: Any) -> None:
+            handle.remove()
+            if self.phase is not Phase.COLLECTING:
+                return
+            arrived = self._arrived[bucket.index]
+            rest = [p for p in bucket.params if id(p) not in arrived]
+            if any(g is not None and not is_freed(g) for g in read_grads(rest)):
+                return  # stepped whole at the end of backward
+            del self._arrived[bucket.index]
+            with stream:
                 self._step_bucket(bucket, [p for p in bucket.params if id(p) in arrived])
+
+        handle = node.register_hook(close)
 
     def refuse_if_stepped(self, param: torch.Tensor) -> None:
         """Raise if ``param`` was stepped in this backward, still running: a gradient is being
@@ -294,9 +321,11 @@ class BackwardPass:
             )
         raise RuntimeError(
             f"{describe(param)} received a second gradient after it was stepped in this "
-            "backward (a module applied twice in one forward, or a gradient added to it by "
-            "hand in backward); a plain optimizer would step the sum. Apply each parameter once "
-            "per forward, or build a plain optimizer for this model"
+            "backward (a module applied twice in one forward; a loss term computed on the "
+            "sharded parameters themselves before the forward, whose gradient autograd adds "
+            "after FSDP2 reduced the unit; or a gradient added to it by hand in backward); a "
+            "plain optimizer would step the sum. Apply each parameter once per forward, compute "
+            "such a term after the forward, or build a plain optimizer for this model"
         )
 
     def step_all(self, params: Sequence[torch.Tensor]) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from fused_optim_dist._torch_internals import (
     FSDPUnit,
-    fsdp_gradient_slots,
+    fsdp_reduced_params,
     fsdp_units,
     read_requires_grad,
 )
@@ -112,10 +112,9 @@ class BucketPlan:
         buckets = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.bucket_of: Callable[[int], Bucket | None] = buckets.get
         """The bucket of the parameter an id names; ``None`` if not a trainable parameter."""
-        # id -> elements of the parameter's slot in its FSDP unit's reduce-scatter output, for
-        # the parameters whose unit can be closed as soon as FSDP2 has reduced it. See
+        # Ids of the parameters whose unit can be closed as soon as FSDP2 has reduced it. See
         # [Note: a unit closes when FSDP2 has reduced it].
-        self.gradient_slots = fsdp_gradient_slots(trainable)
+        self.reduced_by_fsdp = fsdp_reduced_params(trainable)
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is in the param groups this plan was made from, trainable or

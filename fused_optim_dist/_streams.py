@@ -19,11 +19,13 @@ step are queued on that stream, and two things follow:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["StepEvents", "keep_alive_until_done"]
+__all__ = ["StepEvents", "hook_stream", "keep_alive_until_done"]
 
 
 def _on_accelerator(tensor: torch.Tensor) -> bool:
@@ -43,6 +45,15 @@ def keep_alive_until_done(tensors: Iterable[torch.Tensor]) -> None:
         if storage not in seen:
             seen.add(storage)
             tensor.record_stream(torch.accelerator.current_stream(tensor.device))
+
+
+def hook_stream(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """A context that makes the current stream of ``tensor``'s device the one current now (in a
+    hook FSDP2 calls: its post-reduce stream), for work queued later, outside the hook, that
+    must be ordered as if queued in it; a no-op for CPU tensors."""
+    if not _on_accelerator(tensor):
+        return contextlib.nullcontext()
+    return torch.accelerator.current_stream(tensor.device)
 
 
 class StepEvents:

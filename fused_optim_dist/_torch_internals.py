@@ -45,12 +45,15 @@ Everything else in the package uses public APIs. What this module relies on, for
   FSDP2 keeps the same local tensor object across steps and replaces it only when it re-creates
   the shard (``FSDPParam.reset_sharded_param`` at lazy init, e.g. after ``to_empty``), so an
   identity check of ``_local_tensor`` tells a cached alias of the shard is still the shard.
-* ``foreach_reduce`` gives each sharded gradient of a unit a view into one reduce-scatter output,
-  at consecutive offsets in the unit's parameter order, each ``padded_sharded_param_size``
-  elements long, and only to the parameters that got a gradient. So the gradient whose view
-  ends at the end of that output is the last one FSDP2 hands out for the unit in this backward:
-  its hooks run back to back, and after that one no other parameter of the unit gets a gradient.
-  (Not with CPU offload, where each gradient is copied to a tensor of its own.)
+* FSDP2 inserts ``RegisterPostBackwardFunction`` (``_fsdp_param_group.py``) on a unit's forward
+  inputs; its node, ``RegisterPostBackwardFunctionBackward`` by ``Node.name()``, runs the
+  unit's ``post_backward``, which reduce-scatters the gradients and calls the sharded
+  parameters' post-accumulate-grad hooks in ``foreach_reduce``, every one of them before it
+  returns, each once. ``torch._C._current_autograd_node()`` is that node inside those hooks, and
+  a post hook registered on it while it runs (``Node.register_hook``) is called when it returns:
+  after the unit's last gradient, whichever parameters got one. A unit whose node did not run
+  (no input required grad) is reduced in FSDP2's end-of-backward callback, where there is no
+  current node.
 * FSDP2 builds each sharded gradient (``FSDPParam.to_sharded_dtensor``) on its parameter's
   own ``DTensorSpec`` object, so an identity check of ``_spec`` tells they are placed alike
   without comparing placements.
@@ -118,7 +121,8 @@ __all__ = [
     "drop_grads",
     "enclosing_backward_node",
     "flatten",
-    "fsdp_gradient_slots",
+    "fsdp_post_backward_node",
+    "fsdp_reduced_params",
     "fsdp_sync_off",
     "fsdp_units",
     "global_step_pre_hooks",
@@ -129,8 +133,6 @@ __all__ = [
     "read_grads",
     "read_requires_grad",
     "register_post_accumulate_grad_hook",
-    "slot_end",
-    "storage_numel",
     "traced",
     "watch_ddp",
 ]
@@ -281,30 +283,32 @@ def fsdp_sync_off() -> bool:
     )
 
 
-def fsdp_gradient_slots(params: Iterable[torch.Tensor]) -> dict[int, int]:
-    """``id(param)`` -> elements of the slot FSDP2 reserves for ``param``'s sharded gradient in
-    its unit's reduce-scatter output, for the ``params`` whose gradient FSDP2 leaves there (in a
-    ``fully_shard`` unit, not offloaded to the CPU)."""
+def fsdp_reduced_params(params: Iterable[torch.Tensor]) -> set[int]:
+    """Ids of the ``params`` whose gradient FSDP2 reduces and hands to the post-accumulate-grad
+    hooks from its unit's post-backward node: in a ``fully_shard`` unit, not offloaded to the
+    CPU (an offloaded unit's gradients are copied to the host; such units are left to the end
+    of backward, as no test here runs offloading, which needs an accelerator)."""
     wanted = {id(p) for p in params}
     return {
-        id(record.sharded_param): record.padded_sharded_param_size.numel()
+        id(record.sharded_param)
         for param_group in _fsdp_param_groups()
         for record in param_group.fsdp_params
         if id(record.sharded_param) in wanted and not record.offload_to_cpu
     }
 
 
-def storage_numel(grad: torch.Tensor) -> int:
-    """Elements in the storage of ``grad``'s local tensor: for a sharded gradient FSDP2 just
-    handed out, its unit's reduce-scatter output."""
-    local = local_tensor(grad)
-    return local.untyped_storage().nbytes() // local.element_size()
+def fsdp_post_backward_node() -> torch.autograd.graph.Node | None:
+    """The autograd node running FSDP2's post-backward of a unit, when called from inside it.
 
-
-def slot_end(grad: torch.Tensor, slot: int) -> int:
-    """Where, in elements of its storage, the slot of ``slot`` elements that starts at
-    ``grad``'s local tensor ends."""
-    return local_tensor(grad).storage_offset() + slot
+    torch 2.13: FSDP2 inserts ``RegisterPostBackwardFunction`` on a unit's forward inputs; its
+    backward runs ``FSDPParamGroup.post_backward``, which reduce-scatters the unit's gradients
+    and calls the sharded parameters' post-accumulate-grad hooks, one after the other, before
+    it returns. ``None`` from a hook that autograd's ``AccumulateGrad`` called, or one FSDP2
+    calls from its end-of-backward callback (a unit whose post-backward node did not run)."""
+    node = torch._C._current_autograd_node()
+    if node is not None and node.name() == "RegisterPostBackwardFunctionBackward":
+        return node
+    return None
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
