@@ -46,7 +46,7 @@ from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
 from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
 
-__all__ = ["ClassState"]
+__all__ = ["ClassState", "same_value"]
 
 # Attributes torch.optim.Optimizer itself keeps on an instance, and those the stepping engine
 # sets for one call: never the class's own state.
@@ -69,7 +69,9 @@ _PARAMS = ("params", "param_names")
 its own of, never state."""
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` hold the same value: tensors by shape and values, containers
+    item by item."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -80,9 +82,9 @@ def _same(a: Any, b: Any) -> bool:
             and bool(torch.equal(a, b))
         )
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_value, a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     try:
         return bool(a == b)
     except Exception:
@@ -91,7 +93,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``after`` that are new or differ from ``before``."""
-    return {k: v for k, v in after.items() if k not in before or not _same(before[k], v)}
+    return {k: v for k, v in after.items() if k not in before or not same_value(before[k], v)}
 
 
 class ClassState:
@@ -241,7 +243,7 @@ class ClassState:
         previous = seen.get(key)
         if previous is None:
             seen[key] = changes
-        elif not _same(previous, changes):
+        elif not same_value(previous, changes):
             self._disagree(where, previous, changes)
 
     @staticmethod

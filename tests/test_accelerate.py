@@ -23,6 +23,7 @@ from _frameworks import (
     max_difference,
     tiny_llama,
 )
+from _schedule_free import ScheduleFreeSGD
 from _toy import holds_gradient
 from test_never_silent import GroupStepLamb
 
@@ -155,6 +156,52 @@ def test_accelerate_loop_with_a_class_counting_in_its_groups():
     print(f"1 process, GroupStepLamb: max parameter difference {difference:.2e}")
 
 
+def _schedule_free_loop(in_backward: bool) -> tuple[dict, list[float]]:
+    """schedulefree's documented loop: ``optimizer.train()`` before training, ``eval()``
+    before evaluating, on the prepared optimizer; parameters and evaluation losses."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = tiny_llama()
+        loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=2)
+        if in_backward:
+            optim = OptimizerInBackward(model.parameters(), ScheduleFreeSGD, lr=0.5)
+            model, optim, loader = prepare(accelerator, model, optim, loader)
+        else:
+            optim = ScheduleFreeSGD(model.parameters(), lr=0.5)
+            model, optim, loader = accelerator.prepare(model, optim, loader)
+        evaluations = []
+        for index, batch in enumerate(loader):
+            if index == 2 * MICRO_BATCHES:
+                break
+            model.train()
+            optim.train()
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                if in_backward:
+                    backward(accelerator, loss, optim)
+                else:
+                    accelerator.backward(loss)
+                optim.step()
+                optim.zero_grad()
+            if index % 4 == 3:
+                model.eval()
+                optim.eval()
+                with torch.no_grad():
+                    evaluations.append(model(**batch).loss.item())
+        return full_params(model), evaluations
+
+
+@pytest.mark.filterwarnings("ignore:ScheduleFreeSGD is not declared")
+def test_accelerate_loop_with_a_schedule_free_optimizer():
+    """accelerate's ``AcceleratedOptimizer.train()``/``eval()`` call the optimizer's only where
+    it has them: before, ours had neither, and the loop's calls were skipped (1.1e-2 apart,
+    other evaluation losses, or the class refusing to step out of train mode)."""
+    plain, plain_evaluations = _schedule_free_loop(False)
+    ours, evaluations = _schedule_free_loop(True)
+    assert max_difference(ours, plain) < PARITY_ATOL
+    assert evaluations == plain_evaluations
+
+
 def _fsdp2_body(accumulation: int, clip: float | None, fsdp: str) -> float:
     return _parity(accumulation, clip, fsdp)
 
@@ -178,6 +225,38 @@ def _ddp_refused_body() -> None:
 
 def test_accelerate_ddp_is_refused_before_prepare(worlds):
     worlds.run(2, _ddp_refused_body)
+
+
+def _with_grad_scaler(accelerator: accelerate.Accelerator) -> None:
+    """What ``Accelerator(mixed_precision="fp16")`` does on a GPU (on the CPU it builds no
+    scaler): a ``torch.amp.GradScaler`` that ``accelerator.backward`` scales the loss by."""
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+    accelerator.native_amp = True
+
+
+def test_accelerate_grad_scaler_is_refused_before_anything_moves():
+    """A GradScaler on the accelerator: ``prepare`` accepted it, the first backward stepped the
+    scaled gradients (1.0e-2 moved) and the refusal came at the optimizer step. Refused in
+    ``prepare``, before anything is prepared; one put on the accelerator after ``prepare`` is
+    refused by ``accelerator.backward`` (and ``backward``) before the backward runs."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        _with_grad_scaler(accelerator)
+        model = tiny_llama()
+        before = full_params(model)
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+        with pytest.raises(ValueError, match=r"GradScaler.*mixed_precision=.bf16"):
+            prepare(accelerator, model, optim)
+        accelerator.scaler, accelerator.native_amp = None, False
+        model, optim = prepare(accelerator, model, optim)
+        _with_grad_scaler(accelerator)
+        batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=2)))
+        loss = model(**batch).loss
+        with pytest.raises(ValueError, match=r"GradScaler.*mixed_precision=.bf16"):
+            accelerator.backward(loss)
+        with pytest.raises(ValueError, match=r"GradScaler.*mixed_precision=.bf16"):
+            backward(accelerator, loss, optim)
+        assert max_difference(full_params(model), before) == 0.0
 
 
 def _decay_groups_run(in_backward: bool) -> tuple[list[torch.Tensor], list[float]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from _frameworks import (
     NORM_RTOL,
     PARITY_ATOL,
@@ -27,6 +28,7 @@ from _frameworks import (
     max_difference,
     tiny_llama,
 )
+from _schedule_free import ScheduleFreeSGD
 from _toy import holds_gradient
 from test_never_silent import GroupStepLamb
 from torch import nn
@@ -97,25 +99,31 @@ def _train(
     resume: str | None = None,
     one_unit: bool = False,
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
-    optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+    optimizer_cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None,
     dtype: torch.dtype = torch.float32,
+    model_fn: Callable[[], nn.Module] | None = None,
     **overrides: Any,
 ) -> dict:
     """Train a fresh tiny Llama with ``trainer_cls``, its parameters in ``dtype``; its
     parameters, norms and probe.
 
-    ``optimizer`` builds the optimizer passed in ``optimizers=`` from the model;
-    ``optimizer_cls_and_kwargs`` is passed as is."""
+    ``optimizer`` builds the optimizer passed in ``optimizers=`` from the model (or the
+    optimizer and its scheduler);
+    ``optimizer_cls_and_kwargs`` is passed as is (a class, or Trainer's optimizer factory);
+    ``model_fn``, if given, builds the model instead (``dtype`` and ``one_unit`` unused)."""
     with accelerate_on_cpu():
         probe = StepProbe()
-        model = (OneUnitLlama() if one_unit else tiny_llama()).to(dtype)
+        if model_fn is not None:
+            model = model_fn()
+        else:
+            model = (OneUnitLlama() if one_unit else tiny_llama()).to(dtype)
         trainer = trainer_cls(
             model=model,
             args=_args(out, **overrides),
             train_dataset=TokenDataset(),
             eval_dataset=TokenDataset() if "eval_strategy" in overrides else None,
             callbacks=[probe],
-            optimizers=(None if optimizer is None else optimizer(model), None),
+            optimizers=_optimizers(None if optimizer is None else optimizer(model)),
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         trainer.train(resume_from_checkpoint=resume)
@@ -129,7 +137,18 @@ def _train(
             "norms": norms,
             "in_backward": probe.in_backward,
             "gradient_state": gradient_state,
+            "logs": trainer.state.log_history,
         }
+
+
+def _optimizers(built: Any) -> tuple[Any, Any]:
+    """Trainer's ``optimizers=`` of what ``_train``'s ``optimizer`` built: an optimizer, or an
+    optimizer and its scheduler."""
+    return built if isinstance(built, tuple) else (built, None)
+
+
+def _logged(run: dict, key: str) -> list[float]:
+    return [log[key] for log in run["logs"] if key in log]
 
 
 def _assert_parity(ours: dict, plain: dict, *, steps: int = STEPS) -> float:
@@ -290,6 +309,62 @@ def test_trainer_with_a_class_counting_in_its_groups(tmp_path):
     _assert_parity(ours, plain)
 
 
+@pytest.mark.filterwarnings("ignore:ScheduleFreeSGD is not declared")
+def test_trainer_with_a_schedule_free_optimizer(tmp_path):
+    """Trainer calls ``optimizer.train()`` before each training step and ``optimizer.eval()``
+    before evaluating, where the optimizer has them: before, ours had neither, the class was
+    never put in train mode and refused to step; with train mode on from the start the run
+    evaluated at the training point (8.1e-3 apart, other eval losses, no error). See [Note: the
+    wrapped class's own methods]."""
+    kwargs = dict(
+        optimizer_cls_and_kwargs=(ScheduleFreeSGD, {"lr": 0.5}),
+        gradient_accumulation_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+    )
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    _assert_parity(ours, plain)
+    assert len(_logged(plain, "eval_loss")) == STEPS // 2
+    assert _logged(ours, "eval_loss") == _logged(plain, "eval_loss")
+
+
+def _adafactor_with_its_schedule(in_backward_: bool) -> Callable[[nn.Module], tuple]:
+    """transformers' documented Adafactor recipe: its own relative step size, reported by
+    ``AdafactorSchedule`` (which calls the class's static ``_get_lr``)."""
+    from transformers.optimization import Adafactor, AdafactorSchedule
+
+    def build(model: nn.Module) -> tuple:
+        kwargs = dict(scale_parameter=True, relative_step=True, warmup_init=False, lr=None)
+        if in_backward_:
+            optim = OptimizerInBackward(model.parameters(), Adafactor, **kwargs)
+        else:
+            optim = Adafactor(model.parameters(), **kwargs)
+        return optim, AdafactorSchedule(optim)
+
+    return build
+
+
+def test_trainer_with_adafactor_and_its_schedule(tmp_path):
+    """Before: ``AttributeError: 'OptimizerInBackward' object has no attribute '_get_lr'`` at
+    the first ``lr_scheduler.step()``, after the first update (1.0e-2 moved)."""
+    kwargs = dict(gradient_accumulation_steps=2)
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer=_adafactor_with_its_schedule(False),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer=_adafactor_with_its_schedule(True),
+        **kwargs,
+    )
+    _assert_parity(ours, plain)
+    assert _logged(ours, "learning_rate") == _logged(plain, "learning_rate")
+
+
 def test_trainer_resume_matches_uninterrupted_plain(tmp_path):
     """Accumulation 2, clipping: saved at step 2 and resumed to step 4, as plain AdamW."""
     kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
@@ -437,6 +512,149 @@ def test_trainable_parameters_outside_the_optimizer(tmp_path):
     print(f"decoder layers trained, the rest frozen: {_assert_parity(ours, plain):.2e}")
 
 
+def test_trainer_max_grad_norm_inf_measures_without_clipping(tmp_path):
+    """``max_grad_norm=inf``: Trainer's own "measure the norm, never clip" (it still logs
+    ``grad_norm``). It was passed on to the optimizer, which refused it at ``create_optimizer``;
+    it now means no clipping, as 0 does, and the logged norms are Trainer's."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=float("inf"))
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    print(f"max_grad_norm=inf: {_assert_parity(ours, plain):.2e}")
+
+
+class _GradScalerAtConstruction(transformers.Trainer):
+    """``fp16=True`` on a GPU: accelerate's ``Accelerator`` builds a ``torch.amp.GradScaler``
+    (only off the CPU). Put one on the accelerator where Trainer builds it."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator.scaler = torch.amp.GradScaler("cpu")
+        self.accelerator.native_amp = True
+
+
+def test_trainer_grad_scaler_is_refused_before_any_update(tmp_path):
+    """A GradScaler on the accelerator scales the loss, and each gradient would be stepped in
+    backward, scaled, before it could unscale it: the refusal came at the first optimizer step,
+    after the parameters moved (1.0e-2). Refused when the Trainer is built, or, for one put on
+    the accelerator afterwards, before the first backward; nothing moved."""
+    trainer_cls = in_backward_trainer(_GradScalerAtConstruction)
+    model = tiny_llama()
+    before = full_params(model)
+    with accelerate_on_cpu(), pytest.raises(ValueError, match=r"GradScaler.*bf16"):
+        trainer_cls(model=model, args=_args(tmp_path / "built"), train_dataset=TokenDataset())
+    with accelerate_on_cpu():
+        trainer = in_backward_trainer(transformers.Trainer)(
+            model=model,
+            args=_args(tmp_path / "afterwards", max_grad_norm=CLIP),
+            train_dataset=TokenDataset(),
+        )
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+        trainer.accelerator.native_amp = True
+        with pytest.raises(ValueError, match=r"GradScaler.*bf16"):
+            trainer.train()
+    assert max_difference(full_params(model), before) == 0.0
+
+
+class AdamWFactory:
+    """Trainer's optimizer-factory protocol, which transformers uses for Muon and Dion:
+    ``optimizer_cls_and_kwargs=(AdamWFactory, kwargs)``, and Trainer builds
+    ``AdamWFactory()(model, **kwargs)``. Groups of its own: the matrices decayed, the rest at a
+    tenth of the LR, undecayed (in another order than ``model.parameters()``)."""
+
+    def groups(self, model: nn.Module, lr: float) -> list[dict[str, Any]]:
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        others = [p for p in model.parameters() if p.ndim != 2]
+        return [
+            {"params": others, "lr": lr / 10, "weight_decay": 0.0},
+            {"params": matrices, "weight_decay": 0.1},
+        ]
+
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.groups(model, lr), lr=lr, betas=(0.9, 0.99))
+
+
+class AdagradFactory(AdamWFactory):
+    """A class that makes state when built (Adagrad's sums, from ``initial_accumulator_value``)."""
+
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(self.groups(model, lr), lr=lr, initial_accumulator_value=0.1)
+
+
+class InBackwardFactory(AdamWFactory):
+    """A factory building the in-backward optimizer itself (where it mixes classes per group,
+    as a Muon factory would): used as it is."""
+
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        return OptimizerInBackward(
+            self.groups(model, lr), torch.optim.AdamW, lr=lr, betas=(0.9, 0.99), max_grad_norm=CLIP
+        )
+
+
+@pytest.mark.parametrize(
+    ("plain_factory", "ours_factory"),
+    [
+        (AdamWFactory, AdamWFactory),
+        (AdagradFactory, AdagradFactory),
+        (AdamWFactory, InBackwardFactory),
+    ],
+    ids=["adamw-groups", "adagrad", "in-backward"],
+)
+def test_trainer_optimizer_factory_matches_plain(tmp_path, plain_factory, ours_factory):
+    """Trainer's optimizer factory (``optimizer_cls_and_kwargs=(Factory, kwargs)``): the
+    optimizer it builds is built again as an in-backward optimizer of its class, on its param
+    groups (state made at construction carried over), clipping at ``max_grad_norm``; a factory
+    building an ``OptimizerInBackward`` is used as it is. It raised ``TypeError: optimizer_cls
+    must be a torch.optim.Optimizer subclass`` at ``create_optimizer``. As plain, with
+    accumulation and clipping."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer_cls_and_kwargs=(plain_factory, {"lr": 1e-2}),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer_cls_and_kwargs=(ours_factory, {"lr": 1e-2}),
+        **kwargs,
+    )
+    assert min(plain["norms"]) > CLIP, plain["norms"]
+    print(f"optimizer factory {ours_factory.__name__}: {_assert_parity(ours, plain):.2e}")
+
+
+class TwoListSGD(torch.optim.SGD):
+    """A class built from two parameter lists (as an optimizer combining two could be): it
+    cannot be built again from its param groups."""
+
+    def __init__(self, matrices: list[torch.Tensor], others: list[torch.Tensor], lr: float):
+        super().__init__([{"params": matrices}, {"params": others, "lr": lr / 10}], lr=lr)
+
+
+class TwoListFactory:
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        return TwoListSGD(matrices, [p for p in model.parameters() if p.ndim != 2], lr)
+
+
+def test_trainer_optimizer_factory_not_rebuildable_is_refused(tmp_path):
+    """A factory's optimizer whose class cannot be built again from its param groups: refused
+    at ``create_optimizer``, naming the way out (the factory builds an ``OptimizerInBackward``),
+    before anything moved."""
+    model = tiny_llama()
+    before = full_params(model)
+    with accelerate_on_cpu():
+        trainer = in_backward_trainer(transformers.Trainer)(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=(TwoListFactory, {"lr": 1e-2}),
+        )
+        with pytest.raises(TypeError, match=r"TwoListSGD.*param groups.*OptimizerInBackward"):
+            trainer.train()
+    assert max_difference(full_params(model), before) == 0.0
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 
@@ -497,6 +715,35 @@ def _fsdp2_resume_body(out: str) -> dict[str, float]:
 def test_trainer_fsdp2_resume_restores_the_clipping_history(worlds, tmp_path):
     rows = worlds.run(2, _fsdp2_resume_body, out=str(tmp_path))
     print(f"FSDP2 per layer, clipped, resumed: {rows[0]}")
+
+
+def _native_fsdp2_body(out: str) -> float:
+    """transformers' own FSDP2: ``from_pretrained(path, distributed_config=DistributedConfig(
+    fsdp_size=2))`` shards the model at load (every parameter a DTensor), and Trainer prepares
+    it without wrapping it in DDP. accelerate's type is ``MULTI_CPU`` all the same, which the
+    integration refused as DDP at construction; ours equals plain. Accumulation 2 (Trainer
+    defers FSDP2's reduce-scatter on the first micro-batch), no clipping (several units)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    path = Path(out) / "tiny_llama"
+    if dist.get_rank() == 0:
+        tiny_llama().save_pretrained(path)
+    dist.barrier()
+
+    def load() -> nn.Module:
+        return transformers.LlamaForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(fsdp_size=2)
+        )
+
+    kwargs = dict(gradient_accumulation_steps=2, model_fn=load)
+    plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), Path(out) / "ours", **kwargs)
+    return _assert_parity(ours, plain)
+
+
+def test_trainer_on_transformers_fsdp2_matches_plain(worlds, tmp_path):
+    differences = worlds.run(2, _native_fsdp2_body, out=str(tmp_path))
+    print(f"transformers-native FSDP2: max parameter difference {max(differences):.2e}")
 
 
 def _ddp_refused_body(out: str) -> None:

@@ -16,15 +16,16 @@ The loop differs from the plain one in two places, both here::
             optim.zero_grad()
 
 Why each piece: :func:`prepare` is ``accelerator.prepare``, then :func:`check_accelerator`
-(DDP would step unreduced gradients) and :func:`hook_swapped_parameters` (FSDP2's prepare
-replaces the optimizer's parameters). ``accelerator.accumulate`` decides per micro-batch
-whether the optimizer steps (``accelerator.sync_gradients``) and skips ``optim.step()``
-otherwise, but an in-backward optimizer steps in backward, before ``step()``: :func:`prepare`
-makes ``accelerator.backward`` run a non-stepping micro-batch's backward under
-:meth:`OptimizerInBackward.accumulate` (:func:`backward` does the same for an accelerator
-prepared otherwise). The gradients are freed once stepped, so ``accelerator.clip_grad_norm_``
-would clip nothing (it raises: see [Note: freed gradients]): clip with ``max_grad_norm`` at
-construction and read the norm with ``grad_norm()``.
+(DDP would step unreduced gradients, fp16's GradScaler scaled ones) and
+:func:`hook_swapped_parameters` (FSDP2's prepare replaces the optimizer's parameters).
+``accelerator.accumulate`` decides per micro-batch whether the optimizer steps
+(``accelerator.sync_gradients``) and skips ``optim.step()`` otherwise, but an in-backward
+optimizer steps in backward, before ``step()``: :func:`prepare` makes ``accelerator.backward``
+run a non-stepping micro-batch's backward under :meth:`OptimizerInBackward.accumulate`
+(:func:`backward` does the same for an accelerator prepared otherwise). The gradients are freed
+once stepped, so ``accelerator.clip_grad_norm_`` would clip nothing (it raises: see
+[Note: freed gradients]): clip with ``max_grad_norm`` at construction and read the norm with
+``grad_norm()``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ DDP_REFUSAL = (
 )
 """The refusal of every multi-process type but FSDP2 (formatted with the type found)."""
 
+GRAD_SCALER_REFUSAL = (
+    "OptimizerInBackward cannot step in backward with accelerate's GradScaler "
+    "(accelerator.scaler: {found}), which accelerate builds for mixed_precision='fp16' (Trainer "
+    "fp16=True) off the CPU: accelerator.backward scales the loss, and each gradient would be "
+    "stepped in backward, scaled, before the GradScaler could unscale it or skip a step with "
+    "inf/NaN gradients. Use mixed_precision='bf16' (Trainer bf16=True), which needs no loss "
+    "scaling, with skip_nonfinite=True in the OptimizerInBackward to skip non-finite buckets; "
+    "or the plain optimizer with fp16."
+)
+"""The refusal of an accelerator holding a GradScaler (formatted with its type)."""
+
 
 def in_backward_optimizer(optimizer: Optimizer) -> OptimizerInBackward:
     """The :class:`OptimizerInBackward` inside ``optimizer`` (accelerate's
@@ -81,17 +93,34 @@ def in_backward_optimizer(optimizer: Optimizer) -> OptimizerInBackward:
     return inner
 
 
-def check_accelerator(accelerator: Accelerator) -> None:
-    """Refuse a distributed set-up in which stepping in backward would be wrong.
+def check_accelerator(accelerator: Accelerator, *, wraps_model: bool = True) -> None:
+    """Refuse a set-up in which stepping in backward would be wrong.
 
     One process, and FSDP2 (``fsdp_version: 2``), are accepted. Every other multi-process type
     wraps the model in ``DistributedDataParallel`` (or FSDP1's flat parameters, or DeepSpeed's
-    own optimizer), whose gradients are not final when the parameters' hooks run. Call it
-    before the first backward, so that nothing has been updated when it raises.
+    own optimizer), whose gradients are not final when the parameters' hooks run. A GradScaler
+    (``accelerator.scaler``, which accelerate builds for ``fp16`` off the CPU) is refused
+    whatever the type: ``accelerator.backward`` scales the loss, so the gradients stepped in
+    backward would be scaled, and the GradScaler unscales and checks them only at the step
+    (``OptimizerInBackward`` then raises, after the update). Call it before the first
+    backward, so that nothing has been updated when it raises.
+
+    Args:
+        accelerator: the accelerator that prepares the model and runs its backward.
+        wraps_model: whether ``accelerator.prepare`` will wrap the model for its distributed
+            type. ``False`` for a model transformers sharded at load
+            (``from_pretrained(..., distributed_config=...)``), which Trainer prepares
+            without wrapping (``prepare_model(..., evaluation_mode=True)``): its gradients are
+            reduced by FSDP2 before the hooks, whatever accelerate's type says
+            (``MULTI_CPU``/``MULTI_GPU``); only the GradScaler is checked then.
 
     Raises:
-        ValueError: for any distributed type but ``NO`` and FSDP2, naming what to use instead.
+        ValueError: for a GradScaler on the accelerator, naming bf16; for any distributed type
+            but ``NO`` and FSDP2 (when ``wraps_model``), naming what to use instead.
     """
+    _refuse_grad_scaler(accelerator)
+    if not wraps_model:
+        return
     state = accelerator.state
     if state.distributed_type == DistributedType.NO:
         return
@@ -101,6 +130,13 @@ def check_accelerator(accelerator: Accelerator) -> None:
     if state.distributed_type == DistributedType.FSDP:
         found = f"FSDP with fsdp_version {state.fsdp_plugin.fsdp_version}"
     raise ValueError(DDP_REFUSAL.format(found=found))
+
+
+def _refuse_grad_scaler(accelerator: Accelerator) -> None:
+    """Raise :data:`GRAD_SCALER_REFUSAL` if ``accelerator`` holds a GradScaler."""
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None:
+        raise ValueError(GRAD_SCALER_REFUSAL.format(found=type(scaler).__name__))
 
 
 def backward(
@@ -136,6 +172,9 @@ def _step_on_sync_only(accelerator: Accelerator, optimizer: OptimizerInBackward)
 
     @functools.wraps(original)
     def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+        # A GradScaler put on the accelerator after prepare() would scale this backward's
+        # gradients before they are stepped: refused before it runs.
+        _refuse_grad_scaler(accelerator)
         with _unless_syncing(accelerator, optimizer):
             original(loss, **kwargs)
 
@@ -160,13 +199,14 @@ def hook_swapped_parameters(optimizer: Optimizer) -> None:
 def prepare(accelerator: Accelerator, *args: Any) -> Any:
     """``accelerator.prepare(*args)`` for a loop with an :class:`OptimizerInBackward`.
 
-    Refuses a distributed type other than one process or FSDP2 (:func:`check_accelerator`)
-    before preparing anything, then hooks the parameters FSDP2's prepare swapped into each
-    in-backward optimizer among ``args`` (:func:`hook_swapped_parameters`), makes
-    ``accelerator.backward`` accumulate on the micro-batches it does not step on (so that
-    ``accelerator.backward(loss)`` works as :func:`backward`), and, with one model among
-    ``args``, takes the optimizers' gradient norm in its parameter order, as the loop's
-    ``clip_grad_norm_(model.parameters())`` takes it
+    Refuses a distributed type other than one process or FSDP2, and a GradScaler
+    (:func:`check_accelerator`), before preparing anything, then hooks the parameters FSDP2's
+    prepare swapped into each in-backward optimizer among ``args``
+    (:func:`hook_swapped_parameters`), makes ``accelerator.backward`` accumulate on the
+    micro-batches it does not step on (so that ``accelerator.backward(loss)`` works as
+    :func:`backward`; it also refuses a GradScaler put on the accelerator later, before the
+    backward runs), and, with one model among ``args``, takes the optimizers' gradient norm in
+    its parameter order, as the loop's ``clip_grad_norm_(model.parameters())`` takes it
     (:meth:`~fused_optim_dist.OptimizerInBackward.set_norm_order`). Returns what
     ``accelerator.prepare`` returns.
     """

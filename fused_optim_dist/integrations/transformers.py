@@ -11,11 +11,14 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
 
 * The optimizer Trainer would build (``args.optim``, ``optimizer_cls_and_kwargs``, with its
   weight-decay groups) is built as an :class:`~fused_optim_dist.OptimizerInBackward`; one passed
-  in ``optimizers=`` must already be one.
+  in ``optimizers=`` must already be one. An optimizer factory in ``optimizer_cls_and_kwargs``
+  (Trainer's protocol for Muon and Dion) builds its optimizer, which is built again in backward
+  from its class and param groups (:func:`_in_backward_rebuild`).
 * ``gradient_accumulation_steps``: the backward of every micro-batch but the last of a step
   runs under :meth:`~fused_optim_dist.OptimizerInBackward.accumulate`, so each step updates
   once, on the summed gradients.
-* ``max_grad_norm`` is the optimizer's in-backward clipping (one value; ``0`` turns it off),
+* ``max_grad_norm`` is the optimizer's in-backward clipping (one value; ``0`` or ``inf``, as
+  for Trainer, turns it off),
   and the logged ``grad_norm`` is :meth:`~fused_optim_dist.OptimizerInBackward.grad_norm`:
   Trainer's own clipping would run after the gradients were stepped and freed. With several
   FSDP units clipping follows [Note: clipping inside one backward] in
@@ -25,16 +28,20 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
 * Every trainable parameter of the model must be in the optimizer: Trainer clips and logs the
   norm over all of them, the optimizer over its own. Others are refused before the backward
   (freeze them, or add them to the optimizer).
-* Data parallel: FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2}``) is supported;
-  DistributedDataParallel, Trainer's default under ``torchrun``, is refused when the Trainer is
-  built, before any update.
+* Data parallel: FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2}``, or a model transformers
+  sharded at load with ``distributed_config``) is supported; DistributedDataParallel, Trainer's
+  default under ``torchrun``, is refused when the Trainer is built, before any update.
+* ``fp16=True`` off the CPU (accelerate's GradScaler, which would scale the gradients stepped in
+  backward) is refused when the Trainer is built; use ``bf16=True``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +49,8 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from fused_optim_dist import InBackwardOptions
+from fused_optim_dist._class_state import same_value
+from fused_optim_dist._options import _accepted_arguments
 from fused_optim_dist._torch_internals import fsdp_units
 from fused_optim_dist.integrations.accelerate import (
     check_accelerator,
@@ -59,16 +68,120 @@ logger = logging.getLogger(__name__)
 
 
 def _clip_norm(max_grad_norm: float | None) -> float | None:
-    """Trainer clips when ``max_grad_norm > 0``; the optimizer's value for the same meaning."""
-    return float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
+    """The optimizer's ``max_grad_norm`` for Trainer's: a finite value above 0, or ``None``.
+
+    Trainer clips when ``max_grad_norm > 0``; ``inf`` is its own way to measure the norm and
+    never clip (``clip_grad_norm_(params, inf)`` scales by 1, and Trainer still logs the
+    norm), which the optimizer spells ``None``: ``grad_norm()`` is measured either way."""
+    if max_grad_norm is None or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+        return None
+    return float(max_grad_norm)
+
+
+def _is_optimizer_factory(optimizer_cls: Any) -> bool:
+    """Whether Trainer takes ``optimizer_cls`` for an optimizer factory: anything but a
+    ``torch.optim.Optimizer`` subclass (``transformers.trainer_optimizer.is_optimizer_factory``),
+    which Trainer builds as ``optimizer_cls()(model, **kwargs)`` (Muon, Dion). A dotted path
+    (a string) stays a class here, as :func:`~fused_optim_dist.in_backward` takes it."""
+    if isinstance(optimizer_cls, str):
+        return False
+    return not (
+        isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
+    )
+
+
+def _same_groups(ours: list[dict[str, Any]], built: list[dict[str, Any]]) -> bool:
+    """The same parameters, in the same order, with the same values, group by group."""
+
+    def values(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    return len(ours) == len(built) and all(
+        list(map(id, mine["params"])) == list(map(id, theirs["params"]))
+        and same_value(values(mine), values(theirs))
+        for mine, theirs in zip(ours, built, strict=True)
+    )
+
+
+def _in_backward_rebuild(
+    built: torch.optim.Optimizer, max_grad_norm: float | None
+) -> OptimizerInBackward:
+    """The optimizer a factory ``built``, built again as an :class:`OptimizerInBackward` of its
+    class clipping at ``max_grad_norm``: on its param groups (every value each holds), with its
+    defaults that the class's constructor takes (for groups added later), and its state (a
+    class making state when built, e.g. Adagrad's sums; the rebuilt one makes the same).
+
+    A factory's optimizer is a built object, and stepping in backward needs the class and the
+    groups: what the class makes of its groups is checked to be the groups ``built`` holds, so
+    the updates are the ones ``built`` would make. An ``OptimizerInBackward`` is returned as it
+    is (a factory mixing classes per group builds one itself).
+
+    Raises:
+        TypeError: if the class cannot be built from the groups, or builds other ones (a class
+            built from two parameter lists, or from the model).
+    """
+    if isinstance(built, OptimizerInBackward):
+        return built
+    cls = type(built)
+    accepted = _accepted_arguments(cls)
+    defaults = {
+        k: v
+        for k, v in built.defaults.items()
+        if k != "params" and (accepted is None or k in accepted)
+    }
+    groups = [dict(group) for group in built.param_groups]
+    refusal = (
+        f"Trainer's optimizer factory built a {cls.__qualname__}, which cannot be built again "
+        f"as OptimizerInBackward({cls.__qualname__}) from its param groups"
+    )
+    advice = (
+        ". Make the factory return an OptimizerInBackward (param groups may name their own "
+        "class under 'optimizer_cls', see docs/whole_tensor.md), with max_grad_norm="
+        f"{max_grad_norm} (TrainingArguments.max_grad_norm), or pass optimizers=(...)"
+    )
+    options = InBackwardOptions(max_grad_norm=max_grad_norm)
+    try:
+        rebuilt = OptimizerInBackward(groups, cls, options=options, **defaults)
+    except TypeError as e:
+        raise TypeError(f"{refusal} ({e}){advice}") from e
+    if not _same_groups(rebuilt.param_groups, built.param_groups):
+        rebuilt.detach()
+        raise TypeError(f"{refusal}: its constructor made other groups of them{advice}")
+    if built.state:
+        rebuilt.load_state_dict(built.state_dict())
+    return rebuilt
+
+
+class _InBackwardFactory:
+    """Trainer's optimizer-factory protocol around ``factory``: Trainer builds
+    ``_InBackwardFactory(factory, ...)()(model, **kwargs)``, which is
+    ``factory()(model, **kwargs)`` built again in backward (:func:`_in_backward_rebuild`)."""
+
+    def __init__(self, factory: Any, max_grad_norm: float | None) -> None:
+        self.factory = factory
+        self.max_grad_norm = max_grad_norm
+
+    def __repr__(self) -> str:
+        # Trainer reads str(optimizer_cls) (a bitsandbytes check): the factory's name stays in.
+        return f"_InBackwardFactory({self.factory!r})"
+
+    def __call__(self) -> Callable[..., OptimizerInBackward]:
+        build = self.factory()
+
+        def build_in_backward(model: nn.Module, **kwargs: Any) -> OptimizerInBackward:
+            return _in_backward_rebuild(build(model, **kwargs), self.max_grad_norm)
+
+        return build_in_backward
 
 
 def _in_backward_cls_and_kwargs(
     optimizer_cls: Any, kwargs: dict[str, Any], max_grad_norm: float | None
-) -> tuple[type[OptimizerInBackward], dict[str, Any]]:
-    """Trainer's optimizer class and arguments, as an in-backward class clipping at
-    ``max_grad_norm``. A class that is already one keeps the options it was given (checked
-    against ``max_grad_norm`` once built)."""
+) -> tuple[Any, dict[str, Any]]:
+    """Trainer's optimizer class (or factory) and arguments, as an in-backward class (or a
+    factory building one) clipping at ``max_grad_norm``. A class that is already one keeps the
+    options it was given (checked against ``max_grad_norm`` once built)."""
+    if _is_optimizer_factory(optimizer_cls):
+        return _InBackwardFactory(optimizer_cls, max_grad_norm), kwargs
     if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, OptimizerInBackward):
         if "options" in kwargs or "max_grad_norm" in kwargs:
             return optimizer_cls, kwargs
@@ -117,20 +230,33 @@ class InBackwardTrainerMixin:
 
     Raises (when the Trainer is built, before anything is updated):
         ValueError: under DistributedDataParallel, FSDP1 or DeepSpeed (use ``fsdp`` with
-            ``fsdp_config={"version": 2}``); or an optimizer passed in ``optimizers=`` whose
-            ``max_grad_norm`` differs from ``args.max_grad_norm``.
+            ``fsdp_config={"version": 2}``); with a GradScaler on the accelerator (``fp16``:
+            use ``bf16``; one put there later is refused at the next training step, before its
+            backward); or an optimizer passed in ``optimizers=`` whose ``max_grad_norm``
+            differs from ``args.max_grad_norm``.
         TypeError: an optimizer passed in ``optimizers=`` that is not an
-            :class:`~fused_optim_dist.OptimizerInBackward`.
+            :class:`~fused_optim_dist.OptimizerInBackward` (and, when the optimizer is built, a
+            factory's optimizer that cannot be built again in backward).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        check_accelerator(self.accelerator)
+        self._in_backward_check_accelerator()
         if self.optimizer is not None:
             self._in_backward_optimizer(self.optimizer)
         self.add_callback(_HookSwappedParameters())
 
     # Names prefixed `_in_backward_`: the mixin shares the namespace of any Trainer subclass.
+    def _in_backward_check_accelerator(self) -> None:
+        """:func:`check_accelerator` on this Trainer's accelerator. A model transformers sharded
+        at load (``from_pretrained(..., distributed_config=...)``, FSDP2 DTensors) is prepared
+        without a DDP wrap (Trainer's ``is_distributed_loading_by_transformers`` path), though
+        accelerate's type is ``MULTI_CPU``/``MULTI_GPU``: FSDP2 reduces its gradients before
+        the hooks. Gradient hooks transformers adds there (tensor parallel, replicated
+        adapters) are refused by the optimizer at the first backward, before any update."""
+        sharded_at_load = bool(getattr(self, "is_distributed_loading_by_transformers", False))
+        check_accelerator(self.accelerator, wraps_model=not sharded_at_load)
+
     @property
     def _in_backward_max_grad_norm(self) -> float | None:
         return _clip_norm(self.args.max_grad_norm)
@@ -143,7 +269,7 @@ class InBackwardTrainerMixin:
                 f"TrainingArguments.max_grad_norm={self.args.max_grad_norm} but the "
                 f"OptimizerInBackward clips at max_grad_norm={inner.max_grad_norm}. Clipping "
                 "happens in backward with the optimizer's value, so give both the same value "
-                "(for no clipping: max_grad_norm=0 in the arguments, None in the optimizer)"
+                "(for no clipping: max_grad_norm=0 or inf in the arguments, None in the optimizer)"
             )
         return inner
 
@@ -178,6 +304,9 @@ class InBackwardTrainerMixin:
         (``accelerator.sync_gradients`` false, set by Trainer before each one) only
         accumulates its gradients."""
         optimizer = self._in_backward_optimizer(self.optimizer)
+        # Again before each backward: a GradScaler put on the accelerator after construction
+        # would scale the gradients stepped in this one.
+        self._in_backward_check_accelerator()
         _check_holds_trainable(optimizer, model)
         if self.accelerator.sync_gradients:
             return super().training_step(model, inputs, num_items_in_batch)
