@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import operator
 import warnings
 import weakref
@@ -973,6 +974,69 @@ class OptimizerInBackward(Optimizer):
         not have (the model wrapped differently) is dropped, never applied to another bucket."""
         plan = self._current_plan()
         self._gradients.load_state_dict(state, [bucket.key for bucket in plan.buckets])
+
+    # ------------------------------------------------------------------ the wrapped class's own API
+
+    @property
+    def train(self) -> Callable[[], None]:
+        """The wrapped classes' ``train()``, run on this optimizer's groups and state.
+
+        [Note: the wrapped class's own methods]
+        Schedule-free optimizers keep the weights at the point gradients are taken at while
+        training, and move them to the averaged point for evaluation: a loop calls
+        ``optimizer.train()`` before training and ``optimizer.eval()`` before evaluating, and
+        Hugging Face Trainer and accelerate's ``AcceleratedOptimizer`` call them where the
+        optimizer has them (``hasattr``). So ``train`` and ``eval`` exist here exactly when a
+        class of the param groups defines them, and run it as the plain optimizer's method:
+        on that class's groups and ``state`` (the parameters themselves, DTensors included),
+        where the class's step reads them. Without them the frameworks skipped the calls
+        silently: evaluated at the training point, the class's mode flag never switched (1.1e-2
+        apart after 12 steps of accelerate's loop). Likewise a static or class method of the
+        class is reached through the optimizer (:meth:`__getattr__`): transformers'
+        ``AdafactorSchedule`` calls ``optimizer._get_lr(group, state)``.
+        """
+        return self._class_method("train")
+
+    @property
+    def eval(self) -> Callable[[], None]:
+        """The wrapped classes' ``eval()``. See [Note: the wrapped class's own methods]."""
+        return self._class_method("eval")
+
+    def _class_method(self, name: str) -> Callable[[], None]:
+        """``name()`` of every class of the groups that defines it, each on its own groups and
+        the state; ``AttributeError`` if none does, as for the plain optimizer."""
+        inners = [
+            (key, stepper.optimizer)
+            for key, stepper in self._stepper.steppers.items()
+            if callable(getattr(type(stepper.optimizer), name, None))
+        ]
+        if not inners:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}: no optimizer class "
+                f"of its param groups defines {name}()"
+            )
+
+        def run() -> None:
+            for key, inner in inners:
+                groups = [g for g in self.param_groups if g.get(GROUP_CLASS_KEY) == key]
+                inner.param_groups, inner.state = groups, self.state
+                try:
+                    getattr(type(inner), name)(inner)
+                finally:
+                    inner.param_groups, inner.state = [], defaultdict(dict)
+
+        return run
+
+    def __getattr__(self, name: str) -> Any:
+        """A static or class method of the default class, reached through the optimizer as
+        through the plain one. See [Note: the wrapped class's own methods]."""
+        stepper = self.__dict__.get("_stepper")
+        if stepper is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        cls = type(stepper.steppers[None].optimizer)
+        if isinstance(inspect.getattr_static(cls, name, None), staticmethod | classmethod):
+            return getattr(cls, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ detaching
 

@@ -427,3 +427,67 @@ def test_state_dict_matches_plain_optimizer_and_round_trips():
         assert_match(net, reference)
     assert_same_state_dict(restored.state_dict(), ref_optim.state_dict(), atol=PLAIN_ATOL)
     assert_same_state_dict(from_plain.state_dict(), ref_optim.state_dict(), atol=PLAIN_ATOL)
+
+
+# ---------------------------------------------------------------------------------- the class's API
+
+
+def _schedule_free_run(in_backward_: bool) -> tuple[nn.Module, list[torch.Tensor]]:
+    """Train with ``train()`` before each step and evaluate after ``eval()`` every other one."""
+    from _schedule_free import ScheduleFreeSGD
+
+    model, _ = make_models()
+    if in_backward_:
+        optim = OptimizerInBackward(model.parameters(), ScheduleFreeSGD, lr=0.1)
+    else:
+        optim = ScheduleFreeSGD(model.parameters(), lr=0.1)
+    evaluations = []
+    for step in range(4):
+        x, y = batch(step)
+        optim.train()
+        loss_fn(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+        if step % 2:
+            optim.eval()
+            with torch.no_grad():
+                evaluations.append(model(x))
+    return model, evaluations
+
+
+@pytest.mark.filterwarnings("ignore:ScheduleFreeSGD is not declared")
+def test_train_and_eval_of_the_class_run_on_its_groups():
+    """A schedule-free optimizer's ``train()``/``eval()`` move the parameters between its two
+    points. Before, ``OptimizerInBackward`` had neither: the loop failed (the class refuses to
+    step out of train mode), and where frameworks call them only if present (Trainer,
+    accelerate) they were skipped, 1.1e-2 apart. See [Note: the wrapped class's own methods]."""
+    model, evaluations = _schedule_free_run(in_backward_=True)
+    reference, plain_evaluations = _schedule_free_run(in_backward_=False)
+    assert_match(model, reference)
+    for ours, plain in zip(evaluations, plain_evaluations, strict=True):
+        torch.testing.assert_close(ours, plain, rtol=0, atol=PLAIN_ATOL)
+
+
+class _WithStaticMethods(torch.optim.AdamW):
+    @staticmethod
+    def _rate(group: dict) -> float:
+        return group["lr"] * 2
+
+    @classmethod
+    def _name(cls) -> str:
+        return cls.__name__
+
+    def _instance_method(self) -> None:
+        """Not reached through ``OptimizerInBackward``: it would run on the wrapped instance,
+        whose groups are not this optimizer's."""
+
+
+def test_static_and_class_methods_of_the_class_are_reached():
+    """transformers' ``AdafactorSchedule`` calls ``optimizer._get_lr(group, state)``, a static
+    method: ``AttributeError`` after the first update before."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), _WithStaticMethods, lr=0.5)
+    assert optim._rate(optim.param_groups[0]) == 1.0
+    assert optim._name() == "_WithStaticMethods"
+    for name in ("_instance_method", "train", "eval", "missing"):
+        assert not hasattr(optim, name), name
