@@ -153,8 +153,8 @@ def update_flat(
     """The update of a whole batch in whole-tensor ops, one call each: float32 weights ``x``
     (bfloat16 values, their error in ``buffers["weight_error"]`` where it is there) and
     gradients ``g``; the state ``buffers`` decoded, updated and encoded in place. ``x``, ``g``
-    and the buffers of one value per element are flat, or in rows of one group
-    (:meth:`Groups.rows`). Returns the new weights, flat (bfloat16 where they keep an
+    and the buffers of one value per element (``PER_ELEMENT``) come as :meth:`Groups.rows`
+    shapes them (flat for vectors). Returns the new weights, flat (bfloat16 where they keep an
     error)."""
     split = "weight_error" in buffers
     if split:
@@ -165,7 +165,6 @@ def update_flat(
         m = join24(buffers["exp_avg"], buffers["exp_avg_error"])
         v = join24(buffers["exp_avg_sq"], buffers["exp_avg_sq_error"])
     else:
-        x, g = groups.view(x), groups.view(g)
         m = decode_momentum(buffers["exp_avg_code"], buffers["exp_avg_scale"], groups, h.compand)
         root = decode_root(
             buffers["exp_avg_sq_root_code"],
@@ -213,6 +212,9 @@ FlatUpdate = Callable[
 
 
 # ------------------------------------------------------------------------------ flat batches
+
+PER_ELEMENT = ("weight_error", "exp_avg_code", "exp_avg_sq_root_code")
+"""The state of one value per element (a 4-bit code: half a byte) of a matrix's batch."""
 
 
 class FlatBatch:
@@ -278,10 +280,6 @@ class FlatBatch:
                 torch._foreach_copy_(targets, pieces)
 
         return write
-
-
-PER_ELEMENT = ("weight_error", "exp_avg_code", "exp_avg_sq_root_code")
-"""The state of one value per element (a 4-bit code: half a byte) of a matrix's batch."""
 
 
 def _step_counts(steps: torch.Tensor) -> list[float]:

@@ -33,7 +33,11 @@ calls all its hooks from one autograd node, the unit's post-backward
 it registers a post hook on that node, which closes the unit when the node returns, on the
 stream the hook ran on. Every rank reduces the same parameters of a unit, so every rank closes
 it at the same point. A unit FSDP2 reduces in its end-of-backward callback (one whose forward
-inputs did not require grad, such as an embedding's) is stepped at the end of backward.
+inputs did not require grad, such as an embedding's), or without calling the hooks from a node
+(compiled autograd), is stepped at the end of backward. A unit the forward applied twice is
+reduced twice: what the first reduction handed out is stepped at its node, the rest later, as
+a second part, which is refused where clipping or the non-finite check would take the parts
+apart (``_refuse_second_part``).
 
 Neither the count of a unit's gradients nor what they look like can tell the last one. A
 gradient autograd accumulates into a sharded parameter itself (a penalty on the weights the
@@ -44,9 +48,9 @@ micro-batch's output, so one unit's gradients span two buffers: told by where it
 its buffer, the unit was closed early. Either way the rest of the unit was stepped as a second
 part (clipped by another norm, judged non-finite apart) or refused after the first part
 moved. A parameter of the unit that holds a gradient FSDP2 did not hand out in this backward
-(accumulated in an earlier micro-batch, or zeros kept by ``zero_grad(set_to_none=False)``)
-keeps the unit open until the end of backward, where it is stepped whole: one norm, one
-clipping, one non-finite verdict, as ``step()`` takes them.
+(accumulated in an earlier micro-batch under ``accumulate()``) keeps the unit open until the
+end of backward, where it is stepped whole: one norm, one clipping, one non-finite verdict, as
+``step()`` takes them.
 
 [Note: classes stepped jointly]
 A plain optimizer's ``step()`` is one call over all its parameters, and a class may reduce over
@@ -249,12 +253,12 @@ class BackwardPass:
             self._refuse(param, bucket)
         if self._pending and self._pending.holds(param):
             self._pending.refuse_second_gradient(param)
+        grad = param.grad
+        if grad is None:
+            # Dropped by a hook that ran before ours: no gradient in this backward, as the
+            # plain optimizer's step finds it.
+            return
         if key in self._plan.plain_ids:
-            grad = param.grad
-            if grad is None:
-                # Dropped by a hook that ran before ours: no gradient in this backward, as the
-                # plain optimizer's step finds it.
-                return
             base = grad._base
             if base is not None and base.numel() > param.numel() and self._record:
                 # See [Note: gradients in a flat buffer] in _protocol.py.
@@ -268,7 +272,7 @@ class BackwardPass:
             if bucket.index not in self._closing:
                 node = fsdp_post_backward_node()
                 if node is not None:
-                    self._close_after(node, bucket, param.grad)
+                    self._close_after(node, bucket, grad)
         elif len(arrived) == len(bucket.params):
             del self._arrived[bucket.index]
             self._step_bucket(bucket, bucket.params)
@@ -328,6 +332,24 @@ class BackwardPass:
             "such a term after the forward, or build a plain optimizer for this model"
         )
 
+    def _refuse_second_part(self, bucket: Bucket) -> None:
+        """Raise if part of ``bucket`` was stepped earlier in this pass: clipped by its own
+        norm and judged non-finite on its own, the rest would be too, where
+        ``clip_grad_norm_`` and the plain loop's non-finite check take the step's gradients
+        together. FSDP2 reduces a unit twice in one backward when the forward applied it twice
+        (each time on other parameters: a block reused with another branch); what it reduces
+        first is stepped before the second reduction can be seen."""
+        if not any(id(p) in self._stepped for p in bucket.params):
+            return
+        raise RuntimeError(
+            "a bucket of this optimizer received gradients after part of it was stepped in this "
+            "backward, with max_grad_norm or skip_nonfinite: the parts would be clipped and "
+            "checked apart, where the plain loop clips and checks the step's gradients "
+            "together. The usual cause is an FSDP2 unit applied twice in one forward (FSDP2 "
+            "then reduces it twice); give each part applied separately its own fully_shard, or "
+            "clip and check in the plain optimizer"
+        )
+
     def step_all(self, params: Sequence[torch.Tensor]) -> None:
         """Step ``params`` (members of the plan holding gradients) bucket by bucket, in order.
 
@@ -380,6 +402,8 @@ class BackwardPass:
     @torch.no_grad()
     def _step_bucket(self, bucket: Bucket, params: Sequence[torch.Tensor]) -> None:
         """Clip and step one bucket's parameters, then free their gradients."""
+        if self._record and self._gradients.reduces_per_bucket:
+            self._refuse_second_part(bucket)
         with traced("fused_optim_dist::step_bucket"):
             grads = None
             try:

@@ -263,6 +263,12 @@ class GradientProcessor:
         self.norm_order: dict[int, int] = {}
 
     @property
+    def reduces_per_bucket(self) -> bool:
+        """Whether each bucket's step depends on the norm seen so far (clipping by norm, or
+        the non-finite check)."""
+        return self._reduce_per_bucket
+
+    @property
     def active(self) -> bool:
         return self._needs_norm or self.clip_grad_value is not None
 

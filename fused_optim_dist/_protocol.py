@@ -360,7 +360,11 @@ class PendingUpdates:
             "this gradient comes from another model's loss (a GAN generator's loss flowing "
             "through the discriminator), freeze these parameters for that backward "
             "(requires_grad_(False)) or run it under this optimizer's accumulate() and drop "
-            "the gradients with zero_grad()."
+            "the gradients with zero_grad(). If the earlier backward only wanted an input's "
+            "gradient (an adversarial example, its parameter gradients then dropped), it "
+            "already updated the parameters: take that gradient with "
+            "torch.autograd.grad(loss, inputs) or backward(inputs=[...]), which leave the "
+            "parameters alone."
         )
 
     def refuse_changed_groups(

@@ -49,11 +49,14 @@ Everything else in the package uses public APIs. What this module relies on, for
   inputs; its node, ``RegisterPostBackwardFunctionBackward`` by ``Node.name()``, runs the
   unit's ``post_backward``, which reduce-scatters the gradients and calls the sharded
   parameters' post-accumulate-grad hooks in ``foreach_reduce``, every one of them before it
-  returns, each once. ``torch._C._current_autograd_node()`` is that node inside those hooks, and
-  a post hook registered on it while it runs (``Node.register_hook``) is called when it returns:
-  after the unit's last gradient, whichever parameters got one. A unit whose node did not run
-  (no input required grad) is reduced in FSDP2's end-of-backward callback, where there is no
-  current node.
+  returns. ``torch._C._current_autograd_node()`` is that node inside those hooks, and a post
+  hook registered on it while it runs (``Node.register_hook``) is called when it returns:
+  after the last gradient of that reduction, whichever parameters got one. A unit the forward
+  applied twice is reduced twice in one backward (the second time in its first application's
+  node or in the end-of-backward callback). A unit whose node did not run (no input required
+  grad) is reduced in FSDP2's end-of-backward callback, where there is no current node. Under
+  compiled autograd ``foreach_reduce`` calls no hook (compiled autograd runs them), so there is
+  no such node either.
 * FSDP2 builds each sharded gradient (``FSDPParam.to_sharded_dtensor``) on its parameter's
   own ``DTensorSpec`` object, so an identity check of ``_spec`` tells they are placed alike
   without comparing placements.
@@ -285,15 +288,15 @@ def fsdp_sync_off() -> bool:
 
 def fsdp_reduced_params(params: Iterable[torch.Tensor]) -> set[int]:
     """Ids of the ``params`` whose gradient FSDP2 reduces and hands to the post-accumulate-grad
-    hooks from its unit's post-backward node: in a ``fully_shard`` unit, not offloaded to the
-    CPU (an offloaded unit's gradients are copied to the host; such units are left to the end
-    of backward, as no test here runs offloading, which needs an accelerator)."""
+    hooks from its unit's post-backward node: those in a ``fully_shard`` unit (offloaded to
+    the CPU too: FSDP2 then copies each gradient to the host before its hooks, synchronously
+    when a hook is registered)."""
     wanted = {id(p) for p in params}
     return {
         id(record.sharded_param)
         for param_group in _fsdp_param_groups()
         for record in param_group.fsdp_params
-        if id(record.sharded_param) in wanted and not record.offload_to_cpu
+        if id(record.sharded_param) in wanted
     }
 
 

@@ -1011,10 +1011,8 @@ class OptimizerInBackward(Optimizer):
             if callable(getattr(type(stepper.optimizer), name, None))
         ]
         if not inners:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}: no optimizer class "
-                f"of its param groups defines {name}()"
-            )
+            # Python then asks __getattr__, whose AttributeError is the one raised.
+            raise AttributeError(name)
 
         def run() -> None:
             for key, inner in inners:
@@ -1031,12 +1029,14 @@ class OptimizerInBackward(Optimizer):
         """A static or class method of the default class, reached through the optimizer as
         through the plain one. See [Note: the wrapped class's own methods]."""
         stepper = self.__dict__.get("_stepper")
-        if stepper is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        cls = type(stepper.steppers[None].optimizer)
-        if isinstance(inspect.getattr_static(cls, name, None), staticmethod | classmethod):
-            return getattr(cls, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if stepper is not None and not name.startswith("__"):
+            cls = type(stepper.steppers[None].optimizer)
+            if isinstance(inspect.getattr_static(cls, name, None), staticmethod | classmethod):
+                return getattr(cls, name)
+        missing = f"{type(self).__name__!r} object has no attribute {name!r}"
+        if name in ("train", "eval"):
+            missing += f": no optimizer class of its param groups defines {name}()"
+        raise AttributeError(missing)
 
     # ------------------------------------------------------------------ detaching
 

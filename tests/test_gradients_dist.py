@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _toy import (
+    Block,
     assert_match,
     batch,
     clip_like_in_backward,
@@ -25,7 +26,7 @@ from _toy import (
     unit_order,
 )
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fused_optim_dist._options
@@ -582,16 +583,18 @@ def test_one_unit_with_a_branch_in_one_micro_batch(worlds, branch_in, guard):
     worlds.run(2, _one_unit_two_micro_batches_body, branch_in=branch_in, guard=guard)
 
 
-def _penalty_body(before_forward: bool) -> None:
+def _penalty_body(before_forward: bool, offload: bool = False) -> None:
     """An L2 penalty on the parameters the modules hold (the sharded DTensors of the two inner
-    units, resharded after the forward) added to the loss, before or after the forward."""
+    units, resharded after the forward) added to the loss, before or after the forward;
+    ``offload``: the units offloaded to the CPU (``CPUOffloadPolicy``)."""
+    policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if offload else {}
     models = []
     for _ in range(2):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
         for layer in (model[0], model[2]):
-            fully_shard(layer)
-        models.append(fully_shard(model))
+            fully_shard(layer, **policy)
+        models.append(fully_shard(model, **policy))
     model, reference = models
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **KWARGS)
     ref_optim = torch.optim.AdamW(reference.parameters(), **KWARGS)
@@ -619,13 +622,14 @@ def _penalty_body(before_forward: bool) -> None:
             assert torch.equal(p.to_local(), q.to_local()), step
 
 
-def test_penalty_on_the_sharded_parameters(worlds):
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
+def test_penalty_on_the_sharded_parameters(worlds, offload):
     """Computed after the forward, the penalty's gradients reach the sharded parameters through
     autograd's AccumulateGrad before FSDP2 reduces their units (autograd runs later nodes
     first), and each unit closes after FSDP2's gradients: equal. Before, those gradients
     completed each unit (every parameter had one) and it was stepped before FSDP2 added its
-    own, then refused."""
-    worlds.run(2, _penalty_body, before_forward=False)
+    own, then refused (offloaded units kept that count until the review after it)."""
+    worlds.run(2, _penalty_body, before_forward=False, offload=offload)
 
 
 def _penalty_before_forward_body() -> None:
@@ -641,3 +645,74 @@ def test_penalty_before_the_forward_refused(worlds):
     """Computed before the forward, the penalty's gradients arrive after FSDP2 has reduced the
     unit and it was stepped: refused (after that unit moved; documented in differences.md)."""
     worlds.run(2, _penalty_before_forward_body)
+
+
+class _AppliedTwice(nn.Module):
+    """One FSDP2 unit applied twice per forward, each time with its other layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        return torch.tanh((self.a if which == "a" else self.b)(x))
+
+
+def _applied_twice_body(guard: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.t = fully_shard(_AppliedTwice())
+    fully_shard(model)  # the root holds no parameter: one bucket in all
+    options = dict(max_grad_norm=0.05) if guard == "clip" else dict(skip_nonfinite=True)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **options, **KWARGS)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with pytest.raises(RuntimeError, match="after part of it was stepped in this backward"):
+        model.t(model.t(x, "a"), "b").square().mean().backward()
+    del optim
+
+
+@pytest.mark.parametrize("guard", ["clip", "skip_nonfinite"])
+def test_unit_applied_twice_refused_with_clipping(worlds, guard):
+    """FSDP2 reduces a unit applied twice (on other parameters each time) twice in one
+    backward; each part was clipped by its own norm (8.7e-4 apart after two steps,
+    ``grad_norm()`` 0.583 for 1.219) or judged non-finite on its own (1.0e-2), no error.
+    Refused at the second part (the first has moved: nothing tells the first reduction from
+    the only one)."""
+    worlds.run(2, _applied_twice_body, guard=guard)
+
+
+def _dropping_hook_body(dropped: int) -> None:
+    """A hook registered before the optimizer drops one parameter's gradient (``p.grad =
+    None``) in the middle unit of an FSDP2 model."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), *(Block() for _ in range(3)), nn.Linear(6, 3))
+        for block in model[1:4]:
+            fully_shard(block)
+        fully_shard(model)
+
+        def drop(param: torch.Tensor) -> None:
+            param.grad = None
+
+        list(model[2].parameters())[dropped].register_post_accumulate_grad_hook(drop)
+        models.append(model)
+    model, reference = models
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **KWARGS)
+    ref_optim = torch.optim.AdamW(reference.parameters(), **KWARGS)
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        for m, o in ((model, optim), (reference, ref_optim)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+@pytest.mark.parametrize("dropped", [0, 3], ids=["first", "last"])
+def test_hook_dropping_a_gradient_in_an_fsdp2_unit(worlds, dropped):
+    """Equal: that parameter is not stepped, as the plain ``step()`` skips it. Before, the
+    ``None`` gradient was taken for one (``AttributeError``/``TypeError`` in backward, after
+    the last unit moved 1.0e-2)."""
+    worlds.run(2, _dropping_hook_body, dropped=dropped)

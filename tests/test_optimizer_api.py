@@ -491,3 +491,5 @@ def test_static_and_class_methods_of_the_class_are_reached():
     assert optim._name() == "_WithStaticMethods"
     for name in ("_instance_method", "train", "eval", "missing"):
         assert not hasattr(optim, name), name
+    with pytest.raises(AttributeError, match=r"no optimizer class .* defines train\(\)"):
+        optim.train()

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_optimizer import is_optimizer_factory
 
 from fused_optim_dist import InBackwardOptions
 from fused_optim_dist._class_state import same_value
@@ -76,18 +77,6 @@ def _clip_norm(max_grad_norm: float | None) -> float | None:
     if max_grad_norm is None or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
         return None
     return float(max_grad_norm)
-
-
-def _is_optimizer_factory(optimizer_cls: Any) -> bool:
-    """Whether Trainer takes ``optimizer_cls`` for an optimizer factory: anything but a
-    ``torch.optim.Optimizer`` subclass (``transformers.trainer_optimizer.is_optimizer_factory``),
-    which Trainer builds as ``optimizer_cls()(model, **kwargs)`` (Muon, Dion). A dotted path
-    (a string) stays a class here, as :func:`~fused_optim_dist.in_backward` takes it."""
-    if isinstance(optimizer_cls, str):
-        return False
-    return not (
-        isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
-    )
 
 
 def _same_groups(ours: list[dict[str, Any]], built: list[dict[str, Any]]) -> bool:
@@ -180,7 +169,9 @@ def _in_backward_cls_and_kwargs(
     """Trainer's optimizer class (or factory) and arguments, as an in-backward class (or a
     factory building one) clipping at ``max_grad_norm``. A class that is already one keeps the
     options it was given (checked against ``max_grad_norm`` once built)."""
-    if _is_optimizer_factory(optimizer_cls):
+    # A dotted path (a string) names a class here, as in_backward() takes it; Trainer's own
+    # check would take it for a factory.
+    if not isinstance(optimizer_cls, str) and is_optimizer_factory(optimizer_cls):
         return _InBackwardFactory(optimizer_cls, max_grad_norm), kwargs
     if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, OptimizerInBackward):
         if "options" in kwargs or "max_grad_norm" in kwargs:
