@@ -122,10 +122,10 @@ def outside_autocast() -> contextlib.AbstractContextManager[Any]:
     under its autocast state: a loop that calls ``loss.backward()`` inside its
     ``torch.autocast`` block, as many do, would run every update and norm in backward with
     autocast on, where the plain loop's ``step()`` and ``clip_grad_norm_``, after the block,
-    run without it. Autocast changes the class's own ops (``torch.optim.Adafactor``'s and
-    Muon's matmuls run in bfloat16: 1.5e-3 apart after five steps, no error) and the norm's
-    reductions. So the steps and norms of a backward run with autocast off on the CPU and the
-    accelerator, as the plain optimizer's do."""
+    run without it. Autocast changes the class's own ops (``torch.optim.Adafactor``'s matmul,
+    any matmul of a class's step, runs in bfloat16: 1.5e-3 apart after five steps, no error).
+    So the steps and norms of a backward run with autocast off on the CPU and the accelerator,
+    as the plain optimizer's do."""
     enabled = [t for t in _autocast_device_types() if torch.is_autocast_enabled(t)]
     if not enabled:
         return contextlib.nullcontext()
