@@ -21,7 +21,6 @@ A loop written with these has no ``if in_backward:`` branch::
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -127,8 +126,9 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
 
     Call it once per step, after the last backward and before ``optimizer.step()``.
 
-    * Plain optimizer: ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters
-      (DTensor gradients give the norm over all ranks: collective).
+    * Plain optimizer: ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters,
+      or ``torch.nn.utils.get_total_norm`` of their gradients without ``max_norm`` (DTensor
+      gradients give the norm over all ranks: collective).
     * ``OptimizerInBackward``: the gradients were already stepped and clipped in backward;
       returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks).
 
@@ -150,5 +150,10 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
             )
         return in_backward.grad_norm()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
+    if max_norm is None:
+        # Measured only: clip_grad_norm_ with an infinite max_norm would multiply every
+        # gradient by inf / (norm + 1e-6), a NaN where the norm overflows to inf.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -1894,3 +1894,30 @@ def test_backward_inside_autocast_steps_as_plain(bucket_numel, max_grad_norm):
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         for key, value in plain.state[q].items():
             torch.testing.assert_close(optim.state[p][key], value, rtol=0, atol=1e-7)
+
+
+def test_loop_helper_measuring_an_overflowing_norm_equal():
+    """The loop written once with ``clip_grad_norm_(optim, None)`` (measure, do not clip) and
+    a loss spike whose gradients are finite but whose norm overflows to inf. Before, the
+    helper measured the plain optimizer's norm with ``torch.nn.utils.clip_grad_norm_(params,
+    inf)``, which multiplies every gradient by ``inf / (inf + 1e-6)``: every parameter NaN,
+    where ours (no clipping) trained on."""
+    from fused_optim_dist import clip_grad_norm_
+
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    norms: list[list[float]] = [[], []]
+    for step in range(4):
+        x, y = _x(step)
+        for model, optim, logged in zip(models, optims, norms, strict=True):
+            (loss_fn(model, x, y) * (1e20 if step == 1 else 1.0)).backward()
+            logged.append(clip_grad_norm_(optim, None).item())
+            optim.step()
+            optim.zero_grad()
+    assert math.isinf(norms[1][1])
+    torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
+    assert all(torch.isfinite(p).all() for p in models[1].parameters())
+    assert_match(*models)
