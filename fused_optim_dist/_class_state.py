@@ -23,7 +23,10 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   instance differently, the class writes something that depends on the parameters stepped (a
   norm, a count of parameters) and is refused with nothing moved; otherwise the held buckets
   are stepped. One whose writes depend on gradient values in a way the halves do not show can
-  still disagree in a later backward, and is refused then. Only classes declared
+  still disagree in a later backward, and is refused then. A class whose step draws random
+  numbers (SGLD's noise) is refused there too, the generators restored: stepped per bucket it
+  would draw them in another order, and on local shards in other shapes, than its plain
+  ``step()``. Only classes declared
   ``"elementwise"`` or ``"dtensor"`` are checked: a class stepped jointly runs its step once
   per backward (see [Note: classes stepped jointly] in ``_engine.py``);
 * groups no bucket stepped in this pass get the class's step on their parameters, none of
@@ -180,8 +183,8 @@ class ClassState:
     def check(self, held: Sequence[tuple[Sequence[int], Sequence[Batch]]]) -> None:
         """Check the classes of the ``held`` buckets (their groups and batches) before their
         first real update: step two halves of their parameters on copies and refuse a class
-        that changes its groups or instance differently for each. See [Note: group and
-        instance state]."""
+        that changes its groups or instance differently for each, or draws random numbers.
+        See [Note: group and instance state]."""
         chosen = [
             (index, batch)
             for indices, batches in held
@@ -196,23 +199,36 @@ class ClassState:
             n = len(batch.params)
             cuts = [range(n)] if n < 2 else [range(n // 2), range(n // 2, n)]
             pieces += [(index, batch, cut) for cut in cuts]
-        if len(pieces) < 2:
-            return
         groups: dict[int, dict[str, Any]] = {}
         objects: dict[int, dict[str, Any]] = {}
-        for index, batch, cut in pieces:
-            owner = id(self._owners[index])
-            self._restore({owner})
-            part = Batch(
-                self.group(index), [batch.params[i] for i in cut], [batch.grads[i] for i in cut]
-            )
-            (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
-            after = {k: v for k, v in group.items() if k not in _PARAMS}
-            changes = _changes(self._group_snapshot[index], after)
-            self._agree(groups, index, changes, f"in param group {index}")
-            changes = _changes(self._instance_snapshot[owner], _instance_attrs(self._owners[index]))
-            self._agree(objects, owner, changes, "on the optimizer instance")
-        self._restore(set(self._instances))
+        generators = _RandomState()
+        try:
+            for index, batch, cut in pieces:
+                owner = id(self._owners[index])
+                self._restore({owner})
+                params, grads = batch.params, batch.grads
+                part = Batch(self.group(index), [params[i] for i in cut], [grads[i] for i in cut])
+                (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
+                after = {k: v for k, v in group.items() if k not in _PARAMS}
+                changes = _changes(self._group_snapshot[index], after)
+                self._agree(groups, index, changes, f"in param group {index}")
+                changes = _changes(
+                    self._instance_snapshot[owner], _instance_attrs(self._owners[index])
+                )
+                self._agree(objects, owner, changes, "on the optimizer instance")
+            if generators.drawn():
+                raise RuntimeError(
+                    "the wrapped optimizer's step draws random numbers (it advanced torch's "
+                    "random number generator when stepped on copies of its parameters, as "
+                    "SGLD's noise does): stepped bucket by bucket, as its declared stepping "
+                    "asks, it would draw them in another order, and on each rank's local "
+                    "shards in other shapes, than the plain step(), and train differently with "
+                    "nothing to tell. Leave the class undeclared (stepped jointly, once per "
+                    "backward, as the plain step() is), or use the plain optimizer"
+                )
+        finally:
+            generators.restore()
+            self._restore(set(self._instances))
 
     def _restore(self, instances: set[int]) -> None:
         """Reset the attributes of the tracked instances ``instances`` to the snapshot."""
@@ -281,6 +297,33 @@ class ClassState:
         for key, changes in self._instance_changes.items():
             for name, value in changes.items():
                 setattr(self._instances[key], name, value)
+
+
+class _RandomState:
+    """The states of torch's default random number generators (the CPU's, and the
+    accelerator's once initialised), taken when made: the check on copies draws nothing that
+    the real steps or the rest of the loop (dropout masks, shuffling) would then miss."""
+
+    def __init__(self) -> None:
+        accelerator = torch.accelerator.current_accelerator()
+        module = None if accelerator is None else torch.get_device_module(accelerator)
+        self._module = module if module is not None and module.is_initialized() else None
+        self._states = self._now()
+
+    def _now(self) -> list[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if self._module is not None:
+            states += self._module.get_rng_state_all()
+        return states
+
+    def drawn(self) -> bool:
+        """Whether a generator advanced since."""
+        return not all(map(torch.equal, self._states, self._now()))
+
+    def restore(self) -> None:
+        torch.set_rng_state(self._states[0])
+        if self._module is not None:
+            self._module.set_rng_state_all(self._states[1:])
 
 
 def _instance_attrs(optimizer: Optimizer) -> dict[str, Any]:
