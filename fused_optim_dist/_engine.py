@@ -96,6 +96,7 @@ from fused_optim_dist._protocol import PendingUpdates, describe
 from fused_optim_dist._stepping import Batch, local_gradients
 from fused_optim_dist._streams import StepEvents, hook_stream, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
+    FSDPUnit,
     current_backward_id,
     enclosing_backward_node,
     fsdp_post_backward_node,
@@ -205,6 +206,9 @@ class BackwardPass:
         self._stepped: set[int] = set()
         # Indices of the units whose closing is registered on FSDP2's post-backward node.
         self._closing: set[int] = set()
+        # The FSDP2 units that held all-gathered weights when updated, by id of their group.
+        # See [Note: copies gathered before step()] in _protocol.py.
+        self._gathered_when_updated: dict[int, FSDPUnit] = {}
         self._norms = BackwardNorms()
         self._events = StepEvents()
         # Buckets held until the end of backward: see [Note: classes stepped jointly] and
@@ -423,7 +427,9 @@ class BackwardPass:
             self._stepper.flush()
             self._class_state.finish()
             if self._record:
-                self._pending.settle(self._param_groups, self._state, self._plan.gathered_units())
+                self._pending.settle(
+                    self._param_groups, self._state, list(self._gathered_when_updated.values())
+                )
             self._events.wait()
             if self._record:
                 self._gradients.end_of_backward(self._norms)
@@ -482,6 +488,13 @@ class BackwardPass:
     def _update(
         self, indices: list[int], batches: list[Batch], found_inf: torch.Tensor | None
     ) -> None:
+        if self._record:
+            unit_of = self._plan.unit_of
+            for batch in batches:
+                for unit in filter(None, map(unit_of, map(id, batch.params))):
+                    key = id(unit.group)
+                    if key not in self._gathered_when_updated and unit.holds_gathered_copy():
+                        self._gathered_when_updated[key] = unit
         self._class_state.run(indices, lambda: self._stepper.step(batches, self._state, found_inf))
         # The fused kernels (torch._fused_adamw_, _fused_sgd_) write the parameters in place
         # without moving their version counters; an in-place op would. Moved here, autograd

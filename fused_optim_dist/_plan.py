@@ -91,6 +91,9 @@ class BucketPlan:
         self.units = fsdp_units(self._all_params)
         """The FSDP2 units of the parameters, trainable or not."""
         self._unit_positions = [[position[id(p)] for p in unit.params] for unit in self.units]
+        units = {id(p): unit for unit in self.units for p in unit.params}
+        self.unit_of: Callable[[int], FSDPUnit | None] = units.get
+        """The FSDP2 unit of the parameter an id names; ``None`` outside units."""
         self._in_units = frozenset(id(p) for unit in self.units for p in unit.params)
         self._requires_grad = self._read_requires_grad()
         trainable = [

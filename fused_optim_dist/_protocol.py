@@ -237,13 +237,14 @@ class PendingUpdates:
         state: dict[torch.Tensor, dict],
         gathered: list[FSDPUnit],
     ) -> None:
-        """Note the version counters (of the parameters and their state), the groups' values
-        and the FSDP2 units holding all-gathered weights (``gathered``) once a backward's
-        updates are all applied (the whole-tensor path writes some at its end, a class
-        tracked for group state its groups); a later change is the loop's."""
+        """Note the version counters (of the parameters and their state) and the groups'
+        values once a backward's updates are all applied (the whole-tensor path writes some at
+        its end, a class tracked for group state its groups): a later change is the loop's.
+        Add ``gathered``, the FSDP2 units that held all-gathered weights when this backward
+        updated them, to those of earlier backwards since ``step()``."""
         self._written = _Written(list(self._params), state)
         self._groups = self._holding_groups(param_groups)
-        self._gathered = gathered
+        self._gathered += gathered
         for entry in self._buffers.values():
             entry[1] = entry[0]._version
 
@@ -318,7 +319,7 @@ class PendingUpdates:
 
     def gathered_since(self, gathered: list[FSDPUnit]) -> list[FSDPUnit]:
         """The units of ``gathered`` (those holding all-gathered weights now) that hold updates
-        and did not hold such weights once the updates were made. See [Note: copies gathered
+        and did not hold such weights when they were updated. See [Note: copies gathered
         before step()]."""
         then = {id(unit.group) for unit in self._gathered}
         return [unit for unit in gathered if id(unit.group) not in then and self._updated(unit)]
@@ -562,8 +563,10 @@ class StaleCopies:
     forward: ``step()`` hands the units gathered since their updates to :meth:`watch`, and a
     forward pre-hook on each unit's modules raises at that forward if the unit still holds a
     gathered copy (nothing has read it yet), and otherwise removes itself. A unit that held
-    gathered weights through backward (``set_reshard_after_backward(False)``) holds the
-    weights of before the update in both loops, and is not watched.
+    gathered weights when it was updated (``set_reshard_after_backward(False)``) holds the
+    weights of before the update in both loops, and is not watched; one gathered later in
+    backward (``unshard()`` from a hook that runs after the unit was reduced) holds the
+    updated weights, and is, as for a gather after backward.
     """
 
     def __init__(self) -> None:
@@ -584,8 +587,9 @@ class StaleCopies:
         if unit.holds_gathered_copy():
             raise RuntimeError(
                 f"this forward would run on the weights FSDP2 all-gathered for the unit holding "
-                f"{describe(unit.params[0])} between backward and optim.step() "
-                "(model.unshard(), or a forward, there): a plain optimizer's copy holds the "
+                f"{describe(unit.params[0])} after its update in backward and before "
+                "optim.step() (model.unshard(), or a forward, between backward and step(); "
+                "unshard() from a hook in backward): a plain optimizer's copy holds the "
                 "weights of before step(), on which its forward would run (FSDP2 does not "
                 "gather an unsharded unit again); here it holds the updated ones. Call "
                 "model.unshard() and run forwards after step(), or model.reshard() before "

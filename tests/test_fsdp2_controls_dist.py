@@ -12,6 +12,7 @@ equal, or refused at ``step()``. See [Note: FSDP2's copies and flags] in
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -172,14 +173,24 @@ def _gathered_before_step_body() -> None:
     there (the root stays gathered) too. Where the copy is dropped before the next forward
     (``reshard()`` before or after ``step()``, ``model.state_dict()`` after it), or gathered
     after ``step()``, the plain loop runs on the stepped weights: equal (an evaluation there
-    followed by a save after ``step()`` was refused at ``step()``)."""
-    for between in ("unshard", "forward"):
+    followed by a save after ``step()`` was refused at ``step()``). A unit gathered in backward
+    after it was reduced (``unshard()`` from a gradient hook) is the same case."""
+    for between in ("unshard", "forward", "unshard in backward"):
         model = _model()
         optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+        if between == "unshard in backward":
+            # From a hook on the child unit's input gradient: after FSDP2 reduced the unit and
+            # it was updated, the copy holds the update (5.8e-3 apart, no error, before).
+            def gather_child(
+                _module: nn.Module, _args: Any, out: torch.Tensor, child: nn.Module = model[1]
+            ) -> None:
+                out.register_hook(lambda _grad: child.unshard())
+
+            model[0].register_forward_hook(gather_child)
         _loss(model, *_batch(0)).backward()
         if between == "unshard":
             model.unshard()
-        else:
+        elif between == "forward":
             with torch.no_grad():
                 model(_batch(1)[0])
         optim.step()
