@@ -32,7 +32,16 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
 * groups no bucket stepped in this pass get the class's step on their parameters, none of
   which holds a gradient, as the plain optimizer's ``step()`` visits them;
 * when the pass finishes, the changed values are written back once, into the optimizer's
-  groups and the instance.
+  groups and the instance (an entry a step removed, ``group.pop("reset")``, is removed).
+
+[Note: what a snapshot shares]
+A snapshot copies values a step advances (counters, flags, small tensors), not what they refer
+to: a class keeping its parameters on itself (``self.params = params``, stepped from there),
+its state tensors in a list for speed, or another model's parameters in a group (an EMA it
+updates) would otherwise step copies, and the model would not train, with no error. So modules,
+parameters and other tensors that require grad, and the optimizer's state tensors, are shared,
+not copied, wherever they sit under an attribute or a group entry; so is an attribute that
+cannot be deep-copied (a lock, a process group).
 """
 
 from __future__ import annotations
@@ -94,9 +103,56 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
+_REMOVED = object()
+"""The value of an entry a step removed (``group.pop("reset")``) among the changes."""
+
+
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``after`` that are new or differ from ``before``."""
-    return {k: v for k, v in after.items() if k not in before or not same_value(before[k], v)}
+    """The entries of ``after`` that are new or differ from ``before``, and those of ``before``
+    that ``after`` lacks, as ``_REMOVED``."""
+    changed = {k: v for k, v in after.items() if k not in before or not same_value(before[k], v)}
+    changed.update((k, _REMOVED) for k in before if k not in after)
+    return changed
+
+
+def _shared_objects(
+    values: Sequence[dict[str, Any]], state: dict[torch.Tensor, dict]
+) -> dict[int, Any]:
+    """The objects under ``values`` (through dicts, lists, tuples and sets) that a snapshot
+    shares instead of copying, by id: modules, parameters and other tensors that require
+    grad, and the optimizer's state tensors. See [Note: what a snapshot shares]."""
+    shared: dict[int, Any] = {}
+    tensors: list[torch.Tensor] = []
+    pending: list[Any] = [v for value in values for v in value.values()]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.nn.Module | torch.nn.Parameter):
+            shared[id(value)] = value
+        elif isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                shared[id(value)] = value
+            else:
+                tensors.append(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list | tuple | set | frozenset):
+            pending.extend(value)
+    if tensors:
+        held = {id(v) for entry in state.values() for v in entry.values()}
+        shared.update((id(t), t) for t in tensors if id(t) in held)
+    return shared
+
+
+def _copy(values: dict[str, Any], shared: dict[int, Any]) -> dict[str, Any]:
+    """``values`` deep-copied entry by entry, the objects of ``shared`` (by id) and any entry
+    that cannot be deep-copied shared. See [Note: what a snapshot shares]."""
+    copied = {}
+    for key, value in values.items():
+        try:
+            copied[key] = copy.deepcopy(value, dict(shared))
+        except (TypeError, copy.Error, RuntimeError):
+            copied[key] = value  # a lock, a process group: not state a step advances
+    return copied
 
 
 class ClassState:
@@ -129,17 +185,18 @@ class ClassState:
         self._steppers = steppers
         # The snapshot: each tracked group without its params, and each tracked class
         # instance's own attributes (by id of the instance).
-        self._group_snapshot = {
-            i: copy.deepcopy({k: v for k, v in g.items() if k not in _PARAMS})
+        groups = {
+            i: {k: v for k, v in g.items() if k not in _PARAMS}
             for i, g in enumerate(param_groups)
             if self._tracked[i]
         }
         self._instances = {
             id(owner): owner for i, owner in enumerate(self._owners) if self._tracked[i]
         }
-        self._instance_snapshot = {
-            key: copy.deepcopy(_instance_attrs(owner)) for key, owner in self._instances.items()
-        }
+        attrs = {key: _instance_attrs(owner) for key, owner in self._instances.items()}
+        self._shared = _shared_objects([*groups.values(), *attrs.values()], state)
+        self._group_snapshot = {i: _copy(g, self._shared) for i, g in groups.items()}
+        self._instance_snapshot = {key: _copy(a, self._shared) for key, a in attrs.items()}
         # What the buckets changed: per group index, and per instance.
         self._group_changes: dict[int, dict[str, Any]] = {}
         self._instance_changes: dict[int, dict[str, Any]] = {}
@@ -150,7 +207,7 @@ class ClassState:
             return self._groups[index]
         group = self._groups[index]
         return {
-            **copy.deepcopy(self._group_snapshot[index]),
+            **_copy(self._group_snapshot[index], self._shared),
             **{key: group[key] for key in _PARAMS if key in group},
         }
 
@@ -233,8 +290,12 @@ class ClassState:
     def _restore(self, instances: set[int]) -> None:
         """Reset the attributes of the tracked instances ``instances`` to the snapshot."""
         for key in instances:
-            for name, value in copy.deepcopy(self._instance_snapshot[key]).items():
-                setattr(self._instances[key], name, value)
+            instance = self._instances[key]
+            snapshot = _copy(self._instance_snapshot[key], self._shared)
+            for name in _instance_attrs(instance).keys() - snapshot.keys():
+                delattr(instance, name)  # set by a bucket's step since
+            for name, value in snapshot.items():
+                setattr(instance, name, value)
 
     def _collect(
         self,
@@ -293,10 +354,19 @@ class ClassState:
             groups = [self.group(i) for i in untouched]
             self.run(untouched, lambda: self._steppers.step_without_gradients(groups))
         for index, changes in self._group_changes.items():
-            self._groups[index].update(changes)
-        for key, changes in self._instance_changes.items():
             for name, value in changes.items():
-                setattr(self._instances[key], name, value)
+                if value is _REMOVED:
+                    self._groups[index].pop(name, None)
+                else:
+                    self._groups[index][name] = value
+        for key, changes in self._instance_changes.items():
+            instance = self._instances[key]
+            for name, value in changes.items():
+                if value is _REMOVED:
+                    if hasattr(instance, name):
+                        delattr(instance, name)
+                else:
+                    setattr(instance, name, value)
 
 
 class _RandomState:
