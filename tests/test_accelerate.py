@@ -9,7 +9,11 @@ FSDP2 ranks; a clipped run is compared on a one-bucket model.
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -59,14 +63,15 @@ def _loop(
     clip: float | None,
     fsdp: str | None,
     cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
-    plain_backward: bool = False,
+    calls: str = "backward",
 ) -> dict:
     """``MICRO_BATCHES`` micro-batches, a step every ``accumulation``; parameters and norms.
 
     ``fsdp``: ``None`` (one process, or DDP), ``"one_unit"`` (FSDP2 on the root of
     ``OneUnitLlama`` only) or ``"per_layer"``. ``cls``: AdamW, or a class taking ``lr`` only.
-    ``plain_backward``: ours calls ``accelerator.backward`` as the plain loop does, not the
-    integration's ``backward``.
+    ``calls``: the backward ours calls, the integration's ``"backward"``, or as the plain loop
+    does, ``"accelerator.backward"``, or ``"loss.backward"`` (accelerate's own example of
+    ``accelerator.accumulate``; then the plain loop calls it too).
     """
     kwargs = dict(lr=LR, weight_decay=0.1) if cls is torch.optim.AdamW else dict(lr=LR)
     with accelerate_on_cpu():
@@ -88,7 +93,9 @@ def _loop(
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 if in_backward:
-                    if plain_backward:
+                    if calls == "loss.backward":
+                        loss.backward()
+                    elif calls == "accelerator.backward":
                         accelerator.backward(loss)
                     else:
                         backward(accelerator, loss, optim)
@@ -98,7 +105,10 @@ def _loop(
                         held = [p for p in model.parameters() if holds_gradient(p)]
                         in_backward_steps.append(not held)
                 else:
-                    accelerator.backward(loss)
+                    if calls == "loss.backward":
+                        loss.backward()
+                    else:
+                        accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         max_norm = math.inf if clip is None else clip
                         norms.append(
@@ -118,10 +128,10 @@ def _parity(
     clip: float | None,
     fsdp: str | None,
     cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
-    plain_backward: bool = False,
+    calls: str = "backward",
 ) -> float:
-    plain = _loop(False, accumulation, clip, fsdp, cls)
-    ours = _loop(True, accumulation, clip, fsdp, cls, plain_backward)
+    plain = _loop(False, accumulation, clip, fsdp, cls, calls)
+    ours = _loop(True, accumulation, clip, fsdp, cls, calls)
     steps = MICRO_BATCHES // accumulation
     difference = max_difference(ours["params"], plain["params"])
     assert difference < PARITY_ATOL, difference
@@ -144,8 +154,17 @@ def test_accelerate_loop_with_its_own_backward_matches_plain():
     """accelerate's own accumulation loop, ``accelerator.backward(loss)`` inside
     ``accelerator.accumulate(model)``, after this library's ``prepare``: the first micro-batch
     was stepped in backward (1.0e-2 moved) and the second refused; equal now."""
-    difference = _parity(2, CLIP, None, plain_backward=True)
+    difference = _parity(2, CLIP, None, calls="accelerator.backward")
     print(f"1 process, accelerator.backward, ga=2: max parameter difference {difference:.2e}")
+
+
+def test_accelerate_loop_with_loss_backward_matches_plain():
+    """accelerate's own example of ``accelerator.accumulate(model)``, ``loss.backward()``
+    inside it, after this library's ``prepare``: only ``accelerator.backward`` accumulated, so
+    the first micro-batch was stepped in backward and the second refused (1.0e-2 moved). A
+    backward inside ``accelerator.accumulate`` that does not sync now accumulates."""
+    difference = _parity(2, CLIP, None, calls="loss.backward")
+    print(f"1 process, loss.backward, ga=2: max parameter difference {difference:.2e}")
 
 
 def test_accelerate_loop_with_a_class_counting_in_its_groups():
@@ -259,10 +278,11 @@ def test_accelerate_grad_scaler_is_refused_before_anything_moves():
         assert max_difference(full_params(model), before) == 0.0
 
 
-def _decay_groups_run(in_backward: bool) -> tuple[list[torch.Tensor], list[float]]:
+def _decay_groups_run(in_backward: bool, calls: str) -> tuple[list[torch.Tensor], list[float]]:
     """CompactAdamW with weight decay on the matrices only (two groups that hold the parameters
     in another order than ``model.parameters()``), clipped: the plain accelerate loop, or ours
-    through ``prepare``."""
+    through ``prepare``. ``calls``: the model and the optimizer prepared in ``"one"`` call, or
+    in two, ``"model_first"`` or ``"optimizer_first"``."""
     from fused_optim_dist.compact_adamw import CompactAdamW
 
     with accelerate_on_cpu():
@@ -277,9 +297,10 @@ def _decay_groups_run(in_backward: bool) -> tuple[list[torch.Tensor], list[float
         ]
         if in_backward:
             optim = OptimizerInBackward(groups, CompactAdamW, lr=1e-2, max_grad_norm=0.05)
-            model, optim = prepare(accelerator, model, optim)
+            model, optim = _prepare_in(calls, functools.partial(prepare, accelerator), model, optim)
         else:
-            model, optim = accelerator.prepare(model, CompactAdamW(groups, lr=1e-2))
+            optim = CompactAdamW(groups, lr=1e-2)
+            model, optim = _prepare_in(calls, accelerator.prepare, model, optim)
         norms = []
         for step in range(8):
             g = torch.Generator().manual_seed(step)
@@ -294,12 +315,195 @@ def _decay_groups_run(in_backward: bool) -> tuple[list[torch.Tensor], list[float
         return [p.detach().clone() for p in model.parameters()], norms
 
 
-def test_accelerate_clipping_in_the_model_order_bit_for_bit():
+def _prepare_in(
+    calls: str, prepare_: Callable[..., Any], model: torch.nn.Module, optim: torch.optim.Optimizer
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``prepare_(model, optim)`` in one call, or in two in the order ``calls`` names."""
+    if calls == "one":
+        return prepare_(model, optim)
+    if calls == "model_first":
+        model = prepare_(model)
+        return model, prepare_(optim)
+    optim = prepare_(optim)
+    return prepare_(model), optim
+
+
+@pytest.mark.parametrize("calls", ["one", "model_first", "optimizer_first"])
+def test_accelerate_clipping_in_the_model_order_bit_for_bit(calls):
     """``prepare`` takes the norm in the prepared model's parameter order, as the plain loop's
     ``accelerator.clip_grad_norm_(model.parameters())`` takes it: with the usual two
     weight-decay groups, CompactAdamW ends where the plain loop ends, bit for bit (the norm
-    summed in the groups' order flipped codes: 4.2e-4 apart)."""
-    (ours, ours_norms), (plain, plain_norms) = _decay_groups_run(True), _decay_groups_run(False)
+    summed in the groups' order flipped codes: 4.2e-4 apart). Also with the model and the
+    optimizer prepared in two calls, in either order, where the order was not set (6.6e-7
+    apart after these eight steps, 1.9e-5 after 40)."""
+    ours, ours_norms = _decay_groups_run(True, calls)
+    plain, plain_norms = _decay_groups_run(False, calls)
     assert ours_norms == plain_norms
     for p, q in zip(ours, plain, strict=True):
         assert torch.equal(p, q)
+
+
+def _embedding_left_out(model: torch.nn.Module) -> OptimizerInBackward:
+    """An optimizer on every parameter but the embedding, which stays trainable."""
+    params = [p for name, p in model.named_parameters() if "embed_tokens" not in name]
+    return OptimizerInBackward(params, torch.optim.AdamW, lr=LR, max_grad_norm=CLIP)
+
+
+@pytest.mark.parametrize("calls", ["one", "model_first", "optimizer_first"])
+def test_accelerate_trainable_parameters_outside_the_optimizer_refused(calls):
+    """A trainable parameter of the prepared model left out of the optimizer: the plain loop
+    clips and measures the norm over ``model.parameters()``, ours over the optimizer's (2.5e-3
+    apart after six steps, reported norms 1.12 against 1.61, no error). Refused by
+    ``prepare``, however the model and the optimizer are prepared, before any backward;
+    frozen, accepted; unfrozen later, refused by ``accelerator.backward`` (and ``backward``)
+    before it runs. Nothing moved."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = tiny_llama()
+        before = full_params(model)
+        optim = _embedding_left_out(model)
+        with pytest.raises(ValueError, match=r"embed_tokens.*not in the optimizer.*Freeze"):
+            _prepare_in(calls, functools.partial(prepare, accelerator), model, optim)
+        optim.detach()
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model.model.embed_tokens.requires_grad_(False)
+        model, optim = prepare(accelerator, model, _embedding_left_out(model))
+        batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=2)))
+        model.model.embed_tokens.requires_grad_(True)
+        loss = model(**batch).loss
+        with pytest.raises(ValueError, match=r"embed_tokens.*not in the optimizer.*Freeze"):
+            accelerator.backward(loss)
+        with pytest.raises(ValueError, match=r"embed_tokens.*not in the optimizer.*Freeze"):
+            backward(accelerator, loss, optim)
+    assert max_difference(full_params(model), before) == 0.0
+
+
+class ProxyLoss(torch.nn.Module):
+    """A criterion with learnable parameters (class proxies and a temperature, as metric
+    learning's proxy losses keep), prepared beside the model and trained with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proxies = torch.nn.Parameter(torch.randn(10, 8))
+        self.log_temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        normalize = torch.nn.functional.normalize
+        logits = normalize(embeddings, dim=-1) @ normalize(self.proxies, dim=-1).T
+        return torch.nn.functional.cross_entropy(logits * self.log_temperature.exp(), labels)
+
+
+def _criterion_run(
+    in_backward: bool, max_norm: float | None = 0.5
+) -> tuple[list[torch.Tensor], list[float]]:
+    """The model clipped (``clip_grad_norm_(model.parameters())``), the criterion's parameters
+    stepped unclipped: plain AdamW over both, or ours with an optimizer per module, the
+    criterion's without ``max_grad_norm``. With ``max_norm=None`` nothing is clipped, and ours
+    is one optimizer over both."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+        )
+        criterion = ProxyLoss()
+        if in_backward and max_norm is None:
+            params = [*model.parameters(), *criterion.parameters()]
+            optims = [OptimizerInBackward(params, torch.optim.AdamW, lr=LR)]
+        elif in_backward:
+            optims = [
+                OptimizerInBackward(
+                    model.parameters(), torch.optim.AdamW, lr=LR, max_grad_norm=max_norm
+                ),
+                OptimizerInBackward(criterion.parameters(), torch.optim.AdamW, lr=LR),
+            ]
+        else:
+            params = [*model.parameters(), *criterion.parameters()]
+            optims = [torch.optim.AdamW(params, lr=LR)]
+        prepare_ = functools.partial(prepare, accelerator) if in_backward else accelerator.prepare
+        model, criterion, *optims = prepare_(model, criterion, *optims)
+        norms = []
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(32, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
+            accelerator.backward(criterion(model(x), y))
+            if max_norm is None:
+                pass
+            elif in_backward:
+                norms.append(in_backward_optimizer(optims[0]).grad_norm().item())
+            else:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), max_norm).item())
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+        return [p.detach().clone() for p in [*model.parameters(), *criterion.parameters()]], norms
+
+
+def test_accelerate_optimizer_over_a_model_and_its_criterion():
+    """One optimizer over the model and a criterion with learnable parameters, both prepared:
+    the plain loop clips over ``model.parameters()`` and steps the criterion unclipped, ours
+    clipped all it held by their joint norm (9.7e-3 apart after eight steps, reported norms
+    8.60 against 7.89, no error). Refused by ``prepare``, nothing moved; with an optimizer per
+    module, the criterion's without ``max_grad_norm`` (the way the refusal names), as plain;
+    without ``max_grad_norm`` one optimizer over both is accepted, as plain."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model, criterion = torch.nn.Linear(16, 8), ProxyLoss()
+        before = [p.detach().clone() for p in [*model.parameters(), *criterion.parameters()]]
+        params = [*model.parameters(), *criterion.parameters()]
+        optim = OptimizerInBackward(params, torch.optim.AdamW, lr=LR, max_grad_norm=0.5)
+        with pytest.raises(ValueError, match=r"2 prepared modules \(Linear, ProxyLoss\).*own"):
+            prepare(accelerator, model, criterion, optim)
+        for p, q in zip([*model.parameters(), *criterion.parameters()], before, strict=True):
+            assert torch.equal(p, q)
+        optim.detach()
+    (ours, ours_norms), (plain, plain_norms) = _criterion_run(True), _criterion_run(False)
+    assert (
+        max(torch.max((p - q).abs()).item() for p, q in zip(ours, plain, strict=True)) < PARITY_ATOL
+    )
+    torch.testing.assert_close(ours_norms, plain_norms, rtol=NORM_RTOL, atol=0)
+    assert min(plain_norms) > 0.5, plain_norms
+    # Unclipped, one optimizer over both is accepted (nothing's norm matters), as plain.
+    (ours, _), (plain, _) = _criterion_run(True, None), _criterion_run(False, None)
+    assert (
+        max(torch.max((p - q).abs()).item() for p, q in zip(ours, plain, strict=True)) < PARITY_ATOL
+    )
+
+
+def _two_phases(in_backward: bool) -> dict[str, torch.Tensor]:
+    """Two training phases on one accelerator, each with an optimizer of its own (another LR),
+    the first released as accelerate documents: ``free_memory()``, then the loop's references
+    dropped."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = tiny_llama()
+        for lr in (LR, LR / 3):
+            if in_backward:
+                optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=lr)
+                model, optim, loader = prepare(accelerator, model, optim, _loader())
+            else:
+                optim = torch.optim.AdamW(model.parameters(), lr=lr)
+                model, optim, loader = accelerator.prepare(model, optim, _loader())
+            for _, batch in zip(range(4), loader, strict=False):
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(**batch).loss)
+                    optim.step()
+                    optim.zero_grad()
+            model = accelerator.unwrap_model(model)
+            accelerator.free_memory()
+            del optim, loader
+            gc.collect()
+        return full_params(model)
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(TokenDataset(), batch_size=2)
+
+
+def test_accelerate_optimizer_released_by_free_memory():
+    """A second phase's optimizer on the same parameters, after ``accelerator.free_memory()``
+    and ``del optim``: the wrapped ``accelerator.backward`` kept the first one live, so the
+    second was refused as another live optimizer on the same parameters (naming an object the
+    loop had deleted). As plain now."""
+    assert max_difference(_two_phases(True), _two_phases(False)) < PARITY_ATOL

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from _frameworks import (
     NORM_RTOL,
     PARITY_ATOL,
+    VOCAB,
     OneUnitLlama,
     TokenDataset,
     accelerate_on_cpu,
@@ -403,6 +404,84 @@ def test_trainer_subclass_with_its_own_loss(tmp_path):
     plain = _train(MeanSquareLogitLoss, tmp_path / "plain", **kwargs)
     ours = _train(MeanSquareLogitLossInBackward, tmp_path / "ours", **kwargs)
     print(f"compute_loss subclass: {_assert_parity(ours, plain):.2e}")
+
+
+def _own_training_step(self, model, inputs, num_items_in_batch=None):
+    """A ``training_step`` of a user's subclass: its own backward, not Trainer's step."""
+    model.train()
+    inputs = self._prepare_inputs(inputs)
+    loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
+    return loss.detach()
+
+
+class OwnTrainingStep(transformers.Trainer):
+    training_step = _own_training_step
+
+
+class OwnTrainingStepInBackward(in_backward_trainer(transformers.Trainer)):
+    """The step overridden below the mixin, in a subclass of the in-backward Trainer."""
+
+    training_step = _own_training_step
+
+
+def test_trainer_subclass_with_its_own_training_step(tmp_path):
+    """A subclass of ``in_backward_trainer(Trainer)`` whose ``training_step`` calls
+    ``self.accelerator.backward`` itself, with accumulation: the mixin's ``training_step`` was
+    bypassed, the first micro-batch was stepped in backward and the second refused (1.0e-2
+    moved). ``accelerator.backward`` accumulates on micro-batches that do not end a step: as
+    plain."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
+    plain = _train(OwnTrainingStep, tmp_path / "plain", **kwargs)
+    ours = _train(OwnTrainingStepInBackward, tmp_path / "ours", **kwargs)
+    assert min(plain["norms"]) > CLIP, plain["norms"]
+    print(f"training_step subclass: {_assert_parity(ours, plain):.2e}")
+
+
+class LogitBiasLoss(transformers.Trainer):
+    """A Trainer subclass whose loss adds a learnable logit bias kept on the Trainer, outside
+    the model (as a temperature or a projector for the loss would be)."""
+
+    def __init__(self, *args: Any, logit_bias: nn.Parameter, **kwargs: Any) -> None:
+        self.logit_bias = logit_bias
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"])
+        logits = outputs.logits[:, :-1] + self.logit_bias
+        labels = inputs["labels"][:, 1:]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return (loss, outputs) if return_outputs else loss
+
+
+class LogitBiasLossInBackward(InBackwardTrainerMixin, LogitBiasLoss):
+    pass
+
+
+@pytest.mark.parametrize("clip", [0.0, CLIP], ids=["no-clip", "clip"])
+def test_optimizer_parameters_outside_the_model(tmp_path, clip):
+    """An optimizer holding a trainable parameter outside the model (the logit bias): Trainer
+    clips and logs the norm over the model's parameters, ours over the optimizer's (8.4e-4
+    apart after four clipped steps; logged norms up to 1.7e-2 relative apart, clipped or
+    not), so refused before the first backward, nothing moved."""
+    model = tiny_llama()
+    before = full_params(model)
+    bias = nn.Parameter(torch.zeros(VOCAB))
+    optim = OptimizerInBackward(
+        [*model.parameters(), bias], torch.optim.AdamW, lr=1e-2, max_grad_norm=clip or None
+    )
+    with accelerate_on_cpu():
+        trainer = LogitBiasLossInBackward(
+            model=model,
+            args=_args(tmp_path, max_grad_norm=clip),
+            train_dataset=TokenDataset(),
+            optimizers=(optim, None),
+            logit_bias=bias,
+        )
+        with pytest.raises(ValueError, match=r"not the model's \(shapes \(64,\)\).*Make them"):
+            trainer.train()
+    assert max_difference(full_params(model), before) == 0.0
+    assert torch.equal(bias.detach(), torch.zeros(VOCAB))
 
 
 def _word_tokenizer() -> Any:

@@ -16,13 +16,17 @@ The loop differs from the plain one in two places, both here::
             optim.zero_grad()
 
 Why each piece: :func:`prepare` is ``accelerator.prepare``, then :func:`check_accelerator`
-(DDP would step unreduced gradients, fp16's GradScaler scaled ones) and
-:func:`hook_swapped_parameters` (FSDP2's prepare replaces the optimizer's parameters).
-``accelerator.accumulate`` decides per micro-batch whether the optimizer steps
+(DDP would step unreduced gradients, fp16's GradScaler scaled ones),
+:func:`hook_swapped_parameters` (FSDP2's prepare replaces the optimizer's parameters), and a
+check that the optimizer holds exactly the trainable parameters of the model it trains, whose
+norm it then sums in the model's order, prepared in one call or in several (the loop's
+``clip_grad_norm_(model.parameters())`` clips over them; see [Note: an optimizer meets its
+model]). ``accelerator.accumulate`` decides per micro-batch whether the optimizer steps
 (``accelerator.sync_gradients``) and skips ``optim.step()`` otherwise, but an in-backward
-optimizer steps in backward, before ``step()``: :func:`prepare` makes ``accelerator.backward``
-run a non-stepping micro-batch's backward under :meth:`OptimizerInBackward.accumulate`
-(:func:`backward` does the same for an accelerator prepared otherwise). The gradients are freed
+optimizer steps in backward, before ``step()``: :func:`prepare` makes ``accelerator.backward``,
+and any backward inside ``accelerator.accumulate``, run a non-stepping micro-batch's backward
+under :meth:`OptimizerInBackward.accumulate` (:func:`backward` does the same for an
+accelerator prepared otherwise). The gradients are freed
 once stepped, so ``accelerator.clip_grad_norm_`` would clip nothing (it raises: see
 [Note: freed gradients]): clip with ``max_grad_norm`` at construction and read the norm with
 ``grad_norm()``.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +45,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim import Optimizer
 
+from fused_optim_dist._torch_internals import fsdp_units
 from fused_optim_dist.optimizer import OptimizerInBackward
 from fused_optim_dist.training import in_backward_of
 
@@ -72,6 +78,19 @@ GRAD_SCALER_REFUSAL = (
     "or the plain optimizer with fp16."
 )
 """The refusal of an accelerator holding a GradScaler (formatted with its type)."""
+
+_LOOP_CLIPS = (
+    "accelerate's loop clips and measures the gradient norm over the model's parameters "
+    "(accelerator.clip_grad_norm_(model.parameters(), ...))"
+)
+"""Who clips over the model's parameters, in :func:`_refuse_other_parameters`' message."""
+
+_LOOP_OUTSIDE_FIX = (
+    "Make them parameters of the model (the loop's clipping then covers them too), give them "
+    "an OptimizerInBackward of their own (without max_grad_norm where the loop steps them "
+    "unclipped), or freeze them (requires_grad_(False))"
+)
+"""What to do with an optimizer's parameters outside the model, in the same message."""
 
 
 def in_backward_optimizer(optimizer: Optimizer) -> OptimizerInBackward:
@@ -139,6 +158,106 @@ def _refuse_grad_scaler(accelerator: Accelerator) -> None:
         raise ValueError(GRAD_SCALER_REFUSAL.format(found=type(scaler).__name__))
 
 
+def _held(optimizer: OptimizerInBackward) -> set[int]:
+    """Ids of the parameters ``optimizer`` holds and of every tensor FSDP2 registers for them:
+    an FSDP2 unit left unsharded (the root after a forward, any unit after an evaluation
+    forward under ``no_grad``) exposes its unsharded parameters on the model, which stand for
+    the sharded ones the optimizer holds."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    held = {id(p) for p in params}
+    held.update(id(t) for unit in fsdp_units(params) for t in unit.aliases())
+    return held
+
+
+def _refuse_other_parameters(
+    optimizer: OptimizerInBackward, model: nn.Module, clips: str, outside_fix: str
+) -> None:
+    """Refuse, before a backward, an optimizer that does not hold exactly the trainable
+    parameters of ``model``, whose gradient norm the loop clips and logs.
+
+    The loop clips by the norm over ``model.parameters()`` (``clip_grad_norm_``), the
+    optimizer in backward by the norm over its own: a trainable parameter of the model left
+    out of the optimizer ("train all but the embedding" by leaving it out), or a trainable
+    parameter the optimizer holds outside the model (a learnable logit bias or temperature
+    kept beside the model for the loss), puts another norm, so another coefficient, in every
+    update, and another norm in the log, without an error. Frozen parameters count for
+    neither: they get no gradient. An FSDP2 parameter counts as the model's when the model
+    exposes any of its tensors (see :func:`_held`).
+
+    Args:
+        optimizer: the in-backward optimizer.
+        model: the model it trains.
+        clips: who clips over the model's parameters, for the message.
+        outside_fix: what to do with parameters outside the model, for the message.
+
+    Raises:
+        ValueError: naming the parameters and what to do.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    held = {id(p) for p in params}
+    in_model = {id(p) for p in model.parameters()}
+    for unit in fsdp_units(params):
+        aliases = {id(t) for t in unit.aliases()}
+        held |= aliases
+        if not aliases.isdisjoint(in_model):
+            in_model |= aliases
+    left_out = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if left_out:
+        more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
+        raise ValueError(
+            f"{', '.join(left_out[:3])}{more} require grad but are not in the optimizer. "
+            f"{clips}, while the OptimizerInBackward clips and measures the norm over its own, "
+            "in backward. Freeze them (requires_grad_(False)) or add them to the optimizer "
+            "(one OptimizerInBackward for the whole model: its param groups may each name "
+            "their class under 'optimizer_cls', see docs/whole_tensor.md)"
+        )
+    outside = [tuple(p.shape) for p in params if p.requires_grad and id(p) not in in_model]
+    if outside:
+        shapes = ", ".join(map(str, outside[:3])) + (" ..." if len(outside) > 3 else "")
+        raise ValueError(
+            f"the optimizer holds {len(outside)} trainable parameter(s) that are not the "
+            f"model's (shapes {shapes}). {clips}, while the OptimizerInBackward clips and "
+            f"measures the norm over its own, these included, in backward. {outside_fix}"
+        )
+
+
+def _checked_model(accelerator: Accelerator, optimizer: OptimizerInBackward) -> nn.Module | None:
+    """The model ``accelerator`` prepared (by any ``prepare`` call) that shares a parameter with
+    ``optimizer``, the one the loop clips with it, after checking that the optimizer holds
+    exactly its trainable parameters (:func:`_refuse_other_parameters`); ``None`` with none
+    prepared yet, where there is nothing to check. See [Note: an optimizer meets its
+    model].
+
+    Raises:
+        ValueError: for an optimizer with ``max_grad_norm`` sharing parameters with several
+            prepared modules (a model and a criterion with learnable parameters): the loop
+            clips over one module's parameters, or over some of them, which it does not say;
+            ours over all it holds.
+    """
+    held = _held(optimizer)
+    prepared = {id(m): m for m in accelerator._models}
+    models = [m for m in prepared.values() if not held.isdisjoint(map(id, m.parameters()))]
+    if len(models) > 1 and optimizer.max_grad_norm is None:
+        return None  # nothing clipped: every update is the plain one, whatever the loop logs
+    if len(models) > 1:
+        names = ", ".join(type(m).__name__ for m in models)
+        raise ValueError(
+            f"the OptimizerInBackward holds parameters of {len(models)} prepared modules "
+            f"({names}). accelerate's loop clips and measures the gradient norm over the "
+            "parameters it gives accelerator.clip_grad_norm_ (model.parameters() of one "
+            "module, or of several), while the OptimizerInBackward clips and measures the "
+            "norm over all it holds, in backward. "
+            "Give each module an OptimizerInBackward of its own, with max_grad_norm only "
+            "where the loop clips that module (a criterion whose parameters the loop steps "
+            "unclipped: none), or, where the loop clips the modules together, prepare them "
+            "as one module (torch.nn.ModuleDict)"
+        )
+    if not models:
+        return None
+    _refuse_other_parameters(optimizer, models[0], _LOOP_CLIPS, _LOOP_OUTSIDE_FIX)
+    return models[0]
+
+
 def backward(
     accelerator: Accelerator, loss: torch.Tensor, optimizer: Optimizer, **kwargs: Any
 ) -> None:
@@ -148,37 +267,79 @@ def backward(
     does not step on) the backward runs under :meth:`OptimizerInBackward.accumulate`, so the
     gradients are summed and the next syncing backward steps once on the sum, exactly as
     the plain optimizer's ``step()`` on that sync step would. Checks the accelerator first
-    (:func:`check_accelerator`).
+    (:func:`check_accelerator`), and that the optimizer holds exactly the trainable parameters
+    of the prepared model it shares a parameter with (:func:`_checked_model`).
     """
     check_accelerator(accelerator)
-    with _unless_syncing(accelerator, in_backward_optimizer(optimizer)):
+    inner = in_backward_optimizer(optimizer)
+    _checked_model(accelerator, inner)
+    with _unless_syncing(accelerator, inner):
         accelerator.backward(loss, **kwargs)
 
 
-def _unless_syncing(
-    accelerator: Accelerator, optimizer: OptimizerInBackward
-) -> contextlib.AbstractContextManager[None]:
-    """``optimizer.accumulate()`` on a micro-batch ``accelerator.accumulate`` does not step on."""
-    return contextlib.nullcontext() if accelerator.sync_gradients else optimizer.accumulate()
+@contextlib.contextmanager
+def _unless_syncing(accelerator: Accelerator, *optimizers: OptimizerInBackward) -> Iterator[None]:
+    """``accumulate()`` of each of ``optimizers`` on a micro-batch ``accelerator.accumulate``
+    does not step on (``accelerator.sync_gradients`` false when the context is entered)."""
+    with contextlib.ExitStack() as stack:
+        if not accelerator.sync_gradients:
+            for optimizer in optimizers:
+                stack.enter_context(optimizer.accumulate())
+        yield
 
 
-def _step_on_sync_only(accelerator: Accelerator, optimizer: OptimizerInBackward) -> None:
-    """Make ``accelerator.backward`` (this instance's) run under ``optimizer.accumulate()`` on
-    micro-batches it does not step on, as :func:`backward` does: the accelerate loop written for
-    a plain optimizer, ``accelerator.backward(loss)`` inside ``accelerator.accumulate(model)``,
+def _in_backward_optimizers(accelerator: Accelerator) -> list[OptimizerInBackward]:
+    """The in-backward optimizers ``accelerator`` holds now (``accelerator._optimizers``, which
+    ``free_memory()`` empties)."""
+    return [in_backward_optimizer(o) for o in accelerator._optimizers if _wraps_in_backward(o)]
+
+
+_WRAPPED = "_fused_optim_dist_step_on_sync_only"
+"""Marks the ``accelerator.backward`` :func:`_step_on_sync_only` installed."""
+
+
+def _step_on_sync_only(accelerator: Accelerator) -> None:
+    """Make this instance's ``accelerator.backward``, and any backward inside its
+    ``accelerator.accumulate(...)``, run under ``accumulate()`` of every in-backward optimizer
+    the accelerator holds on a micro-batch it does not step on, as :func:`backward` does: the
+    accelerate loop written for a plain optimizer, ``accelerator.backward(loss)`` (or
+    accelerate's own example, ``loss.backward()``) inside ``accelerator.accumulate(model)``,
     then sums them, where it stepped the first micro-batch in backward (1.0e-2 moved before
-    the second was refused)."""
-    original = accelerator.backward
+    the second was refused).
 
-    @functools.wraps(original)
+    The optimizers are looked up at each call, not kept: after ``accelerator.free_memory()``
+    an optimizer the loop deleted is gone (kept, it stayed live, and a new one on the same
+    parameters was refused as a second in-backward optimizer). Wraps once per accelerator."""
+    if getattr(accelerator.backward, _WRAPPED, False):
+        return
+    original_backward = accelerator.backward
+    original_accumulate = accelerator.accumulate
+
+    @functools.wraps(original_backward)
     def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         # A GradScaler put on the accelerator after prepare() would scale this backward's
-        # gradients before they are stepped: refused before it runs.
+        # gradients before they are stepped, and a parameter unfrozen since would be left out
+        # of the optimizer's norm or the loop's: both refused before it runs.
         _refuse_grad_scaler(accelerator)
-        with _unless_syncing(accelerator, optimizer):
-            original(loss, **kwargs)
+        optimizers = _in_backward_optimizers(accelerator)
+        for optimizer in optimizers:
+            _checked_model(accelerator, optimizer)
+        with _unless_syncing(accelerator, *optimizers):
+            original_backward(loss, **kwargs)
 
+    @functools.wraps(original_accumulate)
+    @contextlib.contextmanager
+    def accumulate(*models: nn.Module) -> Iterator[None]:
+        # accelerate sets sync_gradients on entering its context, before the second reads it.
+        with (
+            original_accumulate(*models),
+            _unless_syncing(accelerator, *_in_backward_optimizers(accelerator)),
+        ):
+            yield
+
+    setattr(backward, _WRAPPED, True)
     accelerator.backward = backward  # type: ignore[method-assign]
+    accelerator.accumulate = accumulate  # type: ignore[method-assign]
 
 
 def hook_swapped_parameters(optimizer: Optimizer) -> None:
@@ -202,28 +363,64 @@ def prepare(accelerator: Accelerator, *args: Any) -> Any:
     Refuses a distributed type other than one process or FSDP2, and a GradScaler
     (:func:`check_accelerator`), before preparing anything, then hooks the parameters FSDP2's
     prepare swapped into each in-backward optimizer among ``args``
-    (:func:`hook_swapped_parameters`), makes ``accelerator.backward`` accumulate on the
-    micro-batches it does not step on (so that ``accelerator.backward(loss)`` works as
-    :func:`backward`; it also refuses a GradScaler put on the accelerator later, before the
-    backward runs), and, with one model among ``args``, takes the optimizers' gradient norm in
-    its parameter order, as the loop's ``clip_grad_norm_(model.parameters())`` takes it
-    (:meth:`~fused_optim_dist.OptimizerInBackward.set_norm_order`). Returns what
+    (:func:`hook_swapped_parameters`) and makes ``accelerator.backward``, and any backward
+    inside ``accelerator.accumulate(...)``, accumulate on the micro-batches it does not step on
+    (so that ``accelerator.backward(loss)`` or ``loss.backward()`` works as :func:`backward`;
+    ``accelerator.backward`` also refuses a GradScaler put on the accelerator later, before
+    the backward runs; :func:`_step_on_sync_only`). Each in-backward optimizer then meets the
+    model the accelerator prepared that shares a parameter with it, in this call or an
+    earlier one, in either order (see [Note: an optimizer meets its model]). Returns what
     ``accelerator.prepare`` returns.
+
+    Raises:
+        ValueError: for the set-ups :func:`check_accelerator` refuses (before preparing), and
+            for an optimizer that does not hold exactly the trainable parameters of the one
+            prepared module it shares parameters with (:func:`_checked_model`; after
+            preparing, before any backward).
     """
     check_accelerator(accelerator)
     prepared = accelerator.prepare(*args)
     # One object back for one passed; else a tuple, or a list on the FSDP2 path.
     objects = prepared if len(args) > 1 else (prepared,)
-    models = [obj for obj in objects if isinstance(obj, nn.Module)]
     for obj in objects:
         if isinstance(obj, Optimizer) and _wraps_in_backward(obj):
             hook_swapped_parameters(obj)
-            _step_on_sync_only(accelerator, in_backward_optimizer(obj))
-            if len(models) == 1:
-                # The loop clips over model.parameters(): that norm, bit for bit, where one
-                # bucket (see OptimizerInBackward.set_norm_order).
-                in_backward_optimizer(obj).set_norm_order(models[0].parameters())
+            _step_on_sync_only(accelerator)
+    _meet_models(accelerator, {id(obj) for obj in objects})
     return prepared
+
+
+def _meet_models(accelerator: Accelerator, new: set[int]) -> None:
+    """Check each in-backward optimizer ``accelerator`` prepared against its model
+    (:func:`_checked_model`), and sum its norm in the model's parameter order where the
+    optimizer or the model is among the objects just prepared (ids in ``new``; an order set
+    by hand after an earlier ``prepare`` stays).
+
+    [Note: an optimizer meets its model]
+    The loop clips over ``model.parameters()`` (``accelerator.clip_grad_norm_``), the
+    optimizer in backward over its own parameters, summing the per-tensor norms in its
+    groups' order. Its model is the module the accelerator has prepared
+    (``accelerator._models``: by this ``prepare``, accelerate's own, or ``prepare_model``)
+    that shares a parameter with it, so a model prepared in another call than its optimizer,
+    before or after it, is found as in one call, and a second model with an optimizer of its
+    own (a GAN's generator and discriminator) is kept apart. The optimizer must hold exactly
+    its trainable parameters (:func:`_refuse_other_parameters`; again before every backward
+    of the wrapped ``accelerator.backward``, for a parameter unfrozen since), and it sums its
+    norm in the model's parameter order (:meth:`~fused_optim_dist.OptimizerInBackward
+    .set_norm_order`): ``clip_grad_norm_``'s norm bit for bit where one bucket (prepared in
+    two calls, the order was not set: CompactAdamW ended 1.9e-5 apart after 40 clipped
+    steps). An optimizer sharing parameters with several prepared modules (a model and a
+    criterion with learnable parameters) is refused: which of them the loop clips is not
+    known here (the plain loop clipped the model alone, and ours clipped all by their joint
+    norm: 9.7e-3 apart after eight steps).
+    """
+    for wrapper in accelerator._optimizers:
+        if not _wraps_in_backward(wrapper):
+            continue
+        optimizer = in_backward_optimizer(wrapper)
+        model = _checked_model(accelerator, optimizer)
+        if model is not None and not new.isdisjoint((id(wrapper), id(model))):
+            optimizer.set_norm_order(model.parameters())
 
 
 def _wraps_in_backward(optimizer: Optimizer) -> bool:

@@ -16,7 +16,8 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
   from its class and param groups (:func:`_in_backward_rebuild`).
 * ``gradient_accumulation_steps``: the backward of every micro-batch but the last of a step
   runs under :meth:`~fused_optim_dist.OptimizerInBackward.accumulate`, so each step updates
-  once, on the summed gradients.
+  once, on the summed gradients. The Trainer's ``accelerator.backward`` does this, so a
+  subclass's own ``training_step`` calling it accumulates alike.
 * ``max_grad_norm`` is the optimizer's in-backward clipping (one value; ``0`` or ``inf``, as
   for Trainer, turns it off),
   and the logged ``grad_norm`` is :meth:`~fused_optim_dist.OptimizerInBackward.grad_norm`:
@@ -25,9 +26,10 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
   ``fused_optim_dist/_gradients.py``.
 * Checkpoints hold the optimizer state as Trainer saves it and, beside it, the clipping history
   (:meth:`~fused_optim_dist.OptimizerInBackward.gradient_state_dict`); resuming restores both.
-* Every trainable parameter of the model must be in the optimizer: Trainer clips and logs the
-  norm over all of them, the optimizer over its own. Others are refused before the backward
-  (freeze them, or add them to the optimizer).
+* The optimizer must hold exactly the model's trainable parameters: Trainer clips and logs the
+  norm over the model's, the optimizer over its own. A trainable parameter of the model left
+  out of it (freeze it, or add it), or one it holds outside the model (make it the model's,
+  or freeze it), is refused before the backward.
 * Data parallel: FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2}``, or a model transformers
   sharded at load with ``distributed_config``) is supported; DistributedDataParallel, Trainer's
   default under ``torchrun``, is refused when the Trainer is built, before any update.
@@ -37,6 +39,7 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -45,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_optimizer import is_optimizer_factory
@@ -52,8 +56,9 @@ from transformers.trainer_optimizer import is_optimizer_factory
 from fused_optim_dist import InBackwardOptions
 from fused_optim_dist._class_state import same_value
 from fused_optim_dist._options import _accepted_arguments
-from fused_optim_dist._torch_internals import fsdp_units
 from fused_optim_dist.integrations.accelerate import (
+    _refuse_other_parameters,
+    _unless_syncing,
     check_accelerator,
     hook_swapped_parameters,
     in_backward_optimizer,
@@ -183,24 +188,17 @@ def _in_backward_cls_and_kwargs(
     return in_backward(optimizer_cls), {**kwargs, "options": options}
 
 
-def _check_holds_trainable(optimizer: OptimizerInBackward, model: nn.Module) -> None:
-    """Refuse, before the backward, trainable parameters of ``model`` that ``optimizer`` does
-    not hold. Trainer clips and logs the norm over all of them, the optimizer (clipping in
-    backward) over its own: the coefficient, so the update, would differ without an error. An
-    FSDP2 unit left unsharded (by an evaluation forward) exposes FSDP2's unsharded parameters,
-    which stand for the sharded ones the optimizer holds."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    held = {id(p) for p in params}
-    held.update(id(t) for unit in fsdp_units(params) for t in unit.aliases())
-    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if outside:
-        more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
-        raise ValueError(
-            f"{', '.join(outside[:3])}{more} require grad but are not in the optimizer. "
-            "Trainer clips and logs the gradient norm over every trainable parameter of the "
-            "model, while the OptimizerInBackward clips and measures its own, in backward. "
-            "Freeze them (requires_grad_(False)) or add them to the optimizer"
-        )
+_TRAINER_CLIPS = (
+    "Trainer clips and logs the gradient norm over the model's parameters "
+    "(accelerator.clip_grad_norm_(model.parameters(), ...))"
+)
+"""Who clips over the model's parameters, in ``_refuse_other_parameters``' message."""
+
+_TRAINER_OUTSIDE_FIX = (
+    "Make them parameters of the model (an attribute of one of its modules: Trainer's "
+    "clipping then covers them too), or freeze them (requires_grad_(False))"
+)
+"""What to do with an optimizer's parameters outside the model, in the same message."""
 
 
 class _HookSwappedParameters(TrainerCallback):
@@ -222,9 +220,10 @@ class InBackwardTrainerMixin:
     Raises (when the Trainer is built, before anything is updated):
         ValueError: under DistributedDataParallel, FSDP1 or DeepSpeed (use ``fsdp`` with
             ``fsdp_config={"version": 2}``); with a GradScaler on the accelerator (``fp16``:
-            use ``bf16``; one put there later is refused at the next training step, before its
-            backward); or an optimizer passed in ``optimizers=`` whose ``max_grad_norm``
-            differs from ``args.max_grad_norm``.
+            use ``bf16``; one put there later is refused before the next backward); or an
+            optimizer passed in ``optimizers=`` whose ``max_grad_norm`` differs from
+            ``args.max_grad_norm``. Before each backward: an optimizer that does not hold
+            exactly the model's trainable parameters (see [Note: Trainer's backward]).
         TypeError: an optimizer passed in ``optimizers=`` that is not an
             :class:`~fused_optim_dist.OptimizerInBackward` (and, when the optimizer is built, a
             factory's optimizer that cannot be built again in backward).
@@ -285,24 +284,44 @@ class InBackwardTrainerMixin:
         self._in_backward_optimizer(self.optimizer)
         return self.optimizer
 
-    def training_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor:
-        """Trainer's step; a micro-batch that does not end an optimizer step
-        (``accelerator.sync_gradients`` false, set by Trainer before each one) only
-        accumulates its gradients."""
-        optimizer = self._in_backward_optimizer(self.optimizer)
-        # Again before each backward: a GradScaler put on the accelerator after construction
-        # would scale the gradients stepped in this one.
-        self._in_backward_check_accelerator()
-        _check_holds_trainable(optimizer, model)
-        if self.accelerator.sync_gradients:
-            return super().training_step(model, inputs, num_items_in_batch)
-        with optimizer.accumulate():
-            return super().training_step(model, inputs, num_items_in_batch)
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator (built in ``__init__``, again for each hyperparameter-search
+        trial), whose ``backward`` then steps in backward only when it ends an optimizer step
+        (:meth:`_in_backward_backward`)."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.backward = self._in_backward_backward(self.accelerator)
+
+    def _in_backward_backward(self, accelerator: Accelerator) -> Callable[..., None]:
+        """``accelerator.backward`` for Trainer's micro-batches: one that does not end an
+        optimizer step (``accelerator.sync_gradients`` false, set by Trainer before each) runs
+        under :meth:`~fused_optim_dist.OptimizerInBackward.accumulate`, so it only adds its
+        gradients; each runs after the checks that stepping in backward needs.
+
+        [Note: Trainer's backward]
+        The wrap is on the accelerator, not on ``training_step``: a subclass overriding
+        ``training_step`` with its own ``self.accelerator.backward(loss)`` (not calling
+        Trainer's) accumulates as Trainer's does (with Trainer's ``training_step`` wrapped
+        instead, its first micro-batch was stepped in backward and the second refused, after
+        1.0e-2 moved). Before each backward, so before anything of it moves: the optimizer's
+        ``max_grad_norm`` is still ``args.max_grad_norm``; no GradScaler was put on the
+        accelerator since construction (it would scale the gradients stepped in this backward);
+        and the optimizer holds exactly the model's trainable parameters
+        (``_refuse_other_parameters``: Trainer clips and logs over the model's, the optimizer
+        over its own, in backward).
+        """
+        original = accelerator.backward
+
+        @functools.wraps(original)
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            optimizer = self._in_backward_optimizer(self.optimizer)
+            self._in_backward_check_accelerator()
+            _refuse_other_parameters(
+                optimizer, self.model_wrapped, _TRAINER_CLIPS, _TRAINER_OUTSIDE_FIX
+            )
+            with _unless_syncing(accelerator, optimizer):
+                original(loss, **kwargs)
+
+        return backward
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         # Trainer clips here, after backward: the gradients were clipped with the same value
