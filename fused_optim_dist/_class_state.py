@@ -58,7 +58,7 @@ from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
 from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
 
-__all__ = ["ClassState", "same_value"]
+__all__ = ["ClassState", "instance_attrs", "same_value"]
 
 # Attributes torch.optim.Optimizer itself keeps on an instance, and those the stepping engine
 # sets for one call: never the class's own state.
@@ -193,7 +193,7 @@ class ClassState:
         self._instances = {
             id(owner): owner for i, owner in enumerate(self._owners) if self._tracked[i]
         }
-        attrs = {key: _instance_attrs(owner) for key, owner in self._instances.items()}
+        attrs = {key: instance_attrs(owner) for key, owner in self._instances.items()}
         self._shared = _shared_objects([*groups.values(), *attrs.values()], state)
         self._group_snapshot = {i: _copy(g, self._shared) for i, g in groups.items()}
         self._instance_snapshot = {key: _copy(a, self._shared) for key, a in attrs.items()}
@@ -270,7 +270,7 @@ class ClassState:
                 changes = _changes(self._group_snapshot[index], after)
                 self._agree(groups, index, changes, f"in param group {index}")
                 changes = _changes(
-                    self._instance_snapshot[owner], _instance_attrs(self._owners[index])
+                    self._instance_snapshot[owner], instance_attrs(self._owners[index])
                 )
                 self._agree(objects, owner, changes, "on the optimizer instance")
             if generators.drawn():
@@ -292,7 +292,7 @@ class ClassState:
         for key in instances:
             instance = self._instances[key]
             snapshot = _copy(self._instance_snapshot[key], self._shared)
-            for name in _instance_attrs(instance).keys() - snapshot.keys():
+            for name in instance_attrs(instance).keys() - snapshot.keys():
                 delattr(instance, name)  # set by a bucket's step since
             for name, value in snapshot.items():
                 setattr(instance, name, value)
@@ -311,7 +311,7 @@ class ClassState:
                 changes = _changes(self._group_snapshot[index], after)
                 self._agree(self._group_changes, index, changes, f"in param group {index}")
         for key in instances:
-            changes = _changes(self._instance_snapshot[key], _instance_attrs(self._instances[key]))
+            changes = _changes(self._instance_snapshot[key], instance_attrs(self._instances[key]))
             self._agree(self._instance_changes, key, changes, "on the optimizer instance")
 
     def _agree(
@@ -396,7 +396,7 @@ class _RandomState:
             self._module.set_rng_state_all(self._states[1:])
 
 
-def _instance_attrs(optimizer: Optimizer) -> dict[str, Any]:
+def instance_attrs(optimizer: Optimizer) -> dict[str, Any]:
     """The instance's own state: its attributes but torch.optim's and its class's caches."""
     skip = _OPTIMIZER_ATTRS | cache_attributes(type(optimizer))
     return {k: v for k, v in vars(optimizer).items() if k not in skip}

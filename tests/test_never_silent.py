@@ -2059,3 +2059,45 @@ def test_class_keeping_references_trains_as_plain(cls):
     assert_match(*models)
     assert_match(*averages)
     assert_same_state_dict(optims[0].state_dict(), optims[1].state_dict())
+
+
+class _AnnealedSGD(torch.optim.Optimizer):
+    """SGD scaled by a temperature the loop anneals on the instance."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr))
+        self.temperature = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * self.temperature)
+
+
+def test_attribute_of_the_class_set_through_the_optimizer_as_plain():
+    """``optim.temperature = ...``, an attribute the class's step reads from its instance:
+    before, it was set on this optimizer and the wrapped instance stepped with its initial
+    value (7.9e-2 apart after five steps, no error). Now it is the wrapped instance's, read
+    and set through the optimizer; set between backward and ``step()`` it is refused, nothing
+    moved by the assignment."""
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), _AnnealedSGD),
+        _AnnealedSGD(models[1].parameters()),
+    )
+    for step in range(5):
+        for model, optim in zip(models, optims, strict=True):
+            optim.temperature = 0.5**step
+            loss_fn(model, *_x(step)).backward()
+            optim.step()
+            optim.zero_grad()
+    assert optims[0].temperature == optims[1].temperature == 0.5**4
+    assert_match(*models)
+    loss_fn(models[0], *_x(5)).backward()
+    before = _snapshot(models[0])
+    with pytest.raises(RuntimeError, match="temperature was set between backward and step"):
+        optims[0].temperature = 2.0
+    _assert_unchanged(models[0], before)
+    assert optims[0].temperature == 0.5**4
