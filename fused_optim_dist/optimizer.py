@@ -560,12 +560,14 @@ class OptimizerInBackward(Optimizer):
         step protocol])."""
         if self._pending:
             self._pending.refuse_snapshot("state_dict()")
+        self._refuse_overridden("state_dict", "save")
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``. While updates made in backward await
         ``step()``, that ``step()`` then refuses, and ``zero_grad()`` discards the updates once
         the model was restored too (see [Note: the step protocol])."""
+        self._refuse_overridden("load_state_dict", "load")
         super().load_state_dict(state_dict)
         self._note_state()
         if self._pending:
@@ -618,10 +620,14 @@ class OptimizerInBackward(Optimizer):
             # as zeros] for what the plain optimizer would step.
             drop_freed(params, read_grads(params))
             super().zero_grad(set_to_none=False)
-            return
-        drop_grads(
-            [p for p, grad in zip(params, read_grads(params), strict=True) if grad is not None]
-        )
+        else:
+            drop_grads(
+                [p for p, grad in zip(params, read_grads(params), strict=True) if grad is not None]
+            )
+        # A class's own zero_grad (resetting a value its step reads) runs as the plain
+        # optimizer's does, on its instance, whose groups hold no parameters.
+        for instance in self._overriding("zero_grad"):
+            instance.zero_grad(set_to_none)
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Commit the updates made in backward, and step the parameters that still hold a
@@ -1071,6 +1077,31 @@ class OptimizerInBackward(Optimizer):
             )
         for owner in owners:
             setattr(owner, name, value)
+
+    def _overriding(self, name: str) -> list[Optimizer]:
+        """The wrapped class instances whose class overrides ``torch.optim.Optimizer``'s
+        method ``name``."""
+        base = getattr(Optimizer, name)
+        stepper = self.__dict__.get("_stepper")
+        if stepper is None:
+            return []
+        instances = {id(s.optimizer): s.optimizer for s in stepper.steppers.values()}
+        return [o for o in instances.values() if getattr(type(o), name) is not base]
+
+    def _refuse_overridden(self, name: str, verb: str) -> None:
+        """Raise if a wrapped class overrides ``name`` (``state_dict``, ``load_state_dict``):
+        this optimizer's is torch.optim.Optimizer's, over its own groups and state, and would
+        not run the class's (which saves or loads values of its own: a counter on itself),
+        so a run resumed from the checkpoint would differ from the plain one, silently."""
+        for instance in self._overriding(name):
+            raise RuntimeError(
+                f"{type(instance).__name__} overrides {name}() (to {verb} values of its own, "
+                "such as a counter kept on itself): OptimizerInBackward's is "
+                "torch.optim.Optimizer's, over its param groups and state, and would leave "
+                "them out, so a run resumed from the checkpoint would differ from the plain "
+                "one. Keep such values in the param groups or in state[p], or checkpoint with "
+                "the plain optimizer"
+            )
 
     def _wrapped_holding(self, name: str) -> list[Optimizer]:
         """The wrapped class instances that keep a public attribute ``name`` of their own."""
