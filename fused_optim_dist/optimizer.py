@@ -897,7 +897,10 @@ class OptimizerInBackward(Optimizer):
                 )
 
     def _check_alive(self, plan: BucketPlan) -> None:
-        if plan.trainable and not _held_by_a_module(plan.trainable):
+        # Only module parameters (nn.Parameter) are replaced by fully_shard: free tensors
+        # (SAC's log_alpha, latent codes) never belong to a module.
+        replaceable = [p for p in plan.trainable if isinstance(p, nn.Parameter)]
+        if replaceable and not _held_by_a_module(replaceable):
             raise RuntimeError(
                 "no gradient has reached OptimizerInBackward, and none of its parameters "
                 "belongs to a live module, so nothing would ever train. The usual cause is "

@@ -2178,3 +2178,25 @@ def test_class_zero_grad_override_runs_as_plain():
             optim.step()
             optim.zero_grad()
     assert_match(*models)
+
+
+def test_step_before_any_gradient_on_free_tensors_as_plain():
+    """SAC's entropy temperature: a free tensor (no module's parameter), ``step()`` called on
+    iterations before its loss starts. Before, the check for an optimizer built before
+    ``fully_shard`` took it for one and raised; free tensors are never replaced by
+    ``fully_shard``. Now as plain."""
+    runs = []
+    for wrap in (True, False):
+        log_alpha = torch.zeros(1, requires_grad=True)
+        optim = (
+            OptimizerInBackward([log_alpha], torch.optim.Adam, lr=1e-2)
+            if wrap
+            else torch.optim.Adam([log_alpha], lr=1e-2)
+        )
+        for step in range(4):
+            optim.zero_grad()
+            if step >= 2:
+                (log_alpha.exp() * 0.5).sum().backward()
+            optim.step()
+        runs.append(log_alpha.detach())
+    torch.testing.assert_close(*runs, rtol=0, atol=1e-7)
