@@ -1039,9 +1039,10 @@ class OptimizerInBackward(Optimizer):
         return run
 
     def __getattr__(self, name: str) -> Any:
-        """A static or class method of the default class, or a public attribute a wrapped
-        class keeps on its instance, reached through the optimizer as through the plain one.
-        See [Note: the wrapped class's own methods]."""
+        """A static or class method of the default class, a public attribute a wrapped class
+        keeps on its instance, or a public property or value of the default class, reached
+        through the optimizer as through the plain one. See [Note: the wrapped class's own
+        methods]."""
         stepper = self.__dict__.get("_stepper")
         if stepper is not None and not name.startswith("__"):
             cls = type(stepper.steppers[None].optimizer)
@@ -1050,6 +1051,13 @@ class OptimizerInBackward(Optimizer):
             owners = self._wrapped_holding(name)
             if owners:
                 return getattr(owners[0], name)
+            static = inspect.getattr_static(cls, name, None)
+            if not name.startswith("_") and (
+                isinstance(static, property) or (static is not None and not callable(static))
+            ):
+                # A flag the class declares (timm's ``is_second_order``, which its training
+                # script reads to call backward(create_graph=True)).
+                return getattr(stepper.steppers[None].optimizer, name)
         missing = f"{type(self).__name__!r} object has no attribute {name!r}"
         if name in ("train", "eval"):
             missing += f": no optimizer class of its param groups defines {name}()"

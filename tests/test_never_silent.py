@@ -2200,3 +2200,47 @@ def test_step_before_any_gradient_on_free_tensors_as_plain():
             optim.step()
         runs.append(log_alpha.detach())
     torch.testing.assert_close(*runs, rtol=0, atol=1e-7)
+
+
+class _AdaHessian(torch.optim.Optimizer):
+    """AdaHessian (Yao et al. 2021), simplified: Hutchinson's estimate of the Hessian's
+    diagonal from the gradients' graph, as timm's. Declares ``is_second_order``, which timm's
+    training script reads to call ``backward(create_graph=True)``."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @property
+    def is_second_order(self) -> bool:
+        return True
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        probes = [torch.randint_like(p, high=2) * 2 - 1 for p in params]
+        grads = [p.grad for p in params]
+        products = torch.autograd.grad(grads, params, grad_outputs=probes)
+        with torch.no_grad():
+            for p, product, probe in zip(params, products, probes, strict=True):
+                curvature = self.state[p].setdefault("curvature", torch.zeros_like(p))
+                curvature.mul_(0.9).add_((product * probe).abs(), alpha=0.1)
+                p.addcdiv_(p.grad, curvature.add(1e-4), value=-self.param_groups[0]["lr"])
+
+
+def test_second_order_flag_of_the_class_read_through_the_optimizer():
+    """timm's loop: ``second_order = hasattr(optim, "is_second_order") and
+    optim.is_second_order``, then ``loss.backward(create_graph=second_order)``. Before, the
+    class's property was not reached through ours, the loop backpropagated without a graph,
+    and AdaHessian's step failed in autograd; now as plain."""
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), _AdaHessian),
+        _AdaHessian(models[1].parameters()),
+    )
+    for step in range(3):
+        for model, optim in zip(models, optims, strict=True):
+            second_order = hasattr(optim, "is_second_order") and optim.is_second_order
+            torch.manual_seed(step)
+            loss_fn(model, *_x(step)).backward(create_graph=second_order)
+            optim.step()
+            optim.zero_grad()
+    assert_match(*models)
