@@ -425,6 +425,34 @@ class OwnTrainingStepInBackward(in_backward_trainer(transformers.Trainer)):
     training_step = _own_training_step
 
 
+def _own_training_step_loss_backward(self, model, inputs, num_items_in_batch=None):
+    """A ``training_step`` calling ``loss.backward()`` itself, not ``accelerator.backward``."""
+    model.train()
+    inputs = self._prepare_inputs(inputs)
+    loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    (loss / self.current_gradient_accumulation_steps).backward()
+    return loss.detach()
+
+
+class LossBackwardStep(transformers.Trainer):
+    training_step = _own_training_step_loss_backward
+
+
+class LossBackwardStepInBackward(InBackwardTrainerMixin, LossBackwardStep):
+    """The mixin first among the bases of a subclass whose step calls ``loss.backward()``."""
+
+
+def test_trainer_subclass_calling_loss_backward(tmp_path):
+    """``in_backward_trainer(MyTrainer)`` where ``MyTrainer.training_step`` calls
+    ``loss.backward()`` with accumulation: with only ``accelerator.backward`` wrapped, its
+    first micro-batch was stepped in backward; the mixin's ``training_step`` runs the whole
+    step under ``accumulate()`` on such micro-batches: as plain."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
+    plain = _train(LossBackwardStep, tmp_path / "plain", **kwargs)
+    ours = _train(LossBackwardStepInBackward, tmp_path / "ours", **kwargs)
+    print(f"loss.backward() subclass: {_assert_parity(ours, plain):.2e}")
+
+
 def test_trainer_subclass_with_its_own_training_step(tmp_path):
     """A subclass of ``in_backward_trainer(Trainer)`` whose ``training_step`` calls
     ``self.accelerator.backward`` itself, with accumulation: the mixin's ``training_step`` was

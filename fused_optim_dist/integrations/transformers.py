@@ -284,6 +284,19 @@ class InBackwardTrainerMixin:
         self._in_backward_optimizer(self.optimizer)
         return self.optimizer
 
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Trainer's step, under :meth:`~fused_optim_dist.OptimizerInBackward.accumulate` on a
+        micro-batch that does not end an optimizer step: a subclass's ``training_step`` that
+        calls ``loss.backward()`` itself, not ``accelerator.backward``, accumulates too (see
+        [Note: Trainer's backward])."""
+        with _unless_syncing(self.accelerator, self._in_backward_optimizer(self.optimizer)):
+            return super().training_step(model, inputs, num_items_in_batch)
+
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator (built in ``__init__``, again for each hyperparameter-search
         trial), whose ``backward`` then steps in backward only when it ends an optimizer step
@@ -298,16 +311,18 @@ class InBackwardTrainerMixin:
         gradients; each runs after the checks that stepping in backward needs.
 
         [Note: Trainer's backward]
-        The wrap is on the accelerator, not on ``training_step``: a subclass overriding
-        ``training_step`` with its own ``self.accelerator.backward(loss)`` (not calling
-        Trainer's) accumulates as Trainer's does (with Trainer's ``training_step`` wrapped
-        instead, its first micro-batch was stepped in backward and the second refused, after
-        1.0e-2 moved). Before each backward, so before anything of it moves: the optimizer's
-        ``max_grad_norm`` is still ``args.max_grad_norm``; no GradScaler was put on the
-        accelerator since construction (it would scale the gradients stepped in this backward);
-        and the optimizer holds exactly the model's trainable parameters
-        (``_refuse_other_parameters``: Trainer clips and logs over the model's, the optimizer
-        over its own, in backward).
+        The wrap is on the accelerator as well as on ``training_step``: a subclass
+        overriding ``training_step`` with its own ``self.accelerator.backward(loss)`` (not
+        calling Trainer's) accumulates as Trainer's does (with only Trainer's
+        ``training_step`` wrapped, its first micro-batch was stepped in backward and the
+        second refused, after 1.0e-2 moved), and so does one of the mixin's subclasses whose
+        ``training_step`` calls ``loss.backward()`` itself (with only the accelerator
+        wrapped, likewise). Before each backward, so before anything of it moves: the
+        optimizer's ``max_grad_norm`` is still ``args.max_grad_norm``; no GradScaler was put
+        on the accelerator since construction (it would scale the gradients stepped in this
+        backward); and the optimizer holds exactly the model's trainable parameters
+        (``_refuse_other_parameters``: Trainer clips and logs over the model's, the
+        optimizer over its own, in backward).
         """
         original = accelerator.backward
 
