@@ -379,6 +379,34 @@ def test_accelerate_trainable_parameters_outside_the_optimizer_refused(calls):
     assert max_difference(full_params(model), before) == 0.0
 
 
+def _embedding_left_out_unclipped(in_backward: bool) -> dict[str, torch.Tensor]:
+    """Three steps with the embedding trainable but left out of an unclipped optimizer."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = tiny_llama()
+        params = [p for name, p in model.named_parameters() if "embed_tokens" not in name]
+        if in_backward:
+            optim = OptimizerInBackward(params, torch.optim.AdamW, lr=LR)
+            model, optim, loader = prepare(accelerator, model, optim, _loader())
+        else:
+            optim = torch.optim.AdamW(params, lr=LR)
+            model, optim, loader = accelerator.prepare(model, optim, _loader())
+        for _, batch in zip(range(3), loader, strict=False):
+            accelerator.backward(model(**batch).loss)
+            optim.step()
+            optim.zero_grad()
+        return full_params(accelerator.unwrap_model(model))
+
+
+def test_accelerate_unclipped_optimizer_need_not_hold_every_trainable_parameter():
+    """Without ``max_grad_norm`` nothing is clipped and every update is the plain one, so a
+    trainable parameter left out of the optimizer is accepted (it was refused)."""
+    assert (
+        max_difference(_embedding_left_out_unclipped(True), _embedding_left_out_unclipped(False))
+        < PARITY_ATOL
+    )
+
+
 class ProxyLoss(torch.nn.Module):
     """A criterion with learnable parameters (class proxies and a temperature, as metric
     learning's proxy losses keep), prepared beside the model and trained with it."""

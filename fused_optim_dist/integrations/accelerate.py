@@ -254,7 +254,9 @@ def _checked_model(accelerator: Accelerator, optimizer: OptimizerInBackward) -> 
         )
     if not models:
         return None
-    _refuse_other_parameters(optimizer, models[0], _LOOP_CLIPS, _LOOP_OUTSIDE_FIX)
+    if optimizer.max_grad_norm is not None:
+        # Unclipped, every update is the plain one whatever the optimizer holds.
+        _refuse_other_parameters(optimizer, models[0], _LOOP_CLIPS, _LOOP_OUTSIDE_FIX)
     return models[0]
 
 
