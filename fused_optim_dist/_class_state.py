@@ -47,6 +47,9 @@ cannot be deep-copied (a lock, a process group).
 from __future__ import annotations
 
 import copy
+import pickle
+import random
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -249,6 +252,8 @@ class ClassState:
             if self._tracked[index] and not self._steppers.is_joint(batch.group)
         ]
         self._steppers.probed |= {self._steppers.key_of(batch.group) for _, batch in chosen}
+        if not chosen:
+            return
         # Each held batch, in two halves where it has two parameters or more: every piece must
         # change the groups and the instance alike.
         pieces = []
@@ -275,8 +280,8 @@ class ClassState:
                 self._agree(objects, owner, changes, "on the optimizer instance")
             if generators.drawn():
                 raise RuntimeError(
-                    "the wrapped optimizer's step draws random numbers (it advanced torch's "
-                    "random number generator when stepped on copies of its parameters, as "
+                    "the wrapped optimizer's step draws random numbers (it advanced torch's, "
+                    "Python's or NumPy's generator when stepped on copies of its parameters, as "
                     "SGLD's noise does): stepped bucket by bucket, as its declared stepping "
                     "asks, it would draw them in another order, and on each rank's local "
                     "shards in other shapes, than the plain step(), and train differently with "
@@ -370,30 +375,43 @@ class ClassState:
 
 
 class _RandomState:
-    """The states of torch's default random number generators (the CPU's, and the
-    accelerator's once initialised), taken when made: the check on copies draws nothing that
-    the real steps or the rest of the loop (dropout masks, shuffling) would then miss."""
+    """The states of the default random number generators a step may draw from (torch's on
+    the CPU, and on the accelerator once initialised; Python's ``random``; NumPy's global one
+    where NumPy is imported), taken when made: the check on copies draws nothing that the
+    real steps or the rest of the loop (dropout masks, shuffling) would then miss."""
 
     def __init__(self) -> None:
         accelerator = torch.accelerator.current_accelerator()
         module = None if accelerator is None else torch.get_device_module(accelerator)
         self._module = module if module is not None and module.is_initialized() else None
+        self._numpy = sys.modules.get("numpy")
         self._states = self._now()
 
-    def _now(self) -> list[torch.Tensor]:
-        states = [torch.get_rng_state()]
+    def _now(self) -> tuple[list[torch.Tensor], Any, Any]:
+        tensors = [torch.get_rng_state()]
         if self._module is not None:
-            states += self._module.get_rng_state_all()
-        return states
+            tensors += self._module.get_rng_state_all()
+        # NumPy's state holds an array: compared by its pickle.
+        numpy = None if self._numpy is None else pickle.dumps(self._numpy.random.get_state())
+        return tensors, random.getstate(), numpy
 
     def drawn(self) -> bool:
         """Whether a generator advanced since."""
-        return not all(map(torch.equal, self._states, self._now()))
+        (tensors, python, numpy), (now, python_now, numpy_now) = self._states, self._now()
+        return not (
+            all(map(torch.equal, tensors, now))
+            and python == python_now
+            and numpy == numpy_now
+        )
 
     def restore(self) -> None:
-        torch.set_rng_state(self._states[0])
+        tensors, python, numpy = self._states
+        torch.set_rng_state(tensors[0])
         if self._module is not None:
-            self._module.set_rng_state_all(self._states[1:])
+            self._module.set_rng_state_all(tensors[1:])
+        random.setstate(python)
+        if numpy is not None:
+            self._numpy.random.set_state(pickle.loads(numpy))
 
 
 def instance_attrs(optimizer: Optimizer) -> dict[str, Any]:

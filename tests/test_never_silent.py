@@ -15,6 +15,7 @@ import copy
 import gc
 import math
 import pickle
+import random
 import threading
 import warnings
 from collections.abc import Callable
@@ -1944,6 +1945,18 @@ class _DeclaredSGLD(_SGLD):
     pass
 
 
+@declare_stepping("elementwise")
+class _DeclaredPythonNoise(torch.optim.SGD):
+    """SGD whose learning rate is scaled by a draw from Python's ``random``."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * random.random())
+
+
 @pytest.mark.parametrize("bucket_numel", [10**9, 1], ids=["one-bucket", "per-parameter"])
 def test_class_drawing_random_numbers_declared_refused_undeclared_equal(bucket_numel):
     """SGLD draws its noise in ``step()``. Declared elementwise, the check on copies drew from
@@ -1952,11 +1965,15 @@ def test_class_drawing_random_numbers_declared_refused_undeclared_equal(bucket_n
     the first backward, nothing moved and the generator as it was; undeclared (stepped
     jointly) it trains as plain."""
     model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), _DeclaredSGLD, bucket_numel=bucket_numel)
-    loss = loss_fn(model, *_x(0))
-    generator = torch.get_rng_state()
-    _refused_unmoved(model, "draws random numbers", loss.backward)
-    assert torch.equal(torch.get_rng_state(), generator) and not optim.state
+    for cls in (_DeclaredSGLD, _DeclaredPythonNoise):
+        optim = OptimizerInBackward(model.parameters(), cls, lr=1e-3, bucket_numel=bucket_numel)
+        loss = loss_fn(model, *_x(0))
+        generators = torch.get_rng_state(), random.getstate()
+        _refused_unmoved(model, "draws random numbers", loss.backward)
+        assert torch.equal(torch.get_rng_state(), generators[0]) and not optim.state
+        assert random.getstate() == generators[1]
+        optim.detach()
+        model.zero_grad()
 
     model = copy.deepcopy(reference)
     loops = (
