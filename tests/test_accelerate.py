@@ -535,3 +535,55 @@ def test_accelerate_optimizer_released_by_free_memory():
     second was refused as another live optimizer on the same parameters (naming an object the
     loop had deleted). As plain now."""
     assert max_difference(_two_phases(True), _two_phases(False)) < PARITY_ATOL
+
+
+class _FrozenEncoderNet(torch.nn.Module):
+    """A trained head over a frozen encoder, which the loop also runs alone for targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.enc(x)))
+
+
+def _frozen_encoder_run(in_backward: bool) -> tuple[torch.Tensor, list[float]]:
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = _FrozenEncoderNet()
+        if in_backward:
+            optim = OptimizerInBackward(
+                model.parameters(), torch.optim.AdamW, lr=LR, max_grad_norm=0.05
+            )
+            model, encoder, optim = prepare(accelerator, model, model.enc, optim)
+        else:
+            optim = torch.optim.AdamW(model.parameters(), lr=LR)
+            model, encoder, optim = accelerator.prepare(model, model.enc, optim)
+        g, norms = torch.Generator().manual_seed(1), []
+        for _ in range(4):
+            x = torch.randn(4, 8, generator=g)
+            with torch.no_grad():
+                target = encoder(x.flip(0))
+            accelerator.backward((model(x) - target).pow(2).mean())
+            if in_backward:
+                norms.append(in_backward_optimizer(optim).grad_norm().item())
+            else:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.05).item())
+            optim.step()
+            optim.zero_grad()
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), norms
+
+
+def test_accelerate_frozen_submodule_prepared_alone_is_not_a_second_model():
+    """A frozen encoder inside the model, prepared on its own too: it shares only frozen
+    parameters with the optimizer, which count in neither norm. It was counted as a second
+    prepared module and the clipped optimizer refused; as plain now (and a module prepared
+    twice, accelerate keeping it and its compiled wrapper, is one)."""
+    (ours, ours_norms), (plain, plain_norms) = _frozen_encoder_run(True), _frozen_encoder_run(False)
+    assert (ours - plain).abs().max().item() < PARITY_ATOL
+    torch.testing.assert_close(ours_norms, plain_norms, rtol=NORM_RTOL, atol=0)

@@ -235,8 +235,15 @@ def _checked_model(accelerator: Accelerator, optimizer: OptimizerInBackward) -> 
             ours over all it holds.
     """
     held = _held(optimizer)
-    prepared = {id(m): m for m in accelerator._models}
-    models = [m for m in prepared.values() if not held.isdisjoint(map(id, m.parameters()))]
+    # Modules sharing trainable parameters with it (a frozen encoder prepared on its own
+    # shares none that count), one per set of parameters (accelerate keeps both a module and
+    # the compiled module wrapping it when the model is prepared twice).
+    by_parameters: dict[frozenset[int], nn.Module] = {}
+    for module in accelerator._models:
+        trainable = frozenset(id(p) for p in module.parameters() if p.requires_grad)
+        if not held.isdisjoint(trainable):
+            by_parameters.setdefault(trainable, module)
+    models = list(by_parameters.values())
     if len(models) > 1 and optimizer.max_grad_norm is None:
         return None  # nothing clipped: every update is the plain one, whatever the loop logs
     if len(models) > 1:
