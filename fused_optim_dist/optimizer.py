@@ -624,10 +624,25 @@ class OptimizerInBackward(Optimizer):
             drop_grads(
                 [p for p, grad in zip(params, read_grads(params), strict=True) if grad is not None]
             )
-        # A class's own zero_grad (resetting a value its step reads) runs as the plain
-        # optimizer's does, on its instance, whose groups hold no parameters.
-        for instance in self._overriding("zero_grad"):
-            instance.zero_grad(set_to_none)
+        self._class_zero_grad(set_to_none)
+
+    def _class_zero_grad(self, set_to_none: bool) -> None:
+        """Run each wrapped class's own ``zero_grad`` (resetting a value its step reads, on
+        itself or per parameter in ``state``) as the plain optimizer's runs: on its groups and
+        the state, called as the loop called ours (no argument for the default)."""
+        for key, stepper in self._stepper.steppers.items():
+            instance = stepper.optimizer
+            if type(instance).zero_grad is Optimizer.zero_grad:
+                continue
+            groups = [g for g in self.param_groups if g.get(GROUP_CLASS_KEY) == key]
+            instance.param_groups, instance.state = groups, self.state
+            try:
+                if set_to_none:
+                    instance.zero_grad()
+                else:
+                    instance.zero_grad(set_to_none=False)
+            finally:
+                instance.param_groups, instance.state = [], defaultdict(dict)
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Commit the updates made in backward, and step the parameters that still hold a

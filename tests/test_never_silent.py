@@ -2145,7 +2145,8 @@ class _CountingSGD(torch.optim.Optimizer):
 
 
 class _ResetOnZeroGrad(_AnnealedSGD):
-    """Its step reads a count its own ``zero_grad`` resets."""
+    """Its step reads counts its own ``zero_grad`` (taking no argument) resets, one on itself
+    and one per parameter in its state."""
 
     def __init__(self, params, lr: float = 0.1) -> None:
         super().__init__(params, lr)
@@ -2155,11 +2156,19 @@ class _ResetOnZeroGrad(_AnnealedSGD):
     def step(self, closure=None):
         self.since_zero += 1
         self.temperature = 1.0 / self.since_zero
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    count = self.state[p]["count"] = self.state[p].get("count", 0) + 1
+                    p.mul_(1 - 0.01 * count)
         super().step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+    def zero_grad(self) -> None:  # type: ignore[override]
+        super().zero_grad()
         self.since_zero = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["count"] = 0
 
 
 def test_class_state_dict_override_refused():
@@ -2176,8 +2185,10 @@ def test_class_state_dict_override_refused():
 
 
 def test_class_zero_grad_override_runs_as_plain():
-    """A class whose ``zero_grad`` override resets a value its step reads: ours never ran it
-    (4.4e-2 apart after four steps, no error); now it runs, as plain."""
+    """A class whose ``zero_grad`` override resets values its step reads: ours never ran it
+    (4.4e-2 apart after four steps, no error); then ran it with no parameters in its groups
+    (the per-parameter reset did nothing: 5.8e-2 apart) and with an argument its signature
+    lacks (TypeError); now it runs on its groups and state, called as the loop called ours."""
     models = make_models()
     optims = (
         OptimizerInBackward(models[0].parameters(), _ResetOnZeroGrad),
