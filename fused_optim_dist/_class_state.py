@@ -41,7 +41,9 @@ its state tensors in a list for speed, or another model's parameters in a group 
 updates) would otherwise step copies, and the model would not train, with no error. So modules,
 parameters and other tensors that require grad, and the optimizer's state tensors, are shared,
 not copied, wherever they sit under an attribute or a group entry; so is an attribute that
-cannot be deep-copied (a lock, a process group).
+cannot be deep-copied (a lock, a process group). A 0-dim state tensor is copied: a class may
+keep one step counter on itself that is also every parameter's ``state[p]["step"]``, and
+each bucket must start from its value, as from any counter's.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ def _shared_objects(
 ) -> dict[int, Any]:
     """The objects under ``values`` (through dicts, lists, tuples and sets) that a snapshot
     shares instead of copying, by id: modules, parameters and other tensors that require
-    grad, and the optimizer's state tensors. See [Note: what a snapshot shares]."""
+    grad, and the optimizer's state tensors but 0-dim counters. See [Note: what a snapshot
+    shares]."""
     shared: dict[int, Any] = {}
     tensors: list[torch.Tensor] = []
     pending: list[Any] = [v for value in values for v in value.values()]
@@ -141,8 +144,10 @@ def _shared_objects(
         elif isinstance(value, list | tuple | set | frozenset):
             pending.extend(value)
     if tensors:
+        # A 0-dim state tensor is a counter (a class may keep one ``step`` for every
+        # parameter on itself too): copied, so that every bucket starts from its value.
         held = {id(v) for entry in state.values() for v in entry.values()}
-        shared.update((id(t), t) for t in tensors if id(t) in held)
+        shared.update((id(t), t) for t in tensors if id(t) in held and t.dim() > 0)
     return shared
 
 
@@ -399,9 +404,7 @@ class _RandomState:
         """Whether a generator advanced since."""
         (tensors, python, numpy), (now, python_now, numpy_now) = self._states, self._now()
         return not (
-            all(map(torch.equal, tensors, now))
-            and python == python_now
-            and numpy == numpy_now
+            all(map(torch.equal, tensors, now)) and python == python_now and numpy == numpy_now
         )
 
     def restore(self) -> None:
