@@ -115,6 +115,11 @@ def _autocast_device_types() -> tuple[str, ...]:
     return ("cpu",) if accelerator is None else ("cpu", accelerator.type)
 
 
+def autocast_enabled() -> bool:
+    """Whether an autocast region of the calling thread is in force (CPU or accelerator)."""
+    return any(map(torch.is_autocast_enabled, _autocast_device_types()))
+
+
 def outside_autocast() -> contextlib.AbstractContextManager[Any]:
     """A context in which no autocast region of the calling thread is in force.
 
@@ -126,7 +131,9 @@ def outside_autocast() -> contextlib.AbstractContextManager[Any]:
     run without it. Autocast changes the class's own ops (``torch.optim.Adafactor``'s matmul,
     any matmul of a class's step, runs in bfloat16: 1.5e-3 apart after five steps, no error).
     So the steps and norms of a backward run with autocast off on the CPU and the accelerator,
-    as the plain optimizer's do."""
+    as the plain optimizer's do. A loop that calls ``step()`` inside the block too would run
+    the plain update under autocast: ``step()`` refuses it there for a class that is not
+    elementwise (a matmul in its step), the first point where it is known."""
     enabled = [t for t in _autocast_device_types() if torch.is_autocast_enabled(t)]
     if not enabled:
         return contextlib.nullcontext()

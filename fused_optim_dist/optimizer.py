@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fused_optim_dist._class_state import instance_attrs
 from fused_optim_dist._classes import GROUP_CLASS_KEY, ClassSteppers, class_path
-from fused_optim_dist._engine import BackwardPass
+from fused_optim_dist._engine import BackwardPass, autocast_enabled
 from fused_optim_dist._freed import FreedGradients, Refusal, drop_freed, is_freed, refuse_freed
 from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, keeps_state_per_parameter, stepping_of
@@ -694,6 +694,7 @@ class OptimizerInBackward(Optimizer):
                 self._pending.refuse_changed(changed)
             self._pending.refuse_written_buffers()
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
+            self._refuse_step_under_autocast()
         plan = self._current_plan()
         if self._pending:
             self._pending.refuse_unreduced(plan.units)
@@ -1103,6 +1104,22 @@ class OptimizerInBackward(Optimizer):
             )
         for owner in owners:
             setattr(owner, name, value)
+
+    def _refuse_step_under_autocast(self) -> None:
+        """Raise in a ``step()`` called inside an autocast region after updates made in
+        backward, where a class that is not elementwise is wrapped. See [Note: updates outside
+        autocast] in ``_engine.py``."""
+        if not autocast_enabled():
+            return
+        for stepper in self._stepper.steppers.values():
+            if not (isinstance(stepper, BucketStepper) and stepper.local_shards):
+                raise RuntimeError(
+                    "step() was called inside a torch.autocast region: the plain "
+                    f"{type(stepper.optimizer).__name__}.step() would run there under autocast "
+                    "(a matmul of its update in bfloat16), while this optimizer made the "
+                    "update in backward without it. Call step() after the autocast block, "
+                    "as usual, or keep the plain optimizer for this loop"
+                )
 
     def _overriding(self, name: str) -> list[Optimizer]:
         """The wrapped class instances whose class overrides ``torch.optim.Optimizer``'s

@@ -2308,3 +2308,31 @@ def test_counter_on_the_instance_shared_with_the_state_steps_once_per_backward()
     for step in range(4):
         _step_both(tuple(zip(models, optims, strict=True)), step, zero=True)
     assert_match(*models)
+
+
+def test_step_inside_autocast_refused_for_a_matmul_class_equal_for_adamw():
+    """``backward()`` and ``step()`` both inside the ``torch.autocast`` block: the plain
+    Adafactor's step runs under autocast, ours ran the update in backward without it (6.5e-5
+    apart after five steps, no error): refused at ``step()``. An elementwise class (AdamW)
+    does the same arithmetic either way: as plain."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(model, *_x(0)).backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) was called inside a torch.autocast"):
+            optim.step()
+    models = make_models()
+    loops = tuple(
+        zip(
+            models,
+            (
+                OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW),
+                torch.optim.AdamW(models[1].parameters(), **ADAMW),
+            ),
+            strict=True,
+        )
+    )
+    for step in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _step_both(loops, step, zero=True)
+    assert_match(*models)
