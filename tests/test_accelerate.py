@@ -269,13 +269,35 @@ def test_accelerate_grad_scaler_is_refused_before_anything_moves():
         accelerator.scaler, accelerator.native_amp = None, False
         model, optim = prepare(accelerator, model, optim)
         _with_grad_scaler(accelerator)
-        batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=2)))
-        loss = model(**batch).loss
-        with pytest.raises(ValueError, match=r"GradScaler.*mixed_precision=.bf16"):
-            accelerator.backward(loss)
-        with pytest.raises(ValueError, match=r"GradScaler.*mixed_precision=.bf16"):
-            backward(accelerator, loss, optim)
+        _both_backwards_refuse(accelerator, model, optim, r"GradScaler.*mixed_precision=.bf16")
         assert max_difference(full_params(model), before) == 0.0
+
+
+def _both_backwards_refuse(
+    accelerator: accelerate.Accelerator, model: torch.nn.Module, optim: Any, match: str
+) -> None:
+    """``accelerator.backward`` (as ``prepare`` wrapped it) and ``backward`` both raise
+    ``match`` on a batch's loss, before the backward runs."""
+    batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=2)))
+    loss = model(**batch).loss
+    with pytest.raises(ValueError, match=match):
+        accelerator.backward(loss)
+    with pytest.raises(ValueError, match=match):
+        backward(accelerator, loss, optim)
+
+
+def _clipped_step(
+    accelerator: accelerate.Accelerator, model: torch.nn.Module, optim: Any, in_backward: bool
+) -> float:
+    """The end of a step clipped at 0.05 over ``model.parameters()``: the plain loop's
+    ``clip_grad_norm_``, or ours' norm (clipped in backward); returns the norm."""
+    if in_backward:
+        norm = in_backward_optimizer(optim).grad_norm().item()
+    else:
+        norm = accelerator.clip_grad_norm_(model.parameters(), 0.05).item()
+    optim.step()
+    optim.zero_grad()
+    return norm
 
 
 def _decay_groups_run(in_backward: bool, calls: str) -> tuple[list[torch.Tensor], list[float]]:
@@ -306,12 +328,7 @@ def _decay_groups_run(in_backward: bool, calls: str) -> tuple[list[torch.Tensor]
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
             accelerator.backward(((model(x) - y) ** 2).mean() * 10)
-            if in_backward:
-                norms.append(in_backward_optimizer(optim).grad_norm().item())
-            else:
-                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.05).item())
-            optim.step()
-            optim.zero_grad()
+            norms.append(_clipped_step(accelerator, model, optim, in_backward))
         return [p.detach().clone() for p in model.parameters()], norms
 
 
@@ -369,13 +386,10 @@ def test_accelerate_trainable_parameters_outside_the_optimizer_refused(calls):
         accelerator = accelerate.Accelerator(cpu=True)
         model.model.embed_tokens.requires_grad_(False)
         model, optim = prepare(accelerator, model, _embedding_left_out(model))
-        batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=2)))
         model.model.embed_tokens.requires_grad_(True)
-        loss = model(**batch).loss
-        with pytest.raises(ValueError, match=r"embed_tokens.*not in the optimizer.*Freeze"):
-            accelerator.backward(loss)
-        with pytest.raises(ValueError, match=r"embed_tokens.*not in the optimizer.*Freeze"):
-            backward(accelerator, loss, optim)
+        _both_backwards_refuse(
+            accelerator, model, optim, r"embed_tokens.*not in the optimizer.*Freeze"
+        )
     assert max_difference(full_params(model), before) == 0.0
 
 
@@ -570,12 +584,7 @@ def _frozen_encoder_run(in_backward: bool) -> tuple[torch.Tensor, list[float]]:
             with torch.no_grad():
                 target = encoder(x.flip(0))
             accelerator.backward((model(x) - target).pow(2).mean())
-            if in_backward:
-                norms.append(in_backward_optimizer(optim).grad_norm().item())
-            else:
-                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.05).item())
-            optim.step()
-            optim.zero_grad()
+            norms.append(_clipped_step(accelerator, model, optim, in_backward))
         return torch.cat([p.detach().flatten() for p in model.parameters()]), norms
 
 
