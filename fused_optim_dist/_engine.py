@@ -115,9 +115,15 @@ def _autocast_device_types() -> tuple[str, ...]:
     return ("cpu",) if accelerator is None else ("cpu", accelerator.type)
 
 
+def _autocast_enabled_on() -> list[str]:
+    """The device types (CPU, accelerator) with an autocast region of the calling thread in
+    force."""
+    return [t for t in _autocast_device_types() if torch.is_autocast_enabled(t)]
+
+
 def autocast_enabled() -> bool:
     """Whether an autocast region of the calling thread is in force (CPU or accelerator)."""
-    return any(map(torch.is_autocast_enabled, _autocast_device_types()))
+    return bool(_autocast_enabled_on())
 
 
 def outside_autocast() -> contextlib.AbstractContextManager[Any]:
@@ -133,8 +139,10 @@ def outside_autocast() -> contextlib.AbstractContextManager[Any]:
     So the steps and norms of a backward run with autocast off on the CPU and the accelerator,
     as the plain optimizer's do. A loop that calls ``step()`` inside the block too would run
     the plain update under autocast: ``step()`` refuses it there for a class that is not
-    elementwise (a matmul in its step), the first point where it is known."""
-    enabled = [t for t in _autocast_device_types() if torch.is_autocast_enabled(t)]
+    elementwise (a matmul in its step), the first point where it is known. What ``step()``
+    itself steps (gradients set by hand) runs under the caller's autocast, as the plain
+    ``step()``."""
+    enabled = _autocast_enabled_on()
     if not enabled:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
@@ -197,6 +205,8 @@ class BackwardPass:
         # The graph task ids of this backward (nested reentrant ones adopted), and a weak
         # reference to the token its queued callbacks hold.
         self._backward_ids = {backward_id}
+        # See [Note: updates outside autocast]: a backward's steps and norms only.
+        self._autocast_off = outside_autocast if backward_id is not None else contextlib.nullcontext
         self._token: weakref.ref[_GraphTaskToken] | None = None
         self.phase = Phase.COLLECTING
         self._plan = plan
@@ -413,7 +423,7 @@ class BackwardPass:
         if self.phase is Phase.FINISHED:
             return
         self.phase = Phase.FINISHED
-        with outside_autocast(), traced("fused_optim_dist::end_of_backward"):
+        with self._autocast_off(), traced("fused_optim_dist::end_of_backward"):
             # Buckets with a parameter that got no gradient (unused in this forward), then
             # gradients that reached a trainable parameter without a hook (accumulated under
             # accumulate() and unused now, set by hand, or on a parameter unfrozen after this
@@ -446,8 +456,7 @@ class BackwardPass:
         """Clip and step one bucket's parameters, then free their gradients."""
         if self._record and self._gradients.reduces_per_bucket:
             self._refuse_second_part(bucket)
-        # See [Note: updates outside autocast].
-        with outside_autocast(), traced("fused_optim_dist::step_bucket"):
+        with self._autocast_off(), traced("fused_optim_dist::step_bucket"):
             grads = None
             try:
                 grads = local_gradients(params)

@@ -1125,11 +1125,7 @@ class OptimizerInBackward(Optimizer):
         """The wrapped class instances whose class overrides ``torch.optim.Optimizer``'s
         method ``name``."""
         base = getattr(Optimizer, name)
-        stepper = self.__dict__.get("_stepper")
-        if stepper is None:
-            return []
-        instances = {id(s.optimizer): s.optimizer for s in stepper.steppers.values()}
-        return [o for o in instances.values() if getattr(type(o), name) is not base]
+        return [o for o in self._wrapped() if getattr(type(o), name) is not base]
 
     def _refuse_overridden(self, name: str, verb: str) -> None:
         """Raise if a wrapped class overrides ``name`` (``state_dict``, ``load_state_dict``):
@@ -1148,11 +1144,17 @@ class OptimizerInBackward(Optimizer):
 
     def _wrapped_holding(self, name: str) -> list[Optimizer]:
         """The wrapped class instances that keep a public attribute ``name`` of their own."""
-        stepper = self.__dict__.get("_stepper")
-        if stepper is None or name.startswith("_"):
+        if name.startswith("_"):
             return []
-        instances = {id(s.optimizer): s.optimizer for s in stepper.steppers.values()}
-        return [o for o in instances.values() if name in instance_attrs(o)]
+        return [o for o in self._wrapped() if name in instance_attrs(o)]
+
+    def _wrapped(self) -> list[Optimizer]:
+        """The wrapped class instances, once each (none while construction has not made
+        them)."""
+        stepper = self.__dict__.get("_stepper")
+        if stepper is None:
+            return []
+        return list({id(s.optimizer): s.optimizer for s in stepper.steppers.values()}.values())
 
     # ------------------------------------------------------------------ detaching
 

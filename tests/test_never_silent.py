@@ -2336,3 +2336,25 @@ def test_step_inside_autocast_refused_for_a_matmul_class_equal_for_adamw():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _step_both(loops, step, zero=True)
     assert_match(*models)
+
+
+def test_gradients_set_by_hand_stepped_under_the_callers_autocast():
+    """Gradients set by hand (no backward), ``step()`` inside an autocast block: the plain
+    Adafactor steps under autocast, and so does ours, at ``step()``; only the updates made in
+    backward run with autocast off. Before, ``step()`` turned it off too (1.5e-3 apart after
+    five steps, no error)."""
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.Adafactor, lr=1e-2),
+        torch.optim.Adafactor(models[1].parameters(), lr=1e-2),
+    )
+    for step in range(5):
+        torch.manual_seed(step)
+        grads = [torch.randn_like(p) for p in models[1].parameters()]
+        for model, optim in zip(models, optims, strict=True):
+            for p, grad in zip(model.parameters(), grads, strict=True):
+                p.grad = grad.clone()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                optim.step()
+            optim.zero_grad()
+    assert_match(*models)

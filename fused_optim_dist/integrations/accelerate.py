@@ -165,8 +165,15 @@ def _held(optimizer: OptimizerInBackward) -> set[int]:
     the sharded ones the optimizer holds."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     held = {id(p) for p in params}
-    held.update(id(t) for unit in fsdp_units(params) for t in unit.aliases())
+    for aliases in _unit_aliases(params):
+        held |= aliases
     return held
+
+
+def _unit_aliases(params: list[torch.Tensor]) -> list[set[int]]:
+    """For each FSDP2 unit of ``params``, the ids of every tensor FSDP2 registers for its
+    parameters (see :func:`_held`)."""
+    return [{id(t) for t in unit.aliases()} for unit in fsdp_units(params)]
 
 
 def _refuse_other_parameters(
@@ -194,11 +201,9 @@ def _refuse_other_parameters(
         ValueError: naming the parameters and what to do.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    held = {id(p) for p in params}
+    held = _held(optimizer)
     in_model = {id(p) for p in model.parameters()}
-    for unit in fsdp_units(params):
-        aliases = {id(t) for t in unit.aliases()}
-        held |= aliases
+    for aliases in _unit_aliases(params):
         if not aliases.isdisjoint(in_model):
             in_model |= aliases
     left_out = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
@@ -222,10 +227,11 @@ def _refuse_other_parameters(
 
 
 def _checked_model(accelerator: Accelerator, optimizer: OptimizerInBackward) -> nn.Module | None:
-    """The model ``accelerator`` prepared (by any ``prepare`` call) that shares a parameter with
-    ``optimizer``, the one the loop clips with it, after checking that the optimizer holds
-    exactly its trainable parameters (:func:`_refuse_other_parameters`); ``None`` with none
-    prepared yet, where there is nothing to check. See [Note: an optimizer meets its
+    """The model ``accelerator`` prepared (by any ``prepare`` call) that shares a trainable
+    parameter with ``optimizer``, the one the loop clips with it, after checking, where the
+    optimizer clips (``max_grad_norm``), that it holds exactly the model's trainable
+    parameters (:func:`_refuse_other_parameters`); ``None`` with none prepared yet, or several
+    and no clipping, where there is nothing to check. See [Note: an optimizer meets its
     model].
 
     Raises:
@@ -244,9 +250,9 @@ def _checked_model(accelerator: Accelerator, optimizer: OptimizerInBackward) -> 
         if not held.isdisjoint(trainable):
             by_parameters.setdefault(trainable, module)
     models = list(by_parameters.values())
-    if len(models) > 1 and optimizer.max_grad_norm is None:
-        return None  # nothing clipped: every update is the plain one, whatever the loop logs
-    if len(models) > 1:
+    clipped = optimizer.max_grad_norm is not None
+    # Unclipped, every update is the plain one whatever the optimizer holds: nothing to refuse.
+    if len(models) > 1 and clipped:
         names = ", ".join(type(m).__name__ for m in models)
         raise ValueError(
             f"the OptimizerInBackward holds parameters of {len(models)} prepared modules "
@@ -259,10 +265,9 @@ def _checked_model(accelerator: Accelerator, optimizer: OptimizerInBackward) -> 
             "unclipped: none), or, where the loop clips the modules together, prepare them "
             "as one module (torch.nn.ModuleDict)"
         )
-    if not models:
+    if len(models) != 1:
         return None
-    if optimizer.max_grad_norm is not None:
-        # Unclipped, every update is the plain one whatever the optimizer holds.
+    if clipped:
         _refuse_other_parameters(optimizer, models[0], _LOOP_CLIPS, _LOOP_OUTSIDE_FIX)
     return models[0]
 
@@ -410,16 +415,19 @@ def _meet_models(accelerator: Accelerator, new: set[int]) -> None:
     optimizer in backward over its own parameters, summing the per-tensor norms in its
     groups' order. Its model is the module the accelerator has prepared
     (``accelerator._models``: by this ``prepare``, accelerate's own, or ``prepare_model``)
-    that shares a parameter with it, so a model prepared in another call than its optimizer,
-    before or after it, is found as in one call, and a second model with an optimizer of its
-    own (a GAN's generator and discriminator) is kept apart. The optimizer must hold exactly
-    its trainable parameters (:func:`_refuse_other_parameters`; again before every backward
-    of the wrapped ``accelerator.backward``, for a parameter unfrozen since), and it sums its
+    that shares a trainable parameter with it (one per set of parameters: a module and the
+    compiled wrapper accelerate keeps beside it are one), so a model prepared in another call
+    than its optimizer, before or after it, is found as in one call, and a second model with
+    an optimizer of its own (a GAN's generator and discriminator) is kept apart. Where the
+    optimizer clips (``max_grad_norm``) it must hold exactly the model's trainable parameters
+    (:func:`_refuse_other_parameters`; again before every backward of the wrapped
+    ``accelerator.backward``, for a parameter unfrozen since); unclipped, every update is the
+    plain one whatever it holds. It sums its
     norm in the model's parameter order (:meth:`~fused_optim_dist.OptimizerInBackward
     .set_norm_order`): ``clip_grad_norm_``'s norm bit for bit where one bucket (prepared in
     two calls, the order was not set: CompactAdamW ended 1.9e-5 apart after 40 clipped
-    steps). An optimizer sharing parameters with several prepared modules (a model and a
-    criterion with learnable parameters) is refused: which of them the loop clips is not
+    steps). A clipping optimizer sharing parameters with several prepared modules (a model
+    and a criterion with learnable parameters) is refused: which of them the loop clips is not
     known here (the plain loop clipped the model alone, and ours clipped all by their joint
     norm: 9.7e-3 apart after eight steps).
     """
