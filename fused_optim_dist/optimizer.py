@@ -142,6 +142,11 @@ def _held_by_a_module(params: Iterable[torch.Tensor]) -> bool:
     )
 
 
+def _overrides(optimizer: Optimizer, name: str) -> bool:
+    """Whether the class of ``optimizer`` overrides ``torch.optim.Optimizer``'s ``name``."""
+    return getattr(type(optimizer), name) is not getattr(Optimizer, name)
+
+
 def _groups_by_class(
     params: list[Any], default: type[Optimizer]
 ) -> dict[type[Optimizer], list[Any]]:
@@ -632,7 +637,7 @@ class OptimizerInBackward(Optimizer):
         the state, called as the loop called ours (no argument for the default)."""
         for key, stepper in self._stepper.steppers.items():
             instance = stepper.optimizer
-            if type(instance).zero_grad is Optimizer.zero_grad:
+            if not _overrides(instance, "zero_grad"):
                 continue
             groups = [g for g in self.param_groups if g.get(GROUP_CLASS_KEY) == key]
             instance.param_groups, instance.state = groups, self.state
@@ -1124,8 +1129,7 @@ class OptimizerInBackward(Optimizer):
     def _overriding(self, name: str) -> list[Optimizer]:
         """The wrapped class instances whose class overrides ``torch.optim.Optimizer``'s
         method ``name``."""
-        base = getattr(Optimizer, name)
-        return [o for o in self._wrapped() if getattr(type(o), name) is not base]
+        return [o for o in self._wrapped() if _overrides(o, name)]
 
     def _refuse_overridden(self, name: str, verb: str) -> None:
         """Raise if a wrapped class overrides ``name`` (``state_dict``, ``load_state_dict``):
