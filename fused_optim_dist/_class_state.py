@@ -29,6 +29,11 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   ``step()``. Only classes declared
   ``"elementwise"`` or ``"dtensor"`` are checked: a class stepped jointly runs its step once
   per backward (see [Note: classes stepped jointly] in ``_engine.py``);
+* every later bucket of such a class is watched for draws too: a class that starts drawing
+  after its first backward (noise after a burn-in) is refused at the first bucket that draws.
+  That bucket has moved (what a step will draw is not knowable before it runs); the others
+  have not. The generators' states are taken before each such bucket and compared after it
+  (about 50 us a bucket with NumPy imported; for these classes only);
 * groups no bucket stepped in this pass get the class's step on their parameters, none of
   which holds a gradient, as the plain optimizer's ``step()`` visits them;
 * when the pass finishes, the changed values are written back once, into the optimizer's
@@ -232,8 +237,12 @@ class ClassState:
             return
         instances = {id(self._owners[i]) for i in tracked}
         self._restore(instances)
+        apart = not any(self._steppers.is_joint(self._groups[i]) for i in tracked)
+        generators = _RandomState() if apart else None
         handed = step()
         assert handed is not None, "a tracked class is stepped through its own step()"
+        if generators is not None and generators.drawn():
+            raise RuntimeError(_DRAWS + ". This bucket's parameters have moved; the others not")
         self._collect(indices, tracked, instances, handed)
 
     def must_check(self, indices: Sequence[int]) -> bool:
@@ -284,15 +293,7 @@ class ClassState:
                 )
                 self._agree(objects, owner, changes, "on the optimizer instance")
             if generators.drawn():
-                raise RuntimeError(
-                    "the wrapped optimizer's step draws random numbers (it advanced torch's, "
-                    "Python's or NumPy's generator when stepped on copies of its parameters, as "
-                    "SGLD's noise does): stepped bucket by bucket, as its declared stepping "
-                    "asks, it would draw them in another order, and on each rank's local "
-                    "shards in other shapes, than the plain step(), and train differently with "
-                    "nothing to tell. Leave the class undeclared (stepped jointly, once per "
-                    "backward, as the plain step() is), or use the plain optimizer"
-                )
+                raise RuntimeError(_DRAWS)
         finally:
             generators.restore()
             self._restore(set(self._instances))
@@ -377,6 +378,16 @@ class ClassState:
                         delattr(instance, name)
                 else:
                     setattr(instance, name, value)
+
+
+_DRAWS = (
+    "the wrapped optimizer's step draws random numbers (it advanced torch's, Python's or "
+    "NumPy's generator, as SGLD's noise does): stepped bucket by bucket, as its declared "
+    "stepping asks, it would draw them in another order, and on each rank's local shards in "
+    "other shapes, than the plain step(), and train differently with nothing to tell. Leave "
+    "the class undeclared (stepped jointly, once per backward, as the plain step() is), or use "
+    "the plain optimizer"
+)
 
 
 class _RandomState:
