@@ -104,6 +104,7 @@ from fused_optim_dist._torch_internals import (
     queue_end_of_backward,
     read_grads,
     traced,
+    wait_for_checkpoint_staging,
 )
 
 __all__ = ["BackwardPass", "Phase"]
@@ -207,6 +208,9 @@ class BackwardPass:
         self._backward_ids = {backward_id}
         # See [Note: updates outside autocast]: a backward's steps and norms only.
         self._autocast_off = outside_autocast if backward_id is not None else contextlib.nullcontext
+        # See [Note: checkpoint staging in flight] in _torch_internals.py: a backward's first
+        # write waits for it; step() writes where the plain optimizer's does.
+        self._staging_awaited = backward_id is None
         self._token: weakref.ref[_GraphTaskToken] | None = None
         self.phase = Phase.COLLECTING
         self._plan = plan
@@ -442,6 +446,7 @@ class BackwardPass:
             # Updates still in flight (whole-tensor stepping) are applied before anything
             # after this backward reads the parameters.
             self._stepper.flush()
+            self._await_staging()
             self._class_state.finish()
             if self._record:
                 self._pending.settle(
@@ -504,6 +509,7 @@ class BackwardPass:
     def _update(
         self, indices: list[int], batches: list[Batch], found_inf: torch.Tensor | None
     ) -> None:
+        self._await_staging()
         if self._record:
             unit_of = self._plan.unit_of
             for batch in batches:
@@ -517,6 +523,12 @@ class BackwardPass:
         # refuses a node of this backward, still to run, that saved a parameter it updated
         # (read through .detach() in the forward) instead of computing with the new values.
         torch.autograd.graph.increment_version([p for batch in batches for p in batch.params])
+
+    def _await_staging(self) -> None:
+        """Before this backward's first write into the weights, the state or the groups."""
+        if not self._staging_awaited:
+            self._staging_awaited = True
+            wait_for_checkpoint_staging()
 
     def _step_deferred(self) -> None:
         """Check the classes whose first buckets were held, step those buckets, then the held

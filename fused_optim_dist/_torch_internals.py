@@ -93,6 +93,16 @@ Everything else in the package uses public APIs. What this module relies on, for
   gradients. FSDP2 runs a sharded parameter's post-accumulate-grad hooks whatever its
   ``requires_grad``, but torch refuses to register one on a tensor that does not require
   grad.
+* [Note: checkpoint staging in flight] DCP's asynchronous staging (``DefaultStager`` with
+  ``StagingOptions(use_async_staging=True)``, torchtitan's ``async_with_pinned_mem``) copies
+  the state dict's tensors in ``DefaultStager._stage``, run by the stager's one-worker
+  ``ThreadPoolExecutor`` after ``async_save`` returns; torch lets the state change once
+  ``staging_completion`` is done, and a plain loop waits for it before ``optimizer.step()``.
+  This optimizer changes the weights and its state in backward, before that wait, so
+  ``wait_for_checkpoint_staging`` waits, before the first update of a backward, until no other
+  thread's stack holds a frame of ``DefaultStager._stage`` (``sys._current_frames``). A
+  staging submitted but not yet started by its worker is not seen: the worker is woken when
+  the task is submitted, a forward before.
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
@@ -102,6 +112,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -137,6 +150,7 @@ __all__ = [
     "read_requires_grad",
     "register_post_accumulate_grad_hook",
     "traced",
+    "wait_for_checkpoint_staging",
     "watch_ddp",
 ]
 
@@ -458,11 +472,30 @@ def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:
     ]
 
 
+def _staging_in_flight(code: Any) -> bool:
+    me = threading.get_ident()
+    for thread, frame in sys._current_frames().items():
+        while thread != me and frame is not None:
+            if frame.f_code is code:
+                return True
+            frame = frame.f_back
+    return False
+
+
+def wait_for_checkpoint_staging() -> None:
+    """Return once no DCP staging copies a state dict in another thread. See [Note: checkpoint
+    staging in flight]."""
+    staging = sys.modules.get("torch.distributed.checkpoint.staging")
+    if staging is None:
+        return  # nothing can stage
+    code = staging.DefaultStager._stage.__code__
+    while _staging_in_flight(code):
+        time.sleep(1e-3)
+
+
 def enclosing_backward_node() -> torch.autograd.graph.Node | None:
     """The node the outermost enclosing backward is running, if this code runs in a backward
     nested inside another (reentrant checkpointing); ``None`` otherwise. Walks the stack."""
-    import sys
-
     from torch.autograd import function
 
     node = None

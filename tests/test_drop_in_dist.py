@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from fused_optim_dist import InBackwardOptions, OptimizerInBackward, declare_stepping
 
@@ -264,6 +266,44 @@ def _dcp_state_creation_body(sharded: bool) -> None:
     assert norms_a == norms_b
     for a, b in zip(params_a, params_b, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _SlowToCopy:
+    """Deep-copied slowly: holds a staging thread before the entries after it."""
+
+    def __deepcopy__(self, memo):
+        time.sleep(0.3)
+        return _SlowToCopy()
+
+
+def _dcp_async_staging_body() -> None:
+    """torchtitan's ``async_with_pinned_mem`` loop: ``get_state_dict``, staged in a thread,
+    waited for before ``step()``. The staged shards and state are the plain loop's (before:
+    9.7e-3 apart, the next step's, no error)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    model, reference = _pair()
+    optims = (
+        OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW),
+        torch.optim.AdamW(reference.parameters(), **ADAMW),
+    )
+    staged = []
+    for net, optim in zip((model, reference), optims, strict=True):
+        stager = DefaultStager(StagingOptions(False, False, True, False))
+        for step in range(4):
+            if step == 2:
+                staging = stager.stage({"slow": _SlowToCopy(), "dcp": get_state_dict(net, optim)})
+            _backward(net, step)
+            if step == 2:
+                staged.append(staging.result()["dcp"])
+            optim.step()
+            optim.zero_grad()
+        stager.close()
+    (model_ours, optim_ours), (model_plain, optim_plain) = staged
+    for ours, plain in ((model_ours, model_plain), (optim_ours["state"], optim_plain["state"])):
+        ours, plain = (tree_map_only(DTensor, DTensor.to_local, d) for d in (ours, plain))
+        torch.testing.assert_close(ours, plain, rtol=0, atol=0)
+    assert_match(model, reference)
 
 
 # ------------------------------------------------------- 7. a head applied after the FSDP root
@@ -578,6 +618,7 @@ def test_clipping_history_never_reaches_another_bucket():
         (1, _dcp_state_creation_body, {"sharded": False}),
         (1, _head_after_root_body, {}),
         (2, _head_after_root_parity_body, {}),
+        (2, _dcp_async_staging_body, {}),
         (4, _sub_mesh_body, {}),
         (2, _no_collective_for_plain_tensors_body, {}),
         (1, _failing_backward_body, {"sharded": False}),
@@ -594,6 +635,7 @@ def test_clipping_history_never_reaches_another_bucket():
         "6-dcp-state-creation-plain",
         "7-head-after-root-norm",
         "7-head-after-root-parity",
+        "6-dcp-async-staging",
         "10-sub-mesh-norms",
         "10-no-collective-plain",
         "3-failing-backward",

@@ -17,6 +17,7 @@ import math
 import pickle
 import random
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -2029,6 +2030,50 @@ def test_class_drawing_random_numbers_after_a_burn_in_refused():
             opt.zero_grad()
         assert_match(model, reference)
     pytest.fail("the draws were not refused")
+
+
+class _SlowToCopy:
+    """Deep-copied slowly: holds a staging thread before the entries after it."""
+
+    def __deepcopy__(self, memo):
+        time.sleep(0.3)
+        return _SlowToCopy()
+
+
+def test_dcp_async_staging_waited_for_before_step_equal():
+    """DCP's asynchronous staging (torchtitan's ``async_with_pinned_mem``) copies the state in
+    a thread after ``async_save`` returns; torchtitan's loop waits for it before
+    ``optimizer.step()``. Before, the updates made in backward ran while the copy did: the
+    staged weights were the next step's (1.0e-2 apart) and so was the state (step counters
+    one ahead), no error. Now a backward's first update waits for the staging."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    staged = []
+    for model, optim in zip(models, optims, strict=True):
+        stager = DefaultStager(StagingOptions(False, False, True, False))
+        for step in range(4):
+            if step == 2:
+                state = {
+                    "slow": _SlowToCopy(),
+                    "model": model.state_dict(),
+                    "optim": optim.state_dict(),
+                }
+                staging = stager.stage(state)
+            loss_fn(model, *_x(step)).backward()
+            if step == 2:
+                staged.append(staging.result())
+            optim.step()
+            optim.zero_grad()
+        stager.close()
+    ours, plain = staged
+    torch.testing.assert_close(ours["model"], plain["model"], rtol=0, atol=0)
+    torch.testing.assert_close(ours["optim"]["state"], plain["optim"]["state"], rtol=0, atol=0)
+    assert_match(*models)
 
 
 class _SelfParamsSGD(torch.optim.Optimizer):
