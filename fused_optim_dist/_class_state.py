@@ -33,7 +33,8 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   after its first backward (noise after a burn-in) is refused at the first bucket that draws.
   That bucket has moved (what a step will draw is not knowable before it runs); the others
   have not. The generators' states are taken before each such bucket and compared after it
-  (about 50 us a bucket with NumPy imported; for these classes only);
+  (about 50 us a bucket with NumPy imported; for these classes only); they are the process's,
+  so another thread drawing from them meanwhile is refused alike;
 * groups no bucket stepped in this pass get the class's step on their parameters, none of
   which holds a gradient, as the plain optimizer's ``step()`` visits them;
 * when the pass finishes, the changed values are written back once, into the optimizer's
@@ -242,7 +243,10 @@ class ClassState:
         handed = step()
         assert handed is not None, "a tracked class is stepped through its own step()"
         if generators is not None and generators.drawn():
-            raise RuntimeError(_DRAWS + ". This bucket's parameters have moved; the others not")
+            raise RuntimeError(
+                _DRAWS + ". This bucket's parameters have moved; the others not. (A thread of "
+                "yours drawing from these generators while this step ran reads the same.)"
+            )
         self._collect(indices, tracked, instances, handed)
 
     def must_check(self, indices: Sequence[int]) -> bool:
