@@ -333,14 +333,19 @@ class CompactAdamW(Optimizer):
             params = [params]
         elif not isinstance(params, set):  # a set: Optimizer's own error
             params = param_group["params"] = list(params)
+        seen: set[int] = set()
         for param in params:
             if isinstance(param, tuple):  # (name, parameter), as Optimizer takes them
                 param = param[1]
-            if param.dtype not in _WEIGHT_DTYPES:
-                raise TypeError(
-                    f"CompactAdamW takes bfloat16 or float32 parameters, not {param.dtype} "
-                    f"(shape {tuple(param.shape)}); convert the model with .to(torch.bfloat16)"
+            _refuse_weight_dtype(param)
+            if id(param) in seen:
+                # torch.optim warns and steps it once per listing; the flat update would
+                # step it once: refused, as OptimizerInBackward refuses it.
+                raise ValueError(
+                    f"CompactAdamW: a parameter of shape {tuple(param.shape)} is listed twice "
+                    "in one param group; list each parameter once"
                 )
+            seen.add(id(param))
             if isinstance(param, DTensor) and any(
                 p.is_shard() and not p.is_shard(0) for p in param.placements
             ):
@@ -542,6 +547,7 @@ class CompactAdamW(Optimizer):
     def _param(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> Param:
         """``param`` with its local tensors and state, the state created if missing; raises
         if its state was written with another ``variance_bits`` than its group's."""
+        _refuse_weight_dtype(param)  # converted since it was added (module.half())
         local = _local(param)
         entry = self.state.get(param)
         correction, bits = group["weight_correction"], group["variance_bits"]
@@ -580,6 +586,14 @@ class CompactAdamW(Optimizer):
         if self.kernel == "compile":
             return _compact_compiled.compiled(update_flat)
         return update_flat
+
+
+def _refuse_weight_dtype(param: torch.Tensor) -> None:
+    if param.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(
+            f"CompactAdamW takes bfloat16 or float32 parameters, not {param.dtype} "
+            f"(shape {tuple(param.shape)}); convert the model with .to(torch.bfloat16)"
+        )
 
 
 def _refuse_unsupported(group: dict[str, Any], index: int) -> None:

@@ -377,6 +377,43 @@ def test_refusals():
         CompactAdamW([nn.Parameter(torch.zeros(3))], variance_bits=2)
 
 
+def test_parameter_listed_twice_refused():
+    """torch.optim warns and steps a parameter once per listing (the C kernel did: step 6
+    after three steps), where the flat update stepped it once: the paths ended 2e-2 apart."""
+    p, q = (nn.Parameter(torch.randn(4, 64, dtype=torch.bfloat16)) for _ in range(2))
+    with pytest.raises(ValueError, match="listed twice"):
+        CompactAdamW([p, p])
+    optim = CompactAdamW([p])
+    with pytest.raises(ValueError, match="listed twice"):
+        optim.add_param_group({"params": [q, q]})
+
+
+@pytest.mark.parametrize("kernel", ["c", "eager"])
+def test_parameter_converted_after_construction_refused_before_anything_moves(kernel):
+    """``module.half()`` after the optimizer was built swaps float16 values in through
+    ``.data``. Before, the C kernel stepped them as float32 weights: 4 bytes per element into
+    a tensor of 2, past its end. Here the parameter is the first half of a buffer, so that
+    the write past its end lands in the second half instead of the heap."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 64)) for _ in range(2)]
+    optim = CompactAdamW(params, kernel=kernel, **KWARGS)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optim.step()
+    buffer = torch.zeros(2 * 256, dtype=torch.float16)
+    buffer[:256] = params[0].detach().reshape(-1)
+    params[0].data = buffer[:256].view(4, 64)
+    params[0].grad_dtype = None  # a float32 gradient, which the kernel reads
+    for p in params:
+        p.grad = torch.randn(4, 64)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError, match=r"not torch\.float16"):
+        optim.step()
+    assert not buffer[256:].any()
+    for p, weight in zip(params, before, strict=True):
+        assert torch.equal(p.detach(), weight)
+
+
 @pytest.mark.parametrize("kernel", ["c", "eager"])
 @pytest.mark.parametrize(("written", "read"), [(8, 4), (4, 8)])
 def test_state_of_other_variance_bits_refused_before_anything_moves(kernel, written, read):
