@@ -363,6 +363,7 @@ class CompactAdamW(Optimizer):
                     f"(shape {tuple(param.shape)}, strides {local.stride()}: channels_last?); "
                     "make it contiguous, or use kernel='auto' to step it with the eager path"
                 )
+        _refuse_unsupported({**self.defaults, **param_group}, len(self.param_groups), "add")
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -422,6 +423,8 @@ class CompactAdamW(Optimizer):
         """
         if closure is not None:
             raise TypeError("CompactAdamW.step takes no closure")
+        for index, group in enumerate(self.param_groups):
+            _refuse_unsupported(group, index, "step")  # an option set on it since
         for group in self.param_groups:
             plan = self._plans.get(id(group["params"]))
             if isinstance(plan, KernelPlan) and plan.step(self.state, group):
@@ -596,20 +599,26 @@ def _refuse_weight_dtype(param: torch.Tensor) -> None:
         )
 
 
-def _refuse_unsupported(group: dict[str, Any], index: int) -> None:
-    """Raise if a loaded param group asks for an update CompactAdamW does not make."""
+def _refuse_unsupported(group: dict[str, Any], index: int, action: str = "load") -> None:
+    """Raise if a param group asks for an update CompactAdamW does not make (``action``: what
+    was being done with it, "load", "add" or "step")."""
+    fix = (
+        "load it into the optimizer it came from"
+        if action == "load"
+        else "remove the option from the group, or use torch.optim.AdamW"
+    )
     for option in ("maximize", "amsgrad"):
         if group.get(option):
             raise ValueError(
-                f"CompactAdamW cannot load param group {index}: it has {option}=True, which "
-                "CompactAdamW does not implement; load it into the optimizer it came from"
+                f"CompactAdamW cannot {action} param group {index}: it has {option}=True, "
+                f"which CompactAdamW does not implement; {fix}"
             )
     if group.get("decoupled_weight_decay") is False and group.get("weight_decay"):
         raise ValueError(
-            f"CompactAdamW cannot load param group {index}: its weight decay "
+            f"CompactAdamW cannot {action} param group {index}: its weight decay "
             f"({group['weight_decay']}) is added to the gradient (torch.optim.Adam's L2), "
             "where CompactAdamW decays the weights as AdamW does; set the group's "
-            "weight_decay to the AdamW value you want, or load it into torch.optim.Adam"
+            "weight_decay to the AdamW value you want, or use torch.optim.Adam"
         )
 
 

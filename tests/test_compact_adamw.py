@@ -377,6 +377,27 @@ def test_refusals():
         CompactAdamW([nn.Parameter(torch.zeros(3))], variance_bits=2)
 
 
+@pytest.mark.parametrize(
+    "option", [{"maximize": True}, {"amsgrad": True}, {"decoupled_weight_decay": False}]
+)
+def test_group_asking_for_another_update_refused(option):
+    """A group flag CompactAdamW does not implement was refused on load only: at construction,
+    in add_param_group or set on a group later it was ignored (``maximize=True`` still
+    minimized), no error."""
+    p, q = (nn.Parameter(torch.randn(4, 64, dtype=torch.bfloat16)) for _ in range(2))
+    with pytest.raises(ValueError, match="cannot add param group 0"):
+        CompactAdamW([{"params": [p], **option}], **KWARGS)
+    optim = CompactAdamW([p], **KWARGS)
+    with pytest.raises(ValueError, match="cannot add param group 1"):
+        optim.add_param_group({"params": [q], **option})
+    optim.param_groups[0].update(option)
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="cannot step param group 0"):
+        optim.step()
+    assert torch.equal(p.detach(), before)
+
+
 def test_parameter_listed_twice_refused():
     """torch.optim warns and steps a parameter once per listing (the C kernel did: step 6
     after three steps), where the flat update stepped it once: the paths ended 2e-2 apart."""
