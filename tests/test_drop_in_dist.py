@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from _toy import (
     OUT_DIM,
     PLAIN_ATOL,
+    SlowToCopy,
     assert_match,
     assert_same_state_dict,
     batch,
@@ -268,14 +268,6 @@ def _dcp_state_creation_body(sharded: bool) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-class _SlowToCopy:
-    """Deep-copied slowly: holds a staging thread before the entries after it."""
-
-    def __deepcopy__(self, memo):
-        time.sleep(0.3)
-        return _SlowToCopy()
-
-
 def _dcp_async_staging_body() -> None:
     """torchtitan's ``async_with_pinned_mem`` loop: ``get_state_dict``, staged in a thread,
     waited for before ``step()``. The staged shards and state are the plain loop's (before:
@@ -292,7 +284,7 @@ def _dcp_async_staging_body() -> None:
         stager = DefaultStager(StagingOptions(False, False, True, False))
         for step in range(4):
             if step == 2:
-                staging = stager.stage({"slow": _SlowToCopy(), "dcp": get_state_dict(net, optim)})
+                staging = stager.stage({"slow": SlowToCopy(), "dcp": get_state_dict(net, optim)})
             _backward(net, step)
             if step == 2:
                 staged.append(staging.result()["dcp"])

@@ -17,7 +17,6 @@ import math
 import pickle
 import random
 import threading
-import time
 import warnings
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from _toy import (
     PLAIN_ATOL,
+    SlowToCopy,
     assert_match,
     assert_same_state_dict,
     batch,
@@ -2032,14 +2032,6 @@ def test_class_drawing_random_numbers_after_a_burn_in_refused():
     pytest.fail("the draws were not refused")
 
 
-class _SlowToCopy:
-    """Deep-copied slowly: holds a staging thread before the entries after it."""
-
-    def __deepcopy__(self, memo):
-        time.sleep(0.3)
-        return _SlowToCopy()
-
-
 def test_dcp_async_staging_waited_for_before_step_equal():
     """DCP's asynchronous staging (torchtitan's ``async_with_pinned_mem``) copies the state in
     a thread after ``async_save`` returns; torchtitan's loop waits for it before
@@ -2059,7 +2051,7 @@ def test_dcp_async_staging_waited_for_before_step_equal():
         for step in range(4):
             if step == 2:
                 state = {
-                    "slow": _SlowToCopy(),
+                    "slow": SlowToCopy(),
                     "model": model.state_dict(),
                     "optim": optim.state_dict(),
                 }
