@@ -565,22 +565,41 @@ def measure(config: EstimateConfig, name: str, *, steps: int = 3) -> Measured:
         pending.extend(event.children)
     assert len(windows) == steps, f"found {len(windows)} tracked-step ranges, not {steps}"
     windows.sort()
+    events.sort()
+    # An address handed out again without a free in between was freed unreported: by a
+    # thread the profiler does not follow, such as gloo's worker releasing a collective's
+    # buffer. When is not known, only that it was before the reuse and, for a buffer of a
+    # tracked step, by that step's end (the step waits for its collectives). So such a
+    # buffer counts until its address is reused or its step ends, whichever comes first,
+    # never into the next step, where it would otherwise stay as long as the address is
+    # not reused: 4% of the peak per buffer, up to 14% in a loaded test run.
+    freed_unreported: set[int] = set()
+    last: dict[int, int] = {}
+    for index, (_, address, size) in enumerate(events):
+        if size > 0 and events[last.get(address, index)][2] > 0 and address in last:
+            freed_unreported.add(last[address])
+        last[address] = index
     # The allocator's own running total counts since the process first profiled (earlier
     # runs' leftovers included): sum this run's allocations that are still live instead.
-    live: dict[int, int] = {}
+    live: dict[int, tuple[int, int]] = {}  # address -> (bytes, event index)
     current = 0
     allocator_peaks = [0] * steps
-    for time_ns, address, size in sorted(events):
+    step = 0
+    for index, (time_ns, address, size) in enumerate(events):
+        while step < steps and time_ns > windows[step][1]:
+            start = windows[step][0]
+            for stale, (stale_size, allocated) in list(live.items()):
+                if allocated in freed_unreported and events[allocated][0] >= start:
+                    current -= stale_size
+                    del live[stale]
+            step += 1
         if size > 0:
-            # An address handed out again was freed, even if that free went unreported (a
-            # free on a thread the profiler does not follow, such as gloo's).
-            current += size - live.get(address, 0)
-            live[address] = size
+            current += size - live.get(address, (0, 0))[0]
+            live[address] = (size, index)
         else:
-            current -= live.pop(address, 0)
-        for index, (start, end) in enumerate(windows):
-            if start <= time_ns <= end:
-                allocator_peaks[index] = max(allocator_peaks[index], current)
+            current -= live.pop(address, (0, 0))[0]
+        if step < steps and windows[step][0] <= time_ns:
+            allocator_peaks[step] = max(allocator_peaks[step], current)
     return Measured(allocator_peaks=allocator_peaks, tracker=peaks)
 
 
