@@ -1094,6 +1094,38 @@ def test_frozen_parameter_holding_a_gradient_refused():
     _refused_unmoved(model, r"is frozen \(requires_grad=False\) but holds a gradient", optim.step)
 
 
+def test_layer_frozen_between_micro_batches_refused_before_the_last_backward_moves():
+    """A layer frozen after the first micro-batch under ``accumulate()``, holding its
+    gradient: the plain ``step()`` steps it with that gradient, and the others with the sum.
+    This optimizer steps trainable parameters only; the last backward stepped the others
+    before ``step()`` refused the frozen one (1.0e-2 moved at the refusal). Refused where
+    that backward starts, before anything moves; its gradient dropped before the backward,
+    as the message says, the plain loop doing the same: equal."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    with optim.accumulate():
+        loss_fn(model, *_x(0)).backward()
+    model.layers[0].requires_grad_(False)
+    _refused_unmoved(
+        model,
+        r"backward\(\): .* is frozen \(requires_grad=False\) but holds a gradient",
+        lambda: loss_fn(model, *_x(1)).backward(),
+    )
+    optim.zero_grad()
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    reference.layers[0].requires_grad_(False)
+    for net, opt in ((model, optim), (reference, plain)):
+        net.layers[0].requires_grad_(True)
+        with opt.accumulate() if opt is optim else contextlib.nullcontext():
+            loss_fn(net, *_x(0)).backward()
+        net.layers[0].requires_grad_(False)
+        net.layers[0].zero_grad()
+        loss_fn(net, *_x(1)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_match(model, reference)
+
+
 def test_second_pass_with_a_jointly_stepped_class_refused():
     """A class stepped jointly (undeclared, clipping by the norm of all its gradients inside
     ``step()``): a backward, then gradients set by hand before ``step()``. The plain step()
