@@ -694,6 +694,7 @@ class OptimizerInBackward(Optimizer):
             dropped = self._freed.dropped(self._pending.params())
             if dropped:
                 self._pending.refuse_dropped(dropped)
+            self._pending.refuse_swapped()
             changed = self._pending.changed(self.state)
             if changed:
                 self._pending.refuse_changed(changed)

@@ -1741,6 +1741,62 @@ def test_value_edited_in_place_between_backward_and_step_refused(cls, betas, edi
     _refused_unmoved(model, r"param_groups\[0\]\['betas'\] was changed", optim.step)
 
 
+def _sam(model: nn.Module, optim: Optimizer, steps: range, restore: str, held: bool) -> None:
+    """SAM as davda54/sam writes it: the ascent backward (under ``accumulate()`` for ours),
+    the weights perturbed in place along the gradient, the backward at the perturbed point
+    (under ``accumulate()`` too if ``held``), then the weights restored (``restore``:
+    ``"assign"`` its ``p.data = old_p``, ``"copy"`` an in-place ``p.copy_(old_p)``) and
+    ``step()``, which steps that gradient from the restored weights."""
+    ours = isinstance(optim, OptimizerInBackward)
+    params = list(model.parameters())
+    for step in steps:
+        with optim.accumulate() if ours else contextlib.nullcontext():
+            loss_fn(model, *_x(step)).backward()
+        norm = torch.stack([p.grad.norm() for p in params]).norm()
+        old = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad * 0.05 / (norm + 1e-12))
+        optim.zero_grad()
+        with optim.accumulate() if ours and held else contextlib.nullcontext():
+            loss_fn(model, *_x(step)).backward()
+        with torch.no_grad():
+            for p, backup in zip(params, old, strict=True):
+                if restore == "assign":
+                    p.data = backup
+                else:
+                    p.copy_(backup)
+        optim.step()
+        optim.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("restore", "match"),
+    [("assign", "its data was replaced"), ("copy", "was written in place")],
+    ids=["p.data = old_p", "p.copy_(old_p)"],
+)
+def test_sam_restoring_weights_between_backward_and_step_refused(restore, match):
+    """SAM's second step (davda54/sam: ``p.data = self.state[p]["old_p"]``, then the base
+    optimizer's ``step()``; FGM and AWP restore weights alike): the plain optimizer steps the
+    restored weights with the gradient taken at the perturbed ones. Here the gradient was
+    stepped in backward into the perturbed weights, and the assignment replaced them with the
+    update (5.8e-2 apart after six AdamW steps, no error; an in-place restore was already
+    refused). Refused at that ``step()``, the weights the restored ones, as the plain loop's
+    before its step; the backward run under ``accumulate()`` too, as the message says, holds
+    the gradient for ``step()``: equal."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    with pytest.raises(RuntimeError, match=match):
+        _sam(model, optim, range(1), restore, held=False)
+    assert_match(model, reference)  # the restored weights: as before the plain step
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _sam(model, optim, range(3), restore, held=True)
+    _sam(reference, plain, range(3), restore, held=False)
+    assert_match(model, reference)
+
+
 def test_state_dict_between_backward_and_step_refused():
     """``torch.save(optim.state_dict(), path)`` between backward and ``step()``: the plain
     optimizer's state there is the state before this step's update, ours already holds it, so
