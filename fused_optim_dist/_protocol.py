@@ -144,9 +144,9 @@ class _Written:
     def _read_versions(self) -> list[int]:
         return [p._version for p in self._params] + [t._version for t in self._tensors]
 
-    def rewritten(self) -> bool:
-        """Whether every parameter was written in place since (a model restored)."""
-        return all(map(operator.ne, [p._version for p in self._params], self._versions))
+    def rewritten(self) -> list[bool]:
+        """Whether each parameter was written in place since (a model restored)."""
+        return list(map(operator.ne, [p._version for p in self._params], self._versions))
 
     def written(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
         entries = _entries(self._params, state)
@@ -475,13 +475,17 @@ class PendingUpdates:
 
     def rolled_back(self) -> bool:
         """Whether the pending updates were overwritten: the optimizer's state loaded and
-        every updated parameter written since (the checkpoint the plain loop would restore
-        and then drop its gradients, as ``zero_grad()`` here)."""
+        every updated parameter written since, in place or by replacing its data (the
+        checkpoint the plain loop would restore and then drop its gradients, as
+        ``zero_grad()`` here)."""
         if not self._loaded:
             return False
         if self._written is not None:
-            return self._written.rewritten()
-        return all(map(operator.ne, [p._version for p in self._params], self._added))
+            written = self._written.rewritten()
+        else:
+            written = list(map(operator.ne, [p._version for p in self._params], self._added))
+        replaced = map(operator.is_not, storages(self._params), self._storages)
+        return all(map(operator.or_, written, replaced))
 
     def refuse_snapshot(self, what: str) -> None:
         """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)

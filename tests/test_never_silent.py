@@ -1035,6 +1035,28 @@ def test_state_dict_after_a_rollback_load_as_plain():
     assert_match(model, reference)
 
 
+def test_rollback_restoring_weights_by_assignment_as_plain():
+    """A backward rolled back with the weights restored by assignment (``p.data = saved``)
+    and the optimizer's state loaded, then ``zero_grad()``: the plain loop's rollback. It was
+    refused as discarding the backward's updates (the assignment moves no version counter);
+    the replaced storage now counts as the parameter written: equal."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _step_both(((model, optim), (reference, plain)), 0, zero=True)
+    saved = copy.deepcopy(optim.state_dict())
+    for net, opt in ((model, optim), (reference, plain)):
+        weights = [p.detach().clone() for p in net.parameters()]
+        loss_fn(net, *_x(1)).backward()
+        with torch.no_grad():
+            for param, weight in zip(net.parameters(), weights, strict=True):
+                param.data = weight
+        opt.load_state_dict(copy.deepcopy(saved))
+        opt.zero_grad()
+    _step_both(((model, optim), (reference, plain)), 2, zero=True)
+    assert_match(model, reference)
+
+
 def test_load_keeps_the_state_order_with_several_classes():
     """An optimizer of several classes loads its state class by class; the loaded state kept
     the classes' order, not the state dict's (entries 0, 1, 4, 5, 2, 3 of an AdamW, SGD,
