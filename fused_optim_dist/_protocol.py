@@ -24,6 +24,11 @@ loops would train differently without a word. Instead, the updates made in backw
   written values: ``step()`` raises, as it does when the loop dropped the gradients it would
   step (see [Note: freed gradients]). A write through ``.data`` moves no version counter and
   goes unseen;
+* at ``step()``, a parameter whose storage was swapped since its update (``p.data = backup``:
+  SAM's second step, an adversarial perturbation of the weights undone, ``module.half()``)
+  would be stepped by the plain optimizer from the new data; the update was written to the
+  old: ``step()`` raises (see [Note: data swapped by assignment] in
+  ``_torch_internals.py``);
 * at ``step()``, a value of a group (``lr``, betas) changed since the updates were made (an LR
   set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
@@ -63,7 +68,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fused_optim_dist._torch_internals import FSDPUnit
+from fused_optim_dist._torch_internals import FSDPUnit, storages
 
 __all__ = ["KeptGradients", "PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
 
@@ -139,9 +144,9 @@ class _Written:
     def _read_versions(self) -> list[int]:
         return [p._version for p in self._params] + [t._version for t in self._tensors]
 
-    def rewritten(self) -> bool:
-        """Whether every parameter was written in place since (a model restored)."""
-        return all(map(operator.ne, [p._version for p in self._params], self._versions))
+    def rewritten(self) -> list[bool]:
+        """Whether each parameter was written in place since (a model restored)."""
+        return list(map(operator.ne, [p._version for p in self._params], self._versions))
 
     def written(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
         entries = _entries(self._params, state)
@@ -195,6 +200,7 @@ class PendingUpdates:
         "_ids",
         "_loaded",
         "_params",
+        "_storages",
         "_unfinished",
         "_written",
     )
@@ -204,6 +210,9 @@ class PendingUpdates:
         # Each parameter's version counter when its update was made (before settle(), as a
         # backward that raised never settles).
         self._added: list[int] = []
+        # Each parameter's storage when its update was made. See [Note: data swapped by
+        # assignment] in ``_torch_internals.py``.
+        self._storages: list[object] = []
         # id -> held in _params, so the ids cannot be recycled while they are here.
         self._ids: set[int] = set()
         # Whether an update belongs to a backward that raised before it finished.
@@ -225,11 +234,14 @@ class PendingUpdates:
         return bool(self._ids)
 
     def add(self, params: Iterable[torch.Tensor]) -> None:
+        new = []
         for param in params:
             if id(param) not in self._ids:
                 self._ids.add(id(param))
-                self._params.append(param)
-                self._added.append(param._version)
+                new.append(param)
+        self._params += new
+        self._added += [param._version for param in new]
+        self._storages += storages(new)
 
     def settle(
         self,
@@ -291,6 +303,32 @@ class PendingUpdates:
                 holding.update((i, (index, values)) for i in ids)
         return holding
 
+    def refuse_swapped(self) -> None:
+        """Raise for ``step()`` when a parameter updated in backward had its storage swapped
+        since (``p.data = backup``). See [Note: data swapped by assignment] in
+        ``_torch_internals.py``."""
+        now = storages(self._params)
+        if not any(map(operator.is_not, now, self._storages)):
+            return
+        swapped = [
+            param
+            for param, then, held in zip(self._params, self._storages, now, strict=True)
+            if then is not held
+        ]
+        more = f" (and {len(swapped) - 1} more)" if len(swapped) > 1 else ""
+        raise RuntimeError(
+            f"step(): {describe(swapped[0])}{more} was updated in backward, and its data was "
+            "replaced since (p.data = backup, or a module conversion such as .half(), between "
+            "backward and step()). A plain optimizer would step the new data with the "
+            "gradient; here the gradient was stepped in backward into the data that was "
+            "replaced, so that update is lost. Replace parameters' data before backward or "
+            "after step(). A loop that takes the gradient at perturbed weights and steps the "
+            "restored ones (SAM's second step, AWP or FGM restoring the weights) needs the "
+            "gradient held until step(): run that backward under optim.accumulate() too, "
+            "restore the weights, then call step(), which steps the held gradients (or use "
+            "the plain optimizer). Restart from the last checkpoint."
+        )
+
     def changed(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
         """The parameters written in place since their update, or whose optimizer state was
         (``model.load_state_dict``, an in-place edit between backward and ``step()``)."""
@@ -309,6 +347,7 @@ class PendingUpdates:
         """``step()``: the pending updates are the step's, as the plain optimizer's would be."""
         self._params.clear()
         self._added.clear()
+        self._storages.clear()
         self._ids.clear()
         self._written = None
         self._groups.clear()
@@ -436,13 +475,17 @@ class PendingUpdates:
 
     def rolled_back(self) -> bool:
         """Whether the pending updates were overwritten: the optimizer's state loaded and
-        every updated parameter written since (the checkpoint the plain loop would restore
-        and then drop its gradients, as ``zero_grad()`` here)."""
+        every updated parameter written since, in place or by replacing its data (the
+        checkpoint the plain loop would restore and then drop its gradients, as
+        ``zero_grad()`` here)."""
         if not self._loaded:
             return False
         if self._written is not None:
-            return self._written.rewritten()
-        return all(map(operator.ne, [p._version for p in self._params], self._added))
+            written = self._written.rewritten()
+        else:
+            written = list(map(operator.ne, [p._version for p in self._params], self._added))
+        replaced = map(operator.is_not, storages(self._params), self._storages)
+        return all(map(operator.or_, written, replaced))
 
     def refuse_snapshot(self, what: str) -> None:
         """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)

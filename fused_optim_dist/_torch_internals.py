@@ -103,6 +103,14 @@ Everything else in the package uses public APIs. What this module relies on, for
   thread's stack holds a frame of ``DefaultStager._stage`` (``sys._current_frames``). A
   staging submitted but not yet started by its worker is not seen: the worker is woken when
   the task is submitted, a forward before.
+* [Note: data swapped by assignment] ``p.data = other`` (``Tensor.set_data``) gives ``p``
+  ``other``'s storage and moves no version counter; ``untyped_storage()`` returns one Python
+  object per storage (and a held one keeps it, so its address cannot be reused), so an
+  identity check of the held object against ``p``'s tells the swap. On a DTensor it changes
+  only the wrapper's metadata: the local shard, which DTensor's ops read and write, keeps its
+  object, storage and values, for the plain optimizer alike. A write through ``.data``
+  (``p.data.copy_(other)``) keeps the storage, and ``.data`` has a version counter of its
+  own: it is not seen.
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
@@ -149,6 +157,7 @@ __all__ = [
     "read_grads",
     "read_requires_grad",
     "register_post_accumulate_grad_hook",
+    "storages",
     "traced",
     "wait_for_checkpoint_staging",
     "watch_ddp",
@@ -332,6 +341,17 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor object itself, not an alias); ``tensor``
     otherwise."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def storages(tensors: Sequence[torch.Tensor]) -> list[object]:
+    """The storage holding each tensor's values (its local shard's, for a DTensor), to find
+    later whether ``.data =`` swapped it: see [Note: data swapped by assignment]. The tensor
+    itself for one that has none (a wrapper subclass), which is then never found swapped."""
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    try:
+        return list(map(torch.Tensor.untyped_storage, local))
+    except RuntimeError:  # a tensor without storage
+        return [t.untyped_storage() if torch._C._has_storage(t) else t for t in local]
 
 
 def read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

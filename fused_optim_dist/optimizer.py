@@ -694,6 +694,7 @@ class OptimizerInBackward(Optimizer):
             dropped = self._freed.dropped(self._pending.params())
             if dropped:
                 self._pending.refuse_dropped(dropped)
+            self._pending.refuse_swapped()
             changed = self._pending.changed(self.state)
             if changed:
                 self._pending.refuse_changed(changed)
@@ -705,19 +706,7 @@ class OptimizerInBackward(Optimizer):
             self._pending.refuse_unreduced(plan.units)
             # See [Note: copies gathered before step()].
             self._stale_copies.watch(self._pending.gathered_since(plan.gathered_units()))
-        frozen = [
-            p
-            for p, grad in zip(plan.frozen, read_grads(plan.frozen), strict=True)
-            if grad is not None and not is_freed(grad)
-        ]
-        if frozen:
-            raise RuntimeError(
-                f"step(): {describe(frozen[0])} is frozen (requires_grad=False) but holds a "
-                "gradient (set by hand, or kept from before it was frozen or added): a plain "
-                "optimizer steps every parameter holding one; this one steps the trainable "
-                "parameters only. Drop it (optim.zero_grad(), or p.grad = None) or unfreeze "
-                "the parameter before step()."
-            )
+        self._refuse_frozen_holding_gradients(plan, "step()")
         grads = read_grads(plan.trainable)
         if not self._stepped_since_step:
             freed = [p for p, g in zip(plan.trainable, grads, strict=True) if is_freed(g)]
@@ -890,9 +879,9 @@ class OptimizerInBackward(Optimizer):
             for param in group["params"]
         )
 
-    def _check_first_backward(self) -> None:
+    def _check_first_backward(self) -> BucketPlan:
         """Checks run when a backward (or ``step()``) starts stepping, before anything moves:
-        what can have changed since construction."""
+        what can have changed since construction. Returns the plan checked."""
         if global_step_pre_hooks():
             raise RuntimeError(
                 "a step pre-hook is registered (register_step_pre_hook or "
@@ -916,6 +905,29 @@ class OptimizerInBackward(Optimizer):
                     "Register it before building the optimizer (it then runs first, and the "
                     "step uses the gradient it leaves), or do its work on the loss."
                 )
+        return plan
+
+    def _refuse_frozen_holding_gradients(self, plan: BucketPlan, when: str) -> None:
+        """Raise if a frozen parameter of ``plan`` holds a gradient: the plain ``step()``
+        steps every parameter holding one, this optimizer the trainable ones only. Checked at
+        ``step()`` and where a stepping backward starts (``when``), before it moves anything:
+        a gradient kept from before the parameter was frozen (a layer frozen between
+        micro-batches under :meth:`accumulate`) is known there, before the other
+        parameters' updates."""
+        frozen = [
+            p
+            for p, grad in zip(plan.frozen, read_grads(plan.frozen), strict=True)
+            if grad is not None and not is_freed(grad)
+        ]
+        if frozen:
+            raise RuntimeError(
+                f"{when}: {describe(frozen[0])} is frozen (requires_grad=False) but holds a "
+                "gradient (set by hand, or kept from before it was frozen or added, as under "
+                "accumulate() by a layer frozen between micro-batches): a plain optimizer "
+                "steps every parameter holding one; this one steps the trainable parameters "
+                "only. Drop it (optim.zero_grad(), or p.grad = None) or unfreeze the "
+                f"parameter before {when}."
+            )
 
     def _check_alive(self, plan: BucketPlan) -> None:
         # Only module parameters (nn.Parameter) are replaced by fully_shard: free tensors
@@ -1205,7 +1217,7 @@ class OptimizerInBackward(Optimizer):
                 self._micro_batch = backward_id
                 return
             self._refuse_second_pass()
-            self._check_first_backward()
+            self._refuse_frozen_holding_gradients(self._check_first_backward(), "backward()")
             current = self._pass = self._new_pass(backward_id)
             current.queue_finish()
             self._stepped_since_step = True

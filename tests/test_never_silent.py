@@ -1035,6 +1035,28 @@ def test_state_dict_after_a_rollback_load_as_plain():
     assert_match(model, reference)
 
 
+def test_rollback_restoring_weights_by_assignment_as_plain():
+    """A backward rolled back with the weights restored by assignment (``p.data = saved``)
+    and the optimizer's state loaded, then ``zero_grad()``: the plain loop's rollback. It was
+    refused as discarding the backward's updates (the assignment moves no version counter);
+    the replaced storage now counts as the parameter written: equal."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _step_both(((model, optim), (reference, plain)), 0, zero=True)
+    saved = copy.deepcopy(optim.state_dict())
+    for net, opt in ((model, optim), (reference, plain)):
+        weights = [p.detach().clone() for p in net.parameters()]
+        loss_fn(net, *_x(1)).backward()
+        with torch.no_grad():
+            for param, weight in zip(net.parameters(), weights, strict=True):
+                param.data = weight
+        opt.load_state_dict(copy.deepcopy(saved))
+        opt.zero_grad()
+    _step_both(((model, optim), (reference, plain)), 2, zero=True)
+    assert_match(model, reference)
+
+
 def test_load_keeps_the_state_order_with_several_classes():
     """An optimizer of several classes loads its state class by class; the loaded state kept
     the classes' order, not the state dict's (entries 0, 1, 4, 5, 2, 3 of an AdamW, SGD,
@@ -1092,6 +1114,38 @@ def test_frozen_parameter_holding_a_gradient_refused():
     loss_fn(model, *_x(1)).backward()
     model.head.bias.grad = torch.ones_like(model.head.bias)
     _refused_unmoved(model, r"is frozen \(requires_grad=False\) but holds a gradient", optim.step)
+
+
+def test_layer_frozen_between_micro_batches_refused_before_the_last_backward_moves():
+    """A layer frozen after the first micro-batch under ``accumulate()``, holding its
+    gradient: the plain ``step()`` steps it with that gradient, and the others with the sum.
+    This optimizer steps trainable parameters only; the last backward stepped the others
+    before ``step()`` refused the frozen one (1.0e-2 moved at the refusal). Refused where
+    that backward starts, before anything moves; its gradient dropped before the backward,
+    as the message says, the plain loop doing the same: equal."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    with optim.accumulate():
+        loss_fn(model, *_x(0)).backward()
+    model.layers[0].requires_grad_(False)
+    _refused_unmoved(
+        model,
+        r"backward\(\): .* is frozen \(requires_grad=False\) but holds a gradient",
+        lambda: loss_fn(model, *_x(1)).backward(),
+    )
+    optim.zero_grad()
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    reference.layers[0].requires_grad_(False)
+    for net, opt in ((model, optim), (reference, plain)):
+        net.layers[0].requires_grad_(True)
+        with opt.accumulate() if opt is optim else contextlib.nullcontext():
+            loss_fn(net, *_x(0)).backward()
+        net.layers[0].requires_grad_(False)
+        net.layers[0].zero_grad()
+        loss_fn(net, *_x(1)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_match(model, reference)
 
 
 def test_second_pass_with_a_jointly_stepped_class_refused():
@@ -1707,6 +1761,62 @@ def test_value_edited_in_place_between_backward_and_step_refused(cls, betas, edi
     loss_fn(model, *_x(1)).backward()
     edit(optim.param_groups[0]["betas"])
     _refused_unmoved(model, r"param_groups\[0\]\['betas'\] was changed", optim.step)
+
+
+def _sam(model: nn.Module, optim: Optimizer, steps: range, restore: str, held: bool) -> None:
+    """SAM as davda54/sam writes it: the ascent backward (under ``accumulate()`` for ours),
+    the weights perturbed in place along the gradient, the backward at the perturbed point
+    (under ``accumulate()`` too if ``held``), then the weights restored (``restore``:
+    ``"assign"`` its ``p.data = old_p``, ``"copy"`` an in-place ``p.copy_(old_p)``) and
+    ``step()``, which steps that gradient from the restored weights."""
+    ours = isinstance(optim, OptimizerInBackward)
+    params = list(model.parameters())
+    for step in steps:
+        with optim.accumulate() if ours else contextlib.nullcontext():
+            loss_fn(model, *_x(step)).backward()
+        norm = torch.stack([p.grad.norm() for p in params]).norm()
+        old = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad * 0.05 / (norm + 1e-12))
+        optim.zero_grad()
+        with optim.accumulate() if ours and held else contextlib.nullcontext():
+            loss_fn(model, *_x(step)).backward()
+        with torch.no_grad():
+            for p, backup in zip(params, old, strict=True):
+                if restore == "assign":
+                    p.data = backup
+                else:
+                    p.copy_(backup)
+        optim.step()
+        optim.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("restore", "match"),
+    [("assign", "its data was replaced"), ("copy", "was written in place")],
+    ids=["p.data = old_p", "p.copy_(old_p)"],
+)
+def test_sam_restoring_weights_between_backward_and_step_refused(restore, match):
+    """SAM's second step (davda54/sam: ``p.data = self.state[p]["old_p"]``, then the base
+    optimizer's ``step()``; FGM and AWP restore weights alike): the plain optimizer steps the
+    restored weights with the gradient taken at the perturbed ones. Here the gradient was
+    stepped in backward into the perturbed weights, and the assignment replaced them with the
+    update (5.8e-2 apart after six AdamW steps, no error; an in-place restore was already
+    refused). Refused at that ``step()``, the weights the restored ones, as the plain loop's
+    before its step; the backward run under ``accumulate()`` too, as the message says, holds
+    the gradient for ``step()``: equal."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    with pytest.raises(RuntimeError, match=match):
+        _sam(model, optim, range(1), restore, held=False)
+    assert_match(model, reference)  # the restored weights: as before the plain step
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _sam(model, optim, range(3), restore, held=True)
+    _sam(reference, plain, range(3), restore, held=False)
+    assert_match(model, reference)
 
 
 def test_state_dict_between_backward_and_step_refused():
