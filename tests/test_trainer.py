@@ -762,6 +762,147 @@ def test_trainer_optimizer_factory_not_rebuildable_is_refused(tmp_path):
     assert max_difference(full_params(model), before) == 0.0
 
 
+class ScaledMomentumSGD(torch.optim.SGD):
+    """SGD whose learning rate is multiplied by ``lr_scale``, an argument of its constructor
+    kept on the instance, outside the groups (as bitsandbytes keeps ``min_8bit_size``)."""
+
+    def __init__(self, params: Any, lr: float, momentum: float = 0.0, lr_scale: float = 1.0):
+        super().__init__(params, lr=lr, momentum=momentum)
+        self.lr_scale = lr_scale
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        lrs = [group["lr"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["lr"] *= self.lr_scale
+        try:
+            return super().step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, lrs, strict=True):
+                group["lr"] = lr
+
+
+class ScaledMomentumSGDFactory:
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        return ScaledMomentumSGD(model.parameters(), lr=lr, momentum=0.9, lr_scale=0.1)
+
+
+@pytest.mark.filterwarnings("ignore:ScaledMomentumSGD is not declared")
+def test_trainer_optimizer_factory_attributes_are_carried(tmp_path):
+    """A factory's optimizer keeping a constructor argument on itself (``lr_scale``, not in
+    its groups nor its defaults): built again from its class and groups, it stepped with the
+    constructor's default (3.6e-2 apart after four steps, no error). The attributes it keeps
+    that the one built again lacks are carried: as plain."""
+    kwargs = dict(
+        optimizer_cls_and_kwargs=(ScaledMomentumSGDFactory, {"lr": 1e-1}),
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+    )
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    print(f"factory attribute carried: {_assert_parity(ours, plain):.2e}")
+
+
+def _clamp_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step post-hook constraining every parameter to [-0.05, 0.05]."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.clamp_(-0.05, 0.05)
+
+
+def _centralize_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step pre-hook subtracting each matrix gradient's row mean (gradient centralization)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and param.grad.ndim > 1:
+                param.grad.sub_(param.grad.mean(dim=1, keepdim=True))
+
+
+class ClampedAdamWFactory:
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = torch.optim.AdamW(model.parameters(), lr=lr)
+        optim.register_step_post_hook(_clamp_weights)
+        return optim
+
+
+class ClampedInBackwardFactory:
+    """The way out the refusal names: the factory builds the in-backward optimizer and
+    registers the post-hook on it."""
+
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=lr, max_grad_norm=1.0)
+        optim.register_step_post_hook(_clamp_weights)
+        return optim
+
+
+class CentralizedAdamWFactory:
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = torch.optim.AdamW(model.parameters(), lr=lr)
+        optim.register_step_pre_hook(_centralize_gradients)
+        return optim
+
+
+class GroupsOnItselfFactory:
+    """An attribute referring to the optimizer's own groups: the one built again holds
+    others, so it cannot be carried."""
+
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = torch.optim.AdamW(model.parameters(), lr=lr)
+        optim.first_group = optim.param_groups[0]
+        return optim
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (ClampedAdamWFactory, r"hooks registered on it \(step_post_hooks\)"),
+        (CentralizedAdamWFactory, r"hooks registered on it \(step_pre_hooks\)"),
+        (GroupsOnItselfFactory, r"keeps first_group on itself"),
+    ],
+    ids=["post-hook", "pre-hook", "attribute-on-its-groups"],
+)
+def test_trainer_optimizer_factory_what_cannot_be_carried_is_refused(tmp_path, factory, match):
+    """A factory's optimizer with hooks registered on it (a weight clamp after each step, 0.97
+    apart after four steps; gradient centralization before it) or an attribute that cannot be
+    carried: built again from its class and groups, the hooks were dropped, no error. Refused
+    at ``create_optimizer``, naming the way out, before anything moved."""
+    model = tiny_llama()
+    before = full_params(model)
+    with accelerate_on_cpu():
+        trainer = in_backward_trainer(transformers.Trainer)(
+            model=model,
+            args=_args(tmp_path, max_grad_norm=1.0),
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=(factory, {"lr": 1e-2}),
+        )
+        with pytest.raises(TypeError, match=rf"{match}.*return an OptimizerInBackward"):
+            trainer.train()
+    assert max_difference(full_params(model), before) == 0.0
+
+
+def test_trainer_optimizer_factory_post_hook_on_the_in_backward_optimizer(tmp_path):
+    """The refusal's way out: the factory returns an ``OptimizerInBackward`` with the step
+    post-hook on it, which runs at ``step()``, after the backward's updates: as plain."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=1.0)
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer_cls_and_kwargs=(ClampedAdamWFactory, {"lr": 1e-2}),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer_cls_and_kwargs=(ClampedInBackwardFactory, {"lr": 1e-2}),
+        **kwargs,
+    )
+    # The hook clamped: the largest weight is at the bound.
+    clamped = max(value.abs().max().item() for value in plain["params"].values())
+    assert clamped == pytest.approx(0.05), clamped
+    print(f"post-hook on the in-backward optimizer: {_assert_parity(ours, plain):.2e}")
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 
