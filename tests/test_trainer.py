@@ -903,6 +903,93 @@ def test_trainer_optimizer_factory_post_hook_on_the_in_backward_optimizer(tmp_pa
     print(f"post-hook on the in-backward optimizer: {_assert_parity(ours, plain):.2e}")
 
 
+_BITSANDBYTES_OPTIM = '''
+"""A stand-in for bitsandbytes' optim module: what Trainer's create_optimizer calls, and an
+8-bit AdamW whose first moment is rounded to 8 bits but for the parameters the manager's
+overrides keep in 32-bit state."""
+import torch
+
+
+class GlobalOptimManager:
+    _instance = None
+
+    def __init__(self):
+        self.module_overrides = {}
+
+    @classmethod
+    def get_instance(cls):
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def register_module_override(self, module, param_name, config):
+        self.module_overrides[id(getattr(module, param_name))] = dict(config)
+
+
+class AdamW8bit(torch.optim.AdamW):
+    def __init__(self, params, lr=1e-3, weight_decay=1e-2, optim_bits=8):
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
+        self.optim_bits = optim_bits
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        overrides = GlobalOptimManager.get_instance().module_overrides
+        for group in self.param_groups:
+            for p in group["params"]:
+                bits = overrides.get(id(p), {}).get("optim_bits", self.optim_bits)
+                if bits == 8 and p in self.state:
+                    m = self.state[p]["exp_avg"]
+                    scale = m.abs().max().clamp_min(1e-30) / 127
+                    m.copy_((m / scale).round() * scale)
+        return loss
+'''
+
+
+@pytest.fixture
+def bitsandbytes(tmp_path, monkeypatch):
+    """A stand-in ``bitsandbytes`` package (``bitsandbytes.optim``), importable for the test."""
+    import importlib
+    import sys
+
+    package = tmp_path / "site" / "bitsandbytes"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from . import optim\n")
+    (package / "optim.py").write_text(_BITSANDBYTES_OPTIM)
+    monkeypatch.syspath_prepend(str(package.parent))
+    yield importlib.import_module("bitsandbytes")
+    for name in ("bitsandbytes", "bitsandbytes.optim"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.filterwarnings("ignore:AdamW8bit is not declared")
+@pytest.mark.parametrize("given", ["class", "in_backward"])
+def test_trainer_bitsandbytes_embedding_override(tmp_path, bitsandbytes, given):
+    """An 8-bit bitsandbytes class (``optim_bits=8``): Trainer keeps embeddings in 32-bit
+    state when ``str(optimizer_cls)`` names ``bitsandbytes``, and the in-backward class's did
+    not, so the override was skipped (with this stand-in, 8.7e-3 apart after four steps; with
+    bitsandbytes, 8-bit embedding state, no error). Given as the class or as
+    ``in_backward(class)``: registered, as plain."""
+    adamw8bit = bitsandbytes.optim.AdamW8bit
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=1.0)
+    adamw = {"lr": 1e-2, "optim_bits": 8}
+    runs = {}
+    for who, trainer_cls, cls in [
+        ("plain", transformers.Trainer, adamw8bit),
+        ("ours", in_backward_trainer(transformers.Trainer),
+         adamw8bit if given == "class" else in_backward(adamw8bit)),
+    ]:  # fmt: skip
+        manager = bitsandbytes.optim.GlobalOptimManager._instance = (
+            bitsandbytes.optim.GlobalOptimManager()
+        )
+        runs[who] = _train(
+            trainer_cls, tmp_path / who, optimizer_cls_and_kwargs=(cls, adamw), **kwargs
+        )
+        # The model's one nn.Embedding, kept in 32-bit state.
+        assert list(manager.module_overrides.values()) == [{"optim_bits": 32}], who
+    print(f"bitsandbytes override, {given}: {_assert_parity(runs['ours'], runs['plain']):.2e}")
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 
