@@ -27,6 +27,8 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
   ``fused_optim_dist/_gradients.py``.
 * Checkpoints hold the optimizer state as Trainer saves it and, beside it, the clipping history
   (:meth:`~fused_optim_dist.OptimizerInBackward.gradient_state_dict`); resuming restores both.
+  Saving the model between backward and ``optimizer.step()`` (transformers' JIT checkpoint) is
+  refused: see [Note: saving between backward and step()].
 * The optimizer must hold exactly the model's trainable parameters: Trainer clips and logs the
   norm over the model's, the optimizer over its own. A trainable parameter of the model left
   out of it (freeze it, or add it), or one it holds outside the model (make it the model's,
@@ -320,6 +322,8 @@ class InBackwardTrainerMixin:
         TypeError: an optimizer passed in ``optimizers=`` that is not an
             :class:`~fused_optim_dist.OptimizerInBackward` (and, when the optimizer is built, a
             factory's optimizer that cannot be built again in backward).
+        RuntimeError: the model saved between backward and ``optimizer.step()``
+            (:meth:`save_model`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -443,6 +447,40 @@ class InBackwardTrainerMixin:
         if grad_norm is None:
             return self._in_backward_optimizer(self.optimizer).grad_norm()
         return grad_norm
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's ``save_model`` (its checkpoints save the model with it, first), refused
+        between backward and ``optimizer.step()``.
+
+        [Note: saving between backward and step()]
+        transformers' just-in-time checkpoint (``enable_jit_checkpoint=True``) saves at the
+        first callback event after SIGTERM's grace period; when that falls in a step's
+        forward or backward, the event is ``on_pre_optimizer_step``, between backward and
+        ``optimizer.step()``. The plain Trainer saves there the weights of before the step's
+        update, as ``checkpoint-N`` for N steps done; here the backward has already applied
+        it, so the checkpoint would hold step N+1's weights under step N's name (5.0e-3 apart
+        with ``save_only_model=True``, no error; without it the optimizer's ``state_dict()``
+        refused, after the weights were written). So the save is refused, before anything of
+        the model is written: the weights of before the update are gone.
+
+        Raises:
+            RuntimeError: when called while updates made in backward await ``step()``.
+        """
+        if self.optimizer is not None:
+            pending = in_backward_optimizer(self.optimizer)._pending
+            if pending:
+                step = self.state.global_step + 1
+                raise RuntimeError(
+                    f"Trainer saves the model between step {step}'s backward and its "
+                    "optimizer.step() (transformers' JIT checkpoint does, when SIGTERM's request "
+                    f"comes during a step's forward or backward): {len(pending.params())} "
+                    "parameter(s) already hold that step's update, made in backward, where the "
+                    "plain Trainer saves the weights of before it, so the checkpoint would hold "
+                    f"step {step}'s weights under step {step - 1}'s name. The model was not "
+                    "saved. Save after optimizer.step() (save_strategy='steps' with save_steps, "
+                    "or from a callback's on_step_end), or train without enable_jit_checkpoint"
+                )
+        super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
