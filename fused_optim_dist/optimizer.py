@@ -1227,7 +1227,12 @@ class OptimizerInBackward(Optimizer):
 def in_backward(optimizer_cls: type[Optimizer] | str) -> type[OptimizerInBackward]:
     """Return a class ``C`` with ``C(params, **kw) == OptimizerInBackward(params, cls, **kw)``.
 
-    For code that builds ``optimizer_cls(params, **config)`` from a configuration.
+    For code that builds ``optimizer_cls(params, **config)`` from a configuration. ``C`` is
+    named ``f"{cls.__name__}InBackward"``; its ``str()`` names ``cls`` by its import path,
+    ``<class 'fused_optim_dist.optimizer.in_backward(torch.optim.adamw.AdamW)'>``, for code
+    that decides by it: Hugging Face Trainer keeps embeddings in 32-bit optimizer state when
+    ``str(optimizer_cls)`` names ``bitsandbytes`` (an 8-bit class of it, without the override,
+    trained them otherwise, no error).
     """
     resolved = resolve_optimizer_class(optimizer_cls)
 
@@ -1235,5 +1240,6 @@ def in_backward(optimizer_cls: type[Optimizer] | str) -> type[OptimizerInBackwar
         def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
             super().__init__(params, resolved, **kwargs)
 
-    _InBackward.__name__ = _InBackward.__qualname__ = f"{resolved.__name__}InBackward"
+    _InBackward.__name__ = f"{resolved.__name__}InBackward"
+    _InBackward.__qualname__ = f"in_backward({class_path(resolved)})"
     return _InBackward

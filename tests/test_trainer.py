@@ -762,6 +762,279 @@ def test_trainer_optimizer_factory_not_rebuildable_is_refused(tmp_path):
     assert max_difference(full_params(model), before) == 0.0
 
 
+class ScaledMomentumSGD(torch.optim.SGD):
+    """SGD whose learning rate is multiplied by ``lr_scale``, an argument of its constructor
+    kept on the instance, outside the groups (as bitsandbytes keeps ``min_8bit_size``)."""
+
+    def __init__(self, params: Any, lr: float, momentum: float = 0.0, lr_scale: float = 1.0):
+        super().__init__(params, lr=lr, momentum=momentum)
+        self.lr_scale = lr_scale
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        lrs = [group["lr"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["lr"] *= self.lr_scale
+        try:
+            return super().step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, lrs, strict=True):
+                group["lr"] = lr
+
+
+class ScaledMomentumSGDFactory:
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        return ScaledMomentumSGD(model.parameters(), lr=lr, momentum=0.9, lr_scale=0.1)
+
+
+@pytest.mark.filterwarnings("ignore:ScaledMomentumSGD is not declared")
+def test_trainer_optimizer_factory_attributes_are_carried(tmp_path):
+    """A factory's optimizer keeping a constructor argument on itself (``lr_scale``, not in
+    its groups nor its defaults): built again from its class and groups, it stepped with the
+    constructor's default (3.6e-2 apart after four steps, no error). The attributes it keeps
+    that the one built again lacks are carried: as plain."""
+    kwargs = dict(
+        optimizer_cls_and_kwargs=(ScaledMomentumSGDFactory, {"lr": 1e-1}),
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+    )
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    print(f"factory attribute carried: {_assert_parity(ours, plain):.2e}")
+
+
+def _clamp_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step post-hook constraining every parameter to [-0.05, 0.05]."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.clamp_(-0.05, 0.05)
+
+
+def _centralize_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step pre-hook subtracting each matrix gradient's row mean (gradient centralization)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and param.grad.ndim > 1:
+                param.grad.sub_(param.grad.mean(dim=1, keepdim=True))
+
+
+class ClampedAdamWFactory:
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = torch.optim.AdamW(model.parameters(), lr=lr)
+        optim.register_step_post_hook(_clamp_weights)
+        return optim
+
+
+class ClampedInBackwardFactory:
+    """The way out the refusal names: the factory builds the in-backward optimizer and
+    registers the post-hook on it."""
+
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=lr, max_grad_norm=1.0)
+        optim.register_step_post_hook(_clamp_weights)
+        return optim
+
+
+class CentralizedAdamWFactory:
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = torch.optim.AdamW(model.parameters(), lr=lr)
+        optim.register_step_pre_hook(_centralize_gradients)
+        return optim
+
+
+class GroupsOnItselfFactory:
+    """An attribute referring to the optimizer's own groups: the one built again holds
+    others, so it cannot be carried."""
+
+    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = torch.optim.AdamW(model.parameters(), lr=lr)
+        optim.first_group = optim.param_groups[0]
+        return optim
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (ClampedAdamWFactory, r"hooks registered on it \(step_post_hooks\)"),
+        (CentralizedAdamWFactory, r"hooks registered on it \(step_pre_hooks\)"),
+        (GroupsOnItselfFactory, r"keeps first_group on itself"),
+    ],
+    ids=["post-hook", "pre-hook", "attribute-on-its-groups"],
+)
+def test_trainer_optimizer_factory_what_cannot_be_carried_is_refused(tmp_path, factory, match):
+    """A factory's optimizer with hooks registered on it (a weight clamp after each step, 0.97
+    apart after four steps; gradient centralization before it) or an attribute that cannot be
+    carried: built again from its class and groups, the hooks were dropped, no error. Refused
+    at ``create_optimizer``, naming the way out, before anything moved."""
+    model = tiny_llama()
+    before = full_params(model)
+    with accelerate_on_cpu():
+        trainer = in_backward_trainer(transformers.Trainer)(
+            model=model,
+            args=_args(tmp_path, max_grad_norm=1.0),
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=(factory, {"lr": 1e-2}),
+        )
+        with pytest.raises(TypeError, match=rf"{match}.*return an OptimizerInBackward"):
+            trainer.train()
+    assert max_difference(full_params(model), before) == 0.0
+
+
+def test_trainer_optimizer_factory_post_hook_on_the_in_backward_optimizer(tmp_path):
+    """The refusal's way out: the factory returns an ``OptimizerInBackward`` with the step
+    post-hook on it, which runs at ``step()``, after the backward's updates: as plain."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=1.0)
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer_cls_and_kwargs=(ClampedAdamWFactory, {"lr": 1e-2}),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer_cls_and_kwargs=(ClampedInBackwardFactory, {"lr": 1e-2}),
+        **kwargs,
+    )
+    # The hook clamped: the largest weight is at the bound.
+    clamped = max(value.abs().max().item() for value in plain["params"].values())
+    assert clamped == pytest.approx(0.05), clamped
+    print(f"post-hook on the in-backward optimizer: {_assert_parity(ours, plain):.2e}")
+
+
+_BITSANDBYTES_OPTIM = '''
+"""A stand-in for bitsandbytes' optim module: what Trainer's create_optimizer calls, and an
+8-bit AdamW whose first moment is rounded to 8 bits but for the parameters the manager's
+overrides keep in 32-bit state."""
+import torch
+
+
+class GlobalOptimManager:
+    _instance = None
+
+    def __init__(self):
+        self.module_overrides = {}
+
+    @classmethod
+    def get_instance(cls):
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def register_module_override(self, module, param_name, config):
+        self.module_overrides[id(getattr(module, param_name))] = dict(config)
+
+
+class AdamW8bit(torch.optim.AdamW):
+    def __init__(self, params, lr=1e-3, weight_decay=1e-2, optim_bits=8):
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
+        self.optim_bits = optim_bits
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        overrides = GlobalOptimManager.get_instance().module_overrides
+        for group in self.param_groups:
+            for p in group["params"]:
+                bits = overrides.get(id(p), {}).get("optim_bits", self.optim_bits)
+                if bits == 8 and p in self.state:
+                    m = self.state[p]["exp_avg"]
+                    scale = m.abs().max().clamp_min(1e-30) / 127
+                    m.copy_((m / scale).round() * scale)
+        return loss
+'''
+
+
+@pytest.fixture
+def bitsandbytes(tmp_path, monkeypatch):
+    """A stand-in ``bitsandbytes`` package (``bitsandbytes.optim``), importable for the test."""
+    import importlib
+    import sys
+
+    package = tmp_path / "site" / "bitsandbytes"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from . import optim\n")
+    (package / "optim.py").write_text(_BITSANDBYTES_OPTIM)
+    monkeypatch.syspath_prepend(str(package.parent))
+    yield importlib.import_module("bitsandbytes")
+    for name in ("bitsandbytes", "bitsandbytes.optim"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.filterwarnings("ignore:AdamW8bit is not declared")
+@pytest.mark.parametrize("given", ["class", "in_backward"])
+def test_trainer_bitsandbytes_embedding_override(tmp_path, bitsandbytes, given):
+    """An 8-bit bitsandbytes class (``optim_bits=8``): Trainer keeps embeddings in 32-bit
+    state when ``str(optimizer_cls)`` names ``bitsandbytes``, and the in-backward class's did
+    not, so the override was skipped (with this stand-in, 8.7e-3 apart after four steps; with
+    bitsandbytes, 8-bit embedding state, no error). Given as the class or as
+    ``in_backward(class)``: registered, as plain."""
+    adamw8bit = bitsandbytes.optim.AdamW8bit
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=1.0)
+    adamw = {"lr": 1e-2, "optim_bits": 8}
+    runs = {}
+    for who, trainer_cls, cls in [
+        ("plain", transformers.Trainer, adamw8bit),
+        ("ours", in_backward_trainer(transformers.Trainer),
+         adamw8bit if given == "class" else in_backward(adamw8bit)),
+    ]:  # fmt: skip
+        manager = bitsandbytes.optim.GlobalOptimManager._instance = (
+            bitsandbytes.optim.GlobalOptimManager()
+        )
+        runs[who] = _train(
+            trainer_cls, tmp_path / who, optimizer_cls_and_kwargs=(cls, adamw), **kwargs
+        )
+        # The model's one nn.Embedding, kept in 32-bit state.
+        assert list(manager.module_overrides.values()) == [{"optim_bits": 32}], who
+    print(f"bitsandbytes override, {given}: {_assert_parity(runs['ours'], runs['plain']):.2e}")
+
+
+class _SigtermDuringStep(transformers.TrainerCallback):
+    """What transformers' JIT checkpoint manager does after SIGTERM's grace period, when it
+    ends during step ``SAVE_AT + 1``'s forward or backward: it requests the checkpoint, which
+    ``JITCheckpointCallback`` saves at the next event, ``on_pre_optimizer_step``."""
+
+    def __init__(self, trainer: transformers.Trainer) -> None:
+        from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+        handler = trainer.callback_handler
+        jit = next(c for c in handler.callbacks if isinstance(c, JITCheckpointCallback))
+        self.manager = jit.jit_manager
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if state.global_step == SAVE_AT:
+            self.manager.is_checkpoint_requested = True
+
+
+@pytest.mark.parametrize("save_only_model", [True, False], ids=["model-only", "full"])
+def test_trainer_jit_checkpoint_between_backward_and_step_is_refused(tmp_path, save_only_model):
+    """transformers' JIT checkpoint requested during a step's backward saves between backward
+    and ``optimizer.step()``, where the plain Trainer saves the weights of before the step:
+    with ``save_only_model`` the checkpoint held the next step's weights (5.0e-3 apart, no
+    error); without it the optimizer's ``state_dict()`` refused after the weights were
+    written. Refused at the save, the model not written. See [Note: saving between backward
+    and step()]."""
+    import signal
+
+    sigterm = signal.getsignal(signal.SIGTERM)  # the JIT manager's, restored at train end
+    try:
+        with accelerate_on_cpu():
+            trainer = in_backward_trainer(transformers.Trainer)(
+                model=tiny_llama(),
+                args=_args(tmp_path, enable_jit_checkpoint=True, save_only_model=save_only_model),
+                train_dataset=TokenDataset(),
+            )
+            trainer.add_callback(_SigtermDuringStep(trainer))
+            with pytest.raises(RuntimeError, match=r"between step 3's backward.*not saved"):
+                trainer.train()
+            trainer.optimizer.step()  # the step the refusal interrupted, as the loop's
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    checkpoint = tmp_path / f"checkpoint-{SAVE_AT}"
+    assert not any(path.suffix == ".safetensors" for path in checkpoint.iterdir())
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 

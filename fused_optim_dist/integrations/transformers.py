@@ -13,7 +13,8 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
   weight-decay groups) is built as an :class:`~fused_optim_dist.OptimizerInBackward`; one passed
   in ``optimizers=`` must already be one. An optimizer factory in ``optimizer_cls_and_kwargs``
   (Trainer's protocol for Muon and Dion) builds its optimizer, which is built again in backward
-  from its class and param groups (:func:`_in_backward_rebuild`).
+  from its class, param groups and what it keeps on itself (:func:`_in_backward_rebuild`); one
+  with hooks registered on it is refused.
 * ``gradient_accumulation_steps``: the backward of every micro-batch but the last of a step
   runs under :meth:`~fused_optim_dist.OptimizerInBackward.accumulate`, so each step updates
   once, on the summed gradients. The Trainer's ``accelerator.backward`` does this, so a
@@ -26,6 +27,8 @@ bases. Everything else is configured as usual, in ``TrainingArguments``:
   ``fused_optim_dist/_gradients.py``.
 * Checkpoints hold the optimizer state as Trainer saves it and, beside it, the clipping history
   (:meth:`~fused_optim_dist.OptimizerInBackward.gradient_state_dict`); resuming restores both.
+  Saving the model between backward and ``optimizer.step()`` (transformers' JIT checkpoint) is
+  refused: see [Note: saving between backward and step()].
 * The optimizer must hold exactly the model's trainable parameters: Trainer clips and logs the
   norm over the model's, the optimizer over its own. A trainable parameter of the model left
   out of it (freeze it, or add it), or one it holds outside the model (make it the model's,
@@ -54,8 +57,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_optimizer import is_optimizer_factory
 
 from fused_optim_dist import InBackwardOptions
-from fused_optim_dist._class_state import same_value
+from fused_optim_dist._class_state import instance_attrs, same_value
 from fused_optim_dist._options import _accepted_arguments
+from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
 from fused_optim_dist.integrations.accelerate import (
     _refuse_other_parameters,
     _unless_syncing,
@@ -97,13 +101,82 @@ def _same_groups(ours: list[dict[str, Any]], built: list[dict[str, Any]]) -> boo
     )
 
 
+_DATA = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.Tensor,
+    type,
+)
+"""Values an attribute may hold, alone or in containers, to be carried to the optimizer built
+again (a tensor unless it is the state of the one built)."""
+
+
+def _refers_to_none_of(value: Any, held: set[int]) -> bool:
+    """Whether ``value`` is data that reaches none of the objects ``held`` (by id): plain
+    values, tensors, classes, and containers and plain objects (through their ``__dict__``)
+    of such data. Anything else (a function or bound method, which may hold the optimizer in
+    its closure or ``__self__``; an object without a ``__dict__``) cannot be checked."""
+    seen: set[int] = set()
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if id(item) in held:
+            return False
+        if id(item) in seen or isinstance(item, _DATA):
+            continue
+        seen.add(id(item))
+        if isinstance(item, list | tuple | set | frozenset):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif hasattr(item, "__dict__") and (isinstance(item, nn.Module) or not callable(item)):
+            pending.extend(vars(item).values())
+        else:
+            return False
+    return True
+
+
+def _carry_instance_attrs(built: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> list[str]:
+    """Give ``inner`` (the class's instance an :class:`OptimizerInBackward` steps with, built
+    from ``built``'s groups and defaults) what ``built`` keeps on itself and ``inner`` does
+    not: an argument its constructor kept outside the groups (bitsandbytes keeps
+    ``min_8bit_size`` in ``self.args``), or an attribute the factory set. Carried as they are
+    (the same objects), where they refer to nothing of ``built``'s own (itself, its groups,
+    its state), which the one stepping does not hold. Returns the names of those that cannot
+    be carried, nothing changed then."""
+    ours, theirs = instance_attrs(inner), instance_attrs(built)
+    changed = {k: v for k, v in theirs.items() if k not in ours or not same_value(ours[k], v)}
+    held = {id(built), id(built.param_groups), id(built.state)}
+    held.update(map(id, built.param_groups))
+    for entry in built.state.values():
+        held.add(id(entry))
+        held.update(id(v) for v in entry.values() if isinstance(v, torch.Tensor))
+    refused = sorted(k for k, v in changed.items() if not _refers_to_none_of(v, held))
+    if refused:
+        return refused
+    for name in ours.keys() - theirs.keys():
+        delattr(inner, name)
+    for name, value in changed.items():
+        setattr(inner, name, value)
+    return []
+
+
 def _in_backward_rebuild(
     built: torch.optim.Optimizer, max_grad_norm: float | None
 ) -> OptimizerInBackward:
     """The optimizer a factory ``built``, built again as an :class:`OptimizerInBackward` of its
     class clipping at ``max_grad_norm``: on its param groups (every value each holds), with its
-    defaults that the class's constructor takes (for groups added later), and its state (a
-    class making state when built, e.g. Adagrad's sums; the rebuilt one makes the same).
+    defaults that the class's constructor takes (for groups added later), the attributes it
+    keeps on itself (:func:`_carry_instance_attrs`), and its state (a class making state when
+    built, e.g. Adagrad's sums; the rebuilt one makes the same).
 
     A factory's optimizer is a built object, and stepping in backward needs the class and the
     groups: what the class makes of its groups is checked to be the groups ``built`` holds, so
@@ -112,18 +185,15 @@ def _in_backward_rebuild(
 
     Raises:
         TypeError: if the class cannot be built from the groups, or builds other ones (a class
-            built from two parameter lists, or from the model).
+            built from two parameter lists, or from the model); if ``built`` has hooks (a
+            step post-hook of the object built would not run on the one built again, and a
+            step pre-hook cannot run in backward); or if it keeps on itself, outside its
+            groups, an attribute that cannot be carried (one referring to its groups or state,
+            or a function, which may hold the object built).
     """
     if isinstance(built, OptimizerInBackward):
         return built
     cls = type(built)
-    accepted = _accepted_arguments(cls)
-    defaults = {
-        k: v
-        for k, v in built.defaults.items()
-        if k != "params" and (accepted is None or k in accepted)
-    }
-    groups = [dict(group) for group in built.param_groups]
     refusal = (
         f"Trainer's optimizer factory built a {cls.__qualname__}, which cannot be built again "
         f"as OptimizerInBackward({cls.__qualname__}) from its param groups"
@@ -133,6 +203,23 @@ def _in_backward_rebuild(
         "class under 'optimizer_cls', see docs/whole_tensor.md), with max_grad_norm="
         f"{max_grad_norm} (TrainingArguments.max_grad_norm), or pass optimizers=(...)"
     )
+    hooks = [
+        name.removeprefix("_optimizer_") for name in OPTIMIZER_HOOKS if getattr(built, name, None)
+    ]
+    if hooks:
+        raise TypeError(
+            f"{refusal}: hooks registered on it ({', '.join(hooks)}) would not run on the one "
+            "built again (a step post-hook registered on an OptimizerInBackward runs at step(), "
+            "after the backward's updates; a step pre-hook cannot run in backward, where the "
+            f"updates are made before step() is called){advice}"
+        )
+    accepted = _accepted_arguments(cls)
+    defaults = {
+        k: v
+        for k, v in built.defaults.items()
+        if k != "params" and (accepted is None or k in accepted)
+    }
+    groups = [dict(group) for group in built.param_groups]
     options = InBackwardOptions(max_grad_norm=max_grad_norm)
     try:
         rebuilt = OptimizerInBackward(groups, cls, options=options, **defaults)
@@ -141,6 +228,14 @@ def _in_backward_rebuild(
     if not _same_groups(rebuilt.param_groups, built.param_groups):
         rebuilt.detach()
         raise TypeError(f"{refusal}: its constructor made other groups of them{advice}")
+    refused = _carry_instance_attrs(built, rebuilt._stepper.steppers[None].optimizer)
+    if refused:
+        rebuilt.detach()
+        raise TypeError(
+            f"{refusal}: it keeps {', '.join(refused)} on itself, outside its param groups, "
+            "referring to its groups, its state or itself, or holding a function, which "
+            f"cannot be carried to the one built again{advice}"
+        )
     if built.state:
         rebuilt.load_state_dict(built.state_dict())
     return rebuilt
@@ -227,6 +322,8 @@ class InBackwardTrainerMixin:
         TypeError: an optimizer passed in ``optimizers=`` that is not an
             :class:`~fused_optim_dist.OptimizerInBackward` (and, when the optimizer is built, a
             factory's optimizer that cannot be built again in backward).
+        RuntimeError: the model saved between backward and ``optimizer.step()``
+            (:meth:`save_model`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -350,6 +447,40 @@ class InBackwardTrainerMixin:
         if grad_norm is None:
             return self._in_backward_optimizer(self.optimizer).grad_norm()
         return grad_norm
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's ``save_model`` (its checkpoints save the model with it, first), refused
+        between backward and ``optimizer.step()``.
+
+        [Note: saving between backward and step()]
+        transformers' just-in-time checkpoint (``enable_jit_checkpoint=True``) saves at the
+        first callback event after SIGTERM's grace period; when that falls in a step's
+        forward or backward, the event is ``on_pre_optimizer_step``, between backward and
+        ``optimizer.step()``. The plain Trainer saves there the weights of before the step's
+        update, as ``checkpoint-N`` for N steps done; here the backward has already applied
+        it, so the checkpoint would hold step N+1's weights under step N's name (5.0e-3 apart
+        with ``save_only_model=True``, no error; without it the optimizer's ``state_dict()``
+        refused, after the weights were written). So the save is refused, before anything of
+        the model is written: the weights of before the update are gone.
+
+        Raises:
+            RuntimeError: when called while updates made in backward await ``step()``.
+        """
+        if self.optimizer is not None:
+            pending = in_backward_optimizer(self.optimizer)._pending
+            if pending:
+                step = self.state.global_step + 1
+                raise RuntimeError(
+                    f"Trainer saves the model between step {step}'s backward and its "
+                    "optimizer.step() (transformers' JIT checkpoint does, when SIGTERM's request "
+                    f"comes during a step's forward or backward): {len(pending.params())} "
+                    "parameter(s) already hold that step's update, made in backward, where the "
+                    "plain Trainer saves the weights of before it, so the checkpoint would hold "
+                    f"step {step}'s weights under step {step - 1}'s name. The model was not "
+                    "saved. Save after optimizer.step() (save_strategy='steps' with save_steps, "
+                    "or from a callback's on_step_end), or train without enable_jit_checkpoint"
+                )
+        super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
