@@ -34,6 +34,7 @@ from fused_optim_dist._protocol import (
     describe,
     refuse_stepping_again,
 )
+from fused_optim_dist._sharing import refuse_shared_memory
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     OPTIMIZER_HOOKS,
@@ -46,6 +47,7 @@ from fused_optim_dist._torch_internals import (
     hooked_after,
     observes_only,
     read_grads,
+    read_requires_grad,
     register_post_accumulate_grad_hook,
     watch_ddp,
 )
@@ -291,9 +293,10 @@ class OptimizerInBackward(Optimizer):
             fields, when ``options`` is not given).
 
     Raises:
-        ValueError: for an empty parameter list, a parameter listed twice, no trainable
-            parameter, an optimizer that needs a closure or sparse gradients, parameters trained
-            by ``DistributedDataParallel`` or already driven by another live
+        ValueError: for an empty parameter list, a parameter listed twice, two parameters
+            over one memory (see [Note: parameters sharing memory]), no trainable parameter,
+            an optimizer that needs a closure or sparse gradients, parameters trained by
+            ``DistributedDataParallel`` or already driven by another live
             ``OptimizerInBackward``.
         TypeError: for an option given both ways, or a keyword both we and the class take.
     """
@@ -464,6 +467,9 @@ class OptimizerInBackward(Optimizer):
                 " names to the optimizer"
             )
         self._check_not_driven_elsewhere([p for p in param_group["params"] if p.requires_grad])
+        groups = [*self.param_groups, param_group]
+        params = [p for group in groups for p in group["params"]]
+        refuse_shared_memory(groups, params, read_requires_grad(params))
         key = param_group.pop(GROUP_CLASS_KEY, None)
         if key is not None:
             key = class_path(resolve_optimizer_class(key))

@@ -2437,3 +2437,89 @@ def test_gradients_set_by_hand_stepped_under_the_callers_autocast():
                 optim.step()
             optim.zero_grad()
     assert_match(*models)
+
+
+# ------------------------------------------------------------- parameters sharing memory
+
+
+def _tie_by_memory(model: nn.Module, how: str) -> None:
+    """Two parameters of ``model`` over one memory: two ``nn.Parameter`` of one tensor (experts
+    upcycled without a clone), or a tie through ``.data``."""
+    first, third = model.layers[0].up, model.layers[2].up
+    if how == "upcycled":
+        weight = first.weight.detach()
+        first.weight, third.weight = nn.Parameter(weight), nn.Parameter(weight)
+    else:
+        third.weight.data = first.weight.data
+
+
+@pytest.mark.parametrize("how", ["upcycled", "tied through .data"])
+def test_parameters_sharing_memory_refused_at_construction(how):
+    """The plain step() applies both updates to the shared memory in parameter order; here
+    each bucket is stepped in backward order, and the backward reads the memory in between.
+    Before, the ``.data`` tie here ended 1.0e-3 apart after three AdamW steps, no error; the
+    upcycled pair (one version counter) was refused by autograd here, where a node read it
+    after its update, and was 3.0e-2 apart with no error where none does (three buckets of a
+    4096-wide MLP). Refused when the optimizer is built, or the group added, naming both."""
+    model, _ = make_models()
+    _tie_by_memory(model, how)
+    with pytest.raises(ValueError, match=r"parameter 4 of param group 0 .* and parameter 16 "):
+        OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    named = model.named_parameters()
+    with pytest.raises(ValueError, match=r"'layers.0.up.weight' .* and 'layers.2.up.weight' "):
+        OptimizerInBackward(named, torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    third = model.layers[2].up.weight
+    optim = OptimizerInBackward(
+        [p for p in model.parameters() if p is not third], torch.optim.AdamW, **ADAMW
+    )
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 .*share memory"):
+        optim.add_param_group({"params": [third]})
+    assert len(optim.param_groups) == 1
+
+
+def test_parameters_tied_through_data_after_construction_refused_before_moving():
+    """A ``.data`` tie made after the optimizer was built: equal up to it, refused at the next
+    backward, nothing moved."""
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    loops = tuple(zip(models, optims, strict=True))
+    _step_both(loops, 0, zero=True)
+    assert_match(*models)
+    for model in models:
+        _tie_by_memory(model, "tied through .data")
+    _step_both(loops[1:], 1, zero=True)  # the plain loop trains on
+    before = _snapshot(models[0])
+    with pytest.raises(ValueError, match="share memory"):
+        loss_fn(models[0], *_x(1)).backward()
+    _assert_unchanged(models[0], before)
+    with pytest.raises(ValueError, match="share memory"):
+        optims[0].step()
+    _assert_unchanged(models[0], before)
+
+
+@pytest.mark.parametrize("how", ["one parameter", "rows of one buffer", "columns of one buffer"])
+def test_parameters_tied_as_one_or_disjoint_in_one_buffer_train_as_plain(how):
+    """What the refusal suggests, and memory shared without overlap: as plain, several
+    buckets."""
+    models = make_models()
+    for model in models:
+        first, third = model.layers[0].up, model.layers[2].up
+        if how == "one parameter":
+            third.weight = first.weight
+            continue
+        both = torch.cat(
+            [first.weight.detach(), third.weight.detach()],
+            dim=0 if how == "rows of one buffer" else 1,
+        )
+        halves = both.chunk(2, dim=0 if how == "rows of one buffer" else 1)
+        first.weight.data, third.weight.data = halves
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    for step in range(3):
+        _step_both(tuple(zip(models, optims, strict=True)), step, zero=True)
+    assert_match(*models)
