@@ -1,4 +1,4 @@
-"""Memory that two parameters share: refused.
+"""Memory that two parameters share, as parameters or in their optimizer state: refused.
 
 [Note: parameters sharing memory]
 Two parameters can be two tensors over the same memory: experts "upcycled" from one dense
@@ -26,12 +26,28 @@ accepted. A DTensor is compared by its local tensor: FSDP2 gives every sharded p
 own storage, so its parameters never share; tensor-parallel ones distributed from one tensor
 may (a ``.data`` tie made later between DTensors is not watched).
 
+[Note: state shared between parameters]
+A state dict converted by hand can hold one tensor in several parameters' entries (a single
+``step = torch.tensor(100.)`` for all of them). The plain step advances such a counter once per
+parameter, each parameter seeing the count reached so far in parameter order; here each bucket
+sees the count the buckets stepped before it left, in backward order (1.3e-3 apart four AdamW
+steps after such a load, no error). Refused for the classes that keep all their state in
+``state[p]`` and update each of its tensors once per parameter (torch.optim's, this library's:
+``keeps_state_per_parameter``): where it is loaded, before anything is loaded; and, put into
+two entries by hand between steps, when the views of a bucket holding both are derived,
+before that bucket moves (an identity check of the bucket's values, about 80 ns each, made
+only when its views are derived: its state changed, or another set of its parameters is
+stepped). Entries of two different buckets are not compared there, which would cost a pass
+over the whole state at every derivation. Another class may share a tensor on purpose (a
+counter kept on the instance and put in every entry, which [Note: group and instance state]
+steps as plain): it is not checked.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -39,7 +55,7 @@ import torch
 
 from fused_optim_dist._torch_internals import local_tensor
 
-__all__ = ["refuse_shared_memory", "storage_of"]
+__all__ = ["refuse_shared_memory", "refuse_shared_state", "storage_of"]
 
 
 def _bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -137,3 +153,34 @@ def refuse_shared_memory(
         "reads the memory in between, so the result would differ. Clone the tensors to train "
         "them apart, or tie them as one nn.Parameter (module.weight = other.weight)."
     )
+
+
+def refuse_shared_state(entries: Iterable[tuple[Any, Any]], name: Callable[[Any], str]) -> None:
+    """Raise if one tensor is held in two of ``entries`` (pairs of a parameter, or its key in a
+    state dict, and its state entry; ``name`` names one). See [Note: state shared between
+    parameters].
+
+    C-level passes over the values when no object repeats (the usual case: about 80 ns per
+    value); a Python pass only when one does (a repeated number or ``None`` is no tensor).
+
+    Raises:
+        ValueError: naming the two parameters and the state keys.
+    """
+    held = [(key, entry) for key, entry in entries if isinstance(entry, dict)]
+    values = list(chain.from_iterable(map(dict.values, map(itemgetter(1), held))))
+    if len(set(map(id, values))) == len(values):
+        return
+    holder: dict[int, tuple[Any, str]] = {}
+    for param, entry in held:
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            first, first_key = holder.setdefault(id(value), (param, key))
+            if first is not param:
+                raise ValueError(
+                    f"the optimizer state of {name(first)} and of {name(param)} holds one "
+                    f"tensor (under {first_key!r} and {key!r}). The plain step() updates it once "
+                    "per parameter, in parameter order; OptimizerInBackward steps parameters "
+                    "in backward order, so the result would differ. Give each parameter its "
+                    "own tensor (.clone() it in each entry of the state dict before loading)."
+                )

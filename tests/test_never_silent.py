@@ -2439,7 +2439,7 @@ def test_gradients_set_by_hand_stepped_under_the_callers_autocast():
     assert_match(*models)
 
 
-# ------------------------------------------------------------- parameters sharing memory
+# ------------------------------------------------------------- parameters and state sharing memory
 
 
 def _tie_by_memory(model: nn.Module, how: str) -> None:
@@ -2523,3 +2523,55 @@ def test_parameters_tied_as_one_or_disjoint_in_one_buffer_train_as_plain(how):
     for step in range(3):
         _step_both(tuple(zip(models, optims, strict=True)), step, zero=True)
     assert_match(*models)
+
+
+def _share_step(state: dict) -> None:
+    """One ``step`` tensor in every entry of ``state`` (a hand-converted checkpoint)."""
+    shared = torch.tensor(100.0)
+    for entry in state.values():
+        entry["step"] = shared
+
+
+def test_state_dict_sharing_a_tensor_between_parameters_refused_at_load():
+    """The plain AdamW advances a ``step`` tensor shared by every entry once per parameter,
+    in parameter order; here in backward order (1.9e-2 apart four steps after such a load,
+    ``bucket_numel=1``, no error before). Refused by ``load_state_dict``, before anything is
+    loaded."""
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    _step_both(tuple(zip(models, optims, strict=True)), 0, zero=True)
+    saved = optims[1].state_dict()
+    _share_step(saved["state"])
+    optims[1].load_state_dict(saved)  # the plain optimizer trains on
+    kept = copy.deepcopy(optims[0].state_dict())
+    with pytest.raises(
+        ValueError, match=r"parameter 0 of the state dict and of parameter 1 .*'step'"
+    ):
+        optims[0].load_state_dict(saved)
+    assert_same_state_dict(optims[0].state_dict(), kept)
+    # A class sharing a tensor on purpose (its counter on the instance, in every entry) is
+    # not checked: that test trains it as plain.
+    model, _ = make_models()
+    counting = OptimizerInBackward(model.parameters(), _SharedCounterMomentum)
+    loss_fn(model, *_x(0)).backward()
+    counting.step()
+    counting.load_state_dict(counting.state_dict())
+
+
+def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving():
+    """The same sharing written into ``optim.state`` by hand between steps: refused when the
+    bucket holding both entries is derived again, in the next backward, nothing moved."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    for step in range(2):
+        loss_fn(model, *_x(step)).backward()
+        optim.step()
+        optim.zero_grad()
+    _share_step(optim.state)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="holds one tensor"):
+        loss_fn(model, *_x(2)).backward()
+    _assert_unchanged(model, before)
