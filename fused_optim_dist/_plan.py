@@ -20,7 +20,10 @@ parameter's ``requires_grad``. Both can change behind the optimizer's back: a gr
 state dict loaded, a block unfrozen with ``requires_grad_(True)`` or frozen again. The plan
 keeps the signature it was built from, and the optimizer rebuilds it whenever the signature of
 the current groups differs (checked at the start of every backward and every ``step()``), so
-the user never has to tell it.
+the user never has to tell it. The storage of each plain parameter is part of the signature too
+(``p.data = other`` keeps the parameter but replaces its memory), so that parameters tied
+through ``.data`` after the optimizer was built are refused as at construction: see [Note:
+parameters sharing memory] in ``_sharing.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fused_optim_dist._sharing import refuse_shared_memory, storage_of
 from fused_optim_dist._torch_internals import (
     FSDPUnit,
     fsdp_reduced_params,
@@ -96,6 +100,13 @@ class BucketPlan:
         """The FSDP2 unit of the parameter an id names; ``None`` outside units."""
         self._in_units = frozenset(id(p) for unit in self.units for p in unit.params)
         self._requires_grad = self._read_requires_grad()
+        refuse_shared_memory(param_groups, self._all_params, self._requires_grad)
+        # The plain parameters that have a storage, and their storages (held: never a
+        # recycled object), for is_current. DTensors are left out: FSDP2 replaces their local
+        # tensors itself.
+        storages = list(map(_storage, self._all_params))
+        self._backed = [p for p, s in zip(self._all_params, storages, strict=True) if s is not None]
+        self._storages = [s for s in storages if s is not None]
         trainable = [
             p for p, flag in zip(self._all_params, self._requires_grad, strict=True) if flag
         ]
@@ -125,16 +136,20 @@ class BucketPlan:
         return id(param) in self._ids
 
     def is_current(self, param_groups: Sequence[dict[str, Any]]) -> bool:
-        """Whether ``param_groups`` hold the same parameters, with the same ``requires_grad``.
+        """Whether ``param_groups`` hold the same parameters, with the same ``requires_grad``
+        and, for plain ones, the same storages.
 
-        Runs at every backward and ``step()``: identity and flag comparisons only."""
+        Runs at every backward and ``step()``: identity and flag comparisons only (about 50 ns
+        per plain parameter for the storages)."""
         if len(param_groups) != len(self._group_params):
             return False
         for group, params in zip(param_groups, self._group_params, strict=True):
             current = group["params"]
             if len(current) != len(params) or not all(map(operator.is_, current, params)):
                 return False
-        return self._read_requires_grad() == self._requires_grad
+        return self._read_requires_grad() == self._requires_grad and all(
+            map(operator.is_, map(torch.Tensor.untyped_storage, self._backed), self._storages)
+        )
 
     def _read_requires_grad(self) -> list[bool]:
         """Each parameter's ``requires_grad`` as autograd sees it: in a unit that is unsharded,
@@ -160,6 +175,12 @@ class BucketPlan:
     def gathered_units(self) -> list[FSDPUnit]:
         """The units that hold all-gathered weights now."""
         return [unit for unit in self.units if unit.holds_gathered_copy()]
+
+
+def _storage(param: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage of a plain parameter; ``None`` for a DTensor, or a tensor subclass without
+    one."""
+    return None if hasattr(param, "device_mesh") else storage_of(param)
 
 
 def _split(

@@ -90,6 +90,9 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 
 from fused_optim_dist._freed import freed_hidden
+from fused_optim_dist._kinds import keeps_state_per_parameter
+from fused_optim_dist._protocol import describe
+from fused_optim_dist._sharing import refuse_shared_state
 from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._torch_internals import (
     local_tensor,
@@ -340,8 +343,13 @@ class _LocalViews:
         state: dict[torch.Tensor, dict],
         *,
         adam: bool,
+        refuse_shared: bool,
     ) -> None:
         self.params = [_ParamView(p, state.get(p)) for batch in batches for p in batch.params]
+        if refuse_shared:
+            # Before anything is derived (Adam's lists replace the ``step`` values): see [Note:
+            # state shared between parameters] in ``_sharing.py``.
+            refuse_shared_state([(view.param, view.entry) for view in self.params], describe)
         views = iter(self.params)
         per_batch = [[next(views) for _ in batch.params] for batch in batches]
         # Each batch's shards: the ``params`` list of the group handed to the wrapped step.
@@ -389,6 +397,9 @@ class BucketStepper:
         # Whether the step may run through cached lists (not for a subclass, which may change
         # the update). See [Note: the update without the class's per-parameter loop].
         self._adam = local_shards and type(optimizer) in _ADAM_CLASSES
+        # Whether a state tensor shared between parameters is refused: see [Note: state shared
+        # between parameters] in ``_sharing.py``.
+        self._refuse_shared = keeps_state_per_parameter(type(optimizer))
         # Cached local views by parameter set, and the set each parameter was last seen in.
         self._views: dict[_Key, _LocalViews] = {}
         self._key_of: dict[int, _Key] = {}
@@ -471,7 +482,9 @@ class BucketStepper:
         if views is not None and views.is_current(state):
             return key, views
         with traced("fused_optim_dist::derive_local_views"):
-            views = self._views[key] = _LocalViews(batches, state, adam=self._adam)
+            views = self._views[key] = _LocalViews(
+                batches, state, adam=self._adam, refuse_shared=self._refuse_shared
+            )
             # At most one cached set per parameter. See [Note: cached local views].
             for ids in key:
                 for pid in ids:

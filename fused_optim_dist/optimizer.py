@@ -34,6 +34,7 @@ from fused_optim_dist._protocol import (
     describe,
     refuse_stepping_again,
 )
+from fused_optim_dist._sharing import refuse_shared_memory, refuse_shared_state
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     OPTIMIZER_HOOKS,
@@ -46,6 +47,7 @@ from fused_optim_dist._torch_internals import (
     hooked_after,
     observes_only,
     read_grads,
+    read_requires_grad,
     register_post_accumulate_grad_hook,
     watch_ddp,
 )
@@ -291,9 +293,10 @@ class OptimizerInBackward(Optimizer):
             fields, when ``options`` is not given).
 
     Raises:
-        ValueError: for an empty parameter list, a parameter listed twice, no trainable
-            parameter, an optimizer that needs a closure or sparse gradients, parameters trained
-            by ``DistributedDataParallel`` or already driven by another live
+        ValueError: for an empty parameter list, a parameter listed twice, two parameters
+            over one memory (see [Note: parameters sharing memory]), no trainable parameter,
+            an optimizer that needs a closure or sparse gradients, parameters trained by
+            ``DistributedDataParallel`` or already driven by another live
             ``OptimizerInBackward``.
         TypeError: for an option given both ways, or a keyword both we and the class take.
     """
@@ -464,6 +467,9 @@ class OptimizerInBackward(Optimizer):
                 " names to the optimizer"
             )
         self._check_not_driven_elsewhere([p for p in param_group["params"] if p.requires_grad])
+        groups = [*self.param_groups, param_group]
+        params = [p for group in groups for p in group["params"]]
+        refuse_shared_memory(groups, params, read_requires_grad(params))
         key = param_group.pop(GROUP_CLASS_KEY, None)
         if key is not None:
             key = class_path(resolve_optimizer_class(key))
@@ -571,12 +577,36 @@ class OptimizerInBackward(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``. While updates made in backward await
         ``step()``, that ``step()`` then refuses, and ``zero_grad()`` discards the updates once
-        the model was restored too (see [Note: the step protocol])."""
+        the model was restored too (see [Note: the step protocol]).
+
+        Raises:
+            ValueError: before anything is loaded, for a state dict holding one tensor in the
+                state of two parameters: see [Note: state shared between parameters].
+        """
         self._refuse_overridden("load_state_dict", "load")
+        self._refuse_shared_state(state_dict)
         super().load_state_dict(state_dict)
         self._note_state()
         if self._pending:
             self._pending.loaded()
+
+    def _refuse_shared_state(self, state_dict: dict[str, Any]) -> None:
+        """Raise if ``state_dict`` holds one tensor in the state of two parameters of classes
+        that keep all their state per parameter. See [Note: state shared between parameters].
+        (Groups that do not match are left to ``torch.optim.Optimizer.load_state_dict``, which
+        refuses them.)"""
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            return
+        entries = state_dict.get("state", {})
+        per_bucket = [
+            (key, entries[key])
+            for saved, group in zip(groups, self.param_groups, strict=True)
+            if keeps_state_per_parameter(type(self._stepper.optimizer_of(group)))
+            for key in saved["params"]
+            if key in entries
+        ]
+        refuse_shared_state(per_bucket, lambda key: f"parameter {key!r} of the state dict")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizerInBackward:
         """A working copy on the copied parameters (hooked), as ``copy.deepcopy`` of a plain

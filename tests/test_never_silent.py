@@ -2547,3 +2547,155 @@ def test_gradients_set_by_hand_stepped_under_the_callers_autocast():
                 optim.step()
             optim.zero_grad()
     assert_match(*models)
+
+
+# ------------------------------------------------------------- parameters and state sharing memory
+
+
+def _tie_by_memory(model: nn.Module, how: str) -> None:
+    """Two parameters of ``model`` over one memory: two ``nn.Parameter`` of one tensor (experts
+    upcycled without a clone), or a tie through ``.data``."""
+    first, third = model.layers[0].up, model.layers[2].up
+    if how == "upcycled":
+        weight = first.weight.detach()
+        first.weight, third.weight = nn.Parameter(weight), nn.Parameter(weight)
+    else:
+        third.weight.data = first.weight.data
+
+
+@pytest.mark.parametrize("how", ["upcycled", "tied through .data"])
+def test_parameters_sharing_memory_refused_at_construction(how):
+    """The plain step() applies both updates to the shared memory in parameter order; here
+    each bucket is stepped in backward order, and the backward reads the memory in between.
+    Before, the ``.data`` tie here ended 1.0e-3 apart after three AdamW steps, no error; the
+    upcycled pair (one version counter) was refused by autograd here, where a node read it
+    after its update, and was 3.0e-2 apart with no error where none does (three buckets of a
+    4096-wide MLP). Refused when the optimizer is built, or the group added, naming both."""
+    model, _ = make_models()
+    _tie_by_memory(model, how)
+    with pytest.raises(ValueError, match=r"parameter 4 of param group 0 .* and parameter 16 "):
+        OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    named = model.named_parameters()
+    with pytest.raises(ValueError, match=r"'layers.0.up.weight' .* and 'layers.2.up.weight' "):
+        OptimizerInBackward(named, torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    # One of them frozen: the backward reads it after the other's update (a .data tie was
+    # 1.0e-3 apart after three steps, no error).
+    model.layers[0].up.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="share memory"):
+        OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    model.layers[0].up.weight.requires_grad_(True)
+    third = model.layers[2].up.weight
+    optim = OptimizerInBackward(
+        [p for p in model.parameters() if p is not third], torch.optim.AdamW, **ADAMW
+    )
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 .*share memory"):
+        optim.add_param_group({"params": [third]})
+    assert len(optim.param_groups) == 1
+
+
+def test_parameters_tied_through_data_after_construction_refused_before_moving():
+    """A ``.data`` tie made after the optimizer was built: equal up to it, refused at the next
+    backward, nothing moved."""
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    loops = tuple(zip(models, optims, strict=True))
+    _step_both(loops, 0, zero=True)
+    assert_match(*models)
+    for model in models:
+        _tie_by_memory(model, "tied through .data")
+    _step_both(loops[1:], 1, zero=True)  # the plain loop trains on
+    before = _snapshot(models[0])
+    with pytest.raises(ValueError, match="share memory"):
+        loss_fn(models[0], *_x(1)).backward()
+    _assert_unchanged(models[0], before)
+    with pytest.raises(ValueError, match="share memory"):
+        optims[0].step()
+    _assert_unchanged(models[0], before)
+
+
+@pytest.mark.parametrize(
+    "how", ["one parameter", "rows of one buffer", "columns of one buffer", "both frozen"]
+)
+def test_parameters_tied_as_one_or_disjoint_in_one_buffer_train_as_plain(how):
+    """What the refusal suggests, memory shared without overlap, and frozen parameters
+    sharing memory (never stepped): as plain, several buckets."""
+    models = make_models()
+    for model in models:
+        first, third = model.layers[0].up, model.layers[2].up
+        if how == "one parameter":
+            third.weight = first.weight
+            continue
+        if how == "both frozen":
+            third.weight.data = first.weight.data
+            first.weight.requires_grad_(False)
+            third.weight.requires_grad_(False)
+            continue
+        both = torch.cat(
+            [first.weight.detach(), third.weight.detach()],
+            dim=0 if how == "rows of one buffer" else 1,
+        )
+        halves = both.chunk(2, dim=0 if how == "rows of one buffer" else 1)
+        first.weight.data, third.weight.data = halves
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    for step in range(3):
+        _step_both(tuple(zip(models, optims, strict=True)), step, zero=True)
+    assert_match(*models)
+
+
+def _share_step(state: dict) -> None:
+    """One ``step`` tensor in every entry of ``state`` (a hand-converted checkpoint)."""
+    shared = torch.tensor(100.0)
+    for entry in state.values():
+        entry["step"] = shared
+
+
+def test_state_dict_sharing_a_tensor_between_parameters_refused_at_load():
+    """The plain AdamW advances a ``step`` tensor shared by every entry once per parameter,
+    in parameter order; here in backward order (1.9e-2 apart four steps after such a load,
+    ``bucket_numel=1``, no error before). Refused by ``load_state_dict``, before anything is
+    loaded."""
+    models = make_models()
+    optims = (
+        OptimizerInBackward(models[0].parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(models[1].parameters(), **ADAMW),
+    )
+    _step_both(tuple(zip(models, optims, strict=True)), 0, zero=True)
+    saved = optims[1].state_dict()
+    _share_step(saved["state"])
+    optims[1].load_state_dict(saved)  # the plain optimizer trains on
+    kept = copy.deepcopy(optims[0].state_dict())
+    with pytest.raises(
+        ValueError, match=r"parameter 0 of the state dict and of parameter 1 .*'step'"
+    ):
+        optims[0].load_state_dict(saved)
+    assert_same_state_dict(optims[0].state_dict(), kept)
+    # A class sharing a tensor on purpose (its counter on the instance, in every entry) is
+    # not checked: test_counter_on_the_instance_shared_with_the_state_steps_once_per_backward
+    # trains it as plain.
+    model, _ = make_models()
+    counting = OptimizerInBackward(model.parameters(), _SharedCounterMomentum)
+    loss_fn(model, *_x(0)).backward()
+    counting.step()
+    counting.load_state_dict(counting.state_dict())
+
+
+def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving():
+    """The same sharing written into ``optim.state`` by hand between steps: refused when the
+    bucket holding both entries is derived again, in the next backward, nothing moved."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    for step in range(2):
+        loss_fn(model, *_x(step)).backward()
+        optim.step()
+        optim.zero_grad()
+    _share_step(optim.state)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="holds one tensor"):
+        loss_fn(model, *_x(2)).backward()
+    _assert_unchanged(model, before)

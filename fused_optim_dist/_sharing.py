@@ -1,0 +1,186 @@
+"""Memory that two parameters share, as parameters or in their optimizer state: refused.
+
+[Note: parameters sharing memory]
+Two parameters can be two tensors over the same memory: experts "upcycled" from one dense
+weight without ``.clone()`` (``nn.Parameter(w)`` for each), or weights tied through ``.data``
+(``a.weight.data = b.weight.data``). The plain ``step()`` applies both in-place updates to that
+memory one after the other, in parameter order. Here each is applied when its bucket is
+stepped, in backward order, and the rest of the backward reads the memory already updated
+(a ``.data`` tie shares no version counter, so autograd cannot tell). AdamW's decoupled decay
+multiplies the memory, so the order alone changes the result: 3.0e-2 apart after three AdamW
+steps with three buckets, 2.0e-2 after six for a ``.data`` tie with ``bucket_numel=1``, no error.
+
+Stepping two trainable ones in one bucket, once both gradients arrived, in parameter order,
+would restore the order; but it would bend the plan (a bucket per shared memory, across
+``bucket_numel`` runs, FSDP2 units and param groups), and still leave a frozen parameter over
+the same memory read by the backward after the update, for models that are almost always
+wrong in the plain loop too: experts upcycled without a clone stay one expert, updated twice
+per step. So the plan refuses them when it is built, before anything moves, and says what to
+do: ``.clone()`` the tensors to train them apart, or tie them as one ``nn.Parameter`` (listed
+once, stepped once: how torch and Hugging Face tie weights). The storages of plain parameters
+are part of the plan's signature, so a tie made after the optimizer was built is refused at
+the next backward or ``step()``, before it moves anything. A pair is refused where one of them
+is trainable (frozen parameters are never stepped) and their bytes overlap: views of one flat
+buffer that do not overlap (rows, or interleaved columns, of one matrix) train as plain and are
+accepted. A DTensor is compared by its local tensor: FSDP2 gives every sharded parameter its
+own storage, so its parameters never share; tensor-parallel ones distributed from one tensor
+may (a ``.data`` tie made later between DTensors is not watched).
+
+[Note: state shared between parameters]
+A state dict converted by hand can hold one tensor in several parameters' entries (a single
+``step = torch.tensor(100.)`` for all of them). The plain step advances such a counter once per
+parameter, each parameter seeing the count reached so far in parameter order; here each bucket
+sees the count the buckets stepped before it left, in backward order (1.3e-3 apart four AdamW
+steps after such a load, no error). Refused for the classes that keep all their state in
+``state[p]`` and update each of its tensors once per parameter (torch.optim's, this library's:
+``keeps_state_per_parameter``): where it is loaded, before anything is loaded; and, put into
+two entries by hand between steps, when the views of a bucket holding both are derived,
+before that bucket moves (an identity check of the bucket's values, about 80 ns each, made
+only when its views are derived: its state changed, or another set of its parameters is
+stepped). Entries of two different buckets are not compared there, which would cost a pass
+over the whole state at every derivation. Another class may share a tensor on purpose (a
+counter kept on the instance and put in every entry, which [Note: group and instance state]
+steps as plain): it is not checked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
+from operator import itemgetter
+from typing import Any
+
+import torch
+
+from fused_optim_dist._torch_internals import local_tensor
+
+__all__ = ["refuse_shared_memory", "refuse_shared_state", "storage_of"]
+
+
+def _bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The first and one past the last byte of its storage that ``tensor`` can reach;
+    ``None`` for an empty tensor."""
+    if tensor.numel() == 0:
+        return None
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    reach = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (reach + 1) * size
+
+
+def _byte_view(mask: torch.Tensor, tensor: torch.Tensor, origin: int) -> torch.Tensor:
+    """The bytes of ``tensor`` as a view of ``mask``, a byte map of its storage from byte
+    ``origin`` on."""
+    size = tensor.element_size()
+    return mask.as_strided(
+        (*tensor.shape, size),
+        (*(s * size for s in tensor.stride()), 1),
+        tensor.storage_offset() * size - origin,
+    )
+
+
+def _share_a_byte(a: torch.Tensor, b: torch.Tensor, a_bytes: tuple, b_bytes: tuple) -> bool:
+    """Whether ``a`` and ``b``, of one storage and with overlapping byte ranges, share a byte:
+    strided views can interleave in one range without sharing any (columns of one matrix)."""
+    origin = min(a_bytes[0], b_bytes[0])
+    mask = torch.zeros(max(a_bytes[1], b_bytes[1]) - origin, dtype=torch.bool)
+    _byte_view(mask, a, origin).fill_(True)
+    return bool(_byte_view(mask, b, origin).any())
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """``tensor``'s storage (one Python object per storage while it is held); ``None`` for a
+    tensor subclass without one."""
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _overlapping_pair(
+    params: Sequence[torch.Tensor], trainable: Sequence[bool]
+) -> tuple[int, int] | None:
+    """The positions of two of ``params`` whose memory overlaps, one of them trainable (the
+    first such pair); ``None`` if there is none. See [Note: parameters sharing memory].
+
+    Costs a storage lookup per parameter; bytes are compared only within a shared storage."""
+    tensors = list(map(local_tensor, params))
+    storages = list(map(storage_of, tensors))
+    counts = Counter(id(storage) for storage in storages if storage is not None)
+    if all(count == 1 for count in counts.values()):
+        return None
+    by_storage: dict[int, list[tuple[tuple[int, int], int, torch.Tensor]]] = {}
+    for position, (tensor, storage) in enumerate(zip(tensors, storages, strict=True)):
+        span = _bytes(tensor) if storage is not None and counts[id(storage)] > 1 else None
+        if span is not None:
+            by_storage.setdefault(id(storage), []).append((span, position, tensor))
+    for spans in by_storage.values():
+        spans.sort(key=itemgetter(0))
+        for i, (a_bytes, a_pos, a) in enumerate(spans):
+            for b_bytes, b_pos, b in spans[i + 1 :]:
+                if b_bytes[0] >= a_bytes[1]:
+                    break  # sorted by start: no later one reaches into a's range
+                if (trainable[a_pos] or trainable[b_pos]) and _share_a_byte(a, b, a_bytes, b_bytes):
+                    return min(a_pos, b_pos), max(a_pos, b_pos)
+    return None
+
+
+def refuse_shared_memory(
+    param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor], trainable: list[bool]
+) -> None:
+    """Raise if two of ``params`` (the groups' parameters, in order) share memory, one of them
+    trainable. See [Note: parameters sharing memory].
+
+    Raises:
+        ValueError: naming the two parameters.
+    """
+    pair = _overlapping_pair(params, trainable)
+    if pair is None:
+        return
+    places = [(i, j) for i, group in enumerate(param_groups) for j in range(len(group["params"]))]
+    names = []
+    for index, position in (places[k] for k in pair):
+        group = param_groups[index]
+        name = group["param_names"][position] if "param_names" in group else None
+        where = f"{name!r}" if name else f"parameter {position} of param group {index}"
+        names.append(f"{where} (shape {tuple(group['params'][position].shape)})")
+    raise ValueError(
+        f"{names[0]} and {names[1]} share memory (one weight given to two nn.Parameters, e.g. "
+        "experts copied from one weight without .clone(), or a weight tied through .data). The "
+        "plain step() updates that memory once per parameter, in parameter order; "
+        "OptimizerInBackward updates each in backward, in backward order, and the backward "
+        "reads the memory in between, so the result would differ. Clone the tensors to train "
+        "them apart, or tie them as one nn.Parameter (module.weight = other.weight)."
+    )
+
+
+def refuse_shared_state(entries: Iterable[tuple[Any, Any]], name: Callable[[Any], str]) -> None:
+    """Raise if one tensor is held in two of ``entries`` (pairs of a parameter, or its key in a
+    state dict, and its state entry; ``name`` names one). See [Note: state shared between
+    parameters].
+
+    C-level passes over the values when no object repeats (the usual case: about 80 ns per
+    value); a Python pass only when one does (a repeated number or ``None`` is no tensor).
+
+    Raises:
+        ValueError: naming the two parameters and the state keys.
+    """
+    held = [(key, entry) for key, entry in entries if isinstance(entry, dict)]
+    values = list(chain.from_iterable(map(dict.values, map(itemgetter(1), held))))
+    if len(set(map(id, values))) == len(values):
+        return
+    holder: dict[int, tuple[Any, str]] = {}
+    for param, entry in held:
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            first, first_key = holder.setdefault(id(value), (param, key))
+            if first is not param:
+                raise ValueError(
+                    f"the optimizer state of {name(first)} and of {name(param)} holds one "
+                    f"tensor (under {first_key!r} and {key!r}). The plain step() updates it once "
+                    "per parameter, in parameter order; OptimizerInBackward steps parameters "
+                    "in backward order, so the result would differ. Give each parameter its "
+                    "own tensor (.clone() it in each entry of the state dict before loading)."
+                )
