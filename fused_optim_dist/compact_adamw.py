@@ -161,9 +161,45 @@ def _check_shapes(param: torch.Tensor, entry: dict[str, Any]) -> None:
                 f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
                 f"{key!r} of shape {found} on this rank, where its local tensor is {shape}: "
                 "it was saved for a parameter of another shape (a resized head or "
-                "vocabulary?). Load state that matches the model, or drop this parameter's "
+                "vocabulary?), or the parameter was reshaped since (rows pruned through "
+                "p.data =). Load state that matches the model, or drop this parameter's "
                 "entry (del optimizer.state[param]) to start its state afresh"
             )
+
+
+def _check_dtypes(param: torch.Tensor, entry: dict[str, Any]) -> None:
+    """Raise if a state tensor of ``param``'s ``entry`` is not of the dtype this layout keeps
+    it in (replaced by hand: the C kernel, taking the dtype from the layout, would write a
+    uint8 ``exp_avg_scale`` two bytes an element, past its end; the eager path would convert
+    the values into it)."""
+    for key, value in entry.items():
+        expected = _CODE_DTYPES.get(key)
+        if expected is None and f"{key}_error" in entry:  # a 24-bit moment's upper half
+            expected = torch.bfloat16
+        found = _local(value).dtype if isinstance(value, torch.Tensor) else None
+        if expected is not None and found != expected:
+            raise TypeError(
+                f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
+                f"{key!r} as {found}, where CompactAdamW keeps it as {expected} (replaced by "
+                "hand?). Load state through load_state_dict (it converts each tensor to its "
+                "dtype), or drop this parameter's entry (del optimizer.state[param]) to start "
+                "its state afresh"
+            )
+
+
+def _check_width(param: torch.Tensor, entry: dict[str, Any], bits: int) -> None:
+    """Raise if ``param``'s ``entry`` holds second-moment codes of another ``variance_bits``
+    than ``bits`` (read with the wrong width, they would decode to garbage)."""
+    code = entry.get("exp_avg_sq_root_code")
+    if code is not None and tuple(_local(code).shape) != _root_code_shape(
+        _local(param).shape, bits
+    ):
+        raise ValueError(
+            f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
+            f"a second-moment code of shape {tuple(code.shape)}, written with another "
+            f"variance_bits than its group's ({bits}); variance_bits is fixed for a run "
+            "(convert with to_adamw_state_dict and load that to change it)"
+        )
 
 
 def _codes_of(group: dict[str, Any]) -> tuple[bool, int]:
@@ -549,7 +585,8 @@ class CompactAdamW(Optimizer):
 
     def _param(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> Param:
         """``param`` with its local tensors and state, the state created if missing; raises
-        if its state was written with another ``variance_bits`` than its group's."""
+        if its state is not shaped or typed for it, or was written with another
+        ``variance_bits`` than its group's."""
         _refuse_weight_dtype(param)  # converted since it was added (module.half())
         local = _local(param)
         entry = self.state.get(param)
@@ -562,14 +599,8 @@ class CompactAdamW(Optimizer):
             error = _placed_like(torch.zeros_like(local, dtype=torch.int8), param, local)
             entry = self.state[param] = {**entry, "weight_error": error}
         _check_shapes(param, entry)
-        code = entry.get("exp_avg_sq_root_code")
-        if code is not None and tuple(_local(code).shape) != _root_code_shape(local.shape, bits):
-            raise ValueError(
-                f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
-                f"a second-moment code of shape {tuple(code.shape)}, written with another "
-                f"variance_bits than its group's ({bits}); variance_bits is fixed for a run "
-                "(convert with to_adamw_state_dict and load that to change it)"
-            )
+        _check_dtypes(param, entry)
+        _check_width(param, entry, bits)
         if type(param) is DTensor:
             if grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)
