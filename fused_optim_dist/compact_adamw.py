@@ -72,7 +72,12 @@ from fused_optim_dist._compact_codes import (
 )
 from fused_optim_dist._compact_plan import FlatPlan, KernelPlan, KernelTable, Plan, kernel_table
 from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param, update_flat
-from fused_optim_dist._kinds import declare_stepping, instance_caches, per_parameter_state
+from fused_optim_dist._kinds import (
+    checks_groups,
+    declare_stepping,
+    instance_caches,
+    per_parameter_state,
+)
 from fused_optim_dist._stepping import _placed_like
 from fused_optim_dist._torch_internals import holds_values
 
@@ -202,6 +207,20 @@ def _check_width(param: torch.Tensor, entry: dict[str, Any], bits: int) -> None:
         )
 
 
+def _check_group_width(group: dict[str, Any], state: dict[torch.Tensor, Any]) -> None:
+    """Raise if ``group``'s ``variance_bits`` is not the width its matrices' state was
+    written with: the option changed since. Its first matrix holding state tells (a group's
+    matrices are written with one width); each parameter's own is checked again when it is
+    stepped, so one replaced by hand with the other width is refused then."""
+    bits = group["variance_bits"]
+    for param in group["params"]:
+        if param.dim() >= 2:
+            entry = state.get(param)
+            if entry and "exp_avg_sq_root_code" in entry:
+                _check_width(param, entry, bits)
+                return
+
+
 def _codes_of(group: dict[str, Any]) -> tuple[bool, int]:
     """``compand`` and ``variance_bits`` of a param group (a state dict's too, which may
     predate an option: then its default)."""
@@ -277,6 +296,7 @@ def _on_local(fn: Any, param: torch.Tensor, entry: dict[str, Any], *args: Any) -
 
 @per_parameter_state
 @instance_caches("_plans", "_plan_of")
+@checks_groups("_check_groups")
 @declare_stepping("elementwise")
 class CompactAdamW(Optimizer):
     """AdamW with bfloat16 weights, an int8 error of their rounding and 8-bit moments.
@@ -459,8 +479,7 @@ class CompactAdamW(Optimizer):
         """
         if closure is not None:
             raise TypeError("CompactAdamW.step takes no closure")
-        for index, group in enumerate(self.param_groups):
-            _refuse_unsupported(group, index, "step")  # an option set on it since
+        self._check_groups(enumerate(self.param_groups), self.state)
         for group in self.param_groups:
             plan = self._plans.get(id(group["params"]))
             if isinstance(plan, KernelPlan) and plan.step(self.state, group):
@@ -469,6 +488,28 @@ class CompactAdamW(Optimizer):
                 continue
             with torch.no_grad():
                 self._step_group(group)
+
+    def _check_groups(
+        self,
+        groups: Iterable[tuple[int, dict[str, Any]]],
+        state: dict[torch.Tensor, dict[str, Any]],
+    ) -> None:
+        """Raise, before anything moves, if one of ``groups`` (pairs of a param group's index
+        and the group) cannot be stepped as it is now: an option set on it since it was added
+        asks for an update this class does not make, or its ``variance_bits`` is not the
+        width its matrices' state in ``state`` was written with.
+
+        :meth:`step` checks its groups so before it steps the first. ``OptimizerInBackward``
+        calls it with every group of this class when a backward (or its ``step()``) starts
+        stepping: there this class's ``step`` sees one bucket's groups at a time, and a
+        bucket of vectors, whose state has no width, would move before the first bucket of
+        matrices refused. A group stepped through a plan made with its options is not
+        looked at again; else its first matrix holding state is (about 1 us a group)."""
+        for index, group in groups:
+            _refuse_unsupported(group, index, "step")
+            plan = self._plans.get(id(group["params"]))
+            if plan is None or plan.options != Plan.options_of(group):
+                _check_group_width(group, state)
 
     def _step_group(self, group: dict[str, Any]) -> None:
         """Step ``group`` batch by batch, and keep a plan of its tables if the C kernel took

@@ -542,6 +542,41 @@ def test_parameter_transposed_at_its_address_steps_as_its_state_says(kernel):
     assert torch.equal(p.detach(), q.detach())
 
 
+@pytest.mark.parametrize(
+    "change",
+    [("variance_bits", 4, "another variance_bits"), ("maximize", True, "has maximize=True")],
+)
+def test_group_option_changed_refused_before_any_bucket_moves(change):
+    """A group option the state or the update cannot follow, set between steps on the group
+    stepped last (``variance_bits``: the state's codes are of the other width; ``maximize``:
+    not implemented). The plain CompactAdamW stepped the first group, then refused the
+    second; in backward the class's step sees one bucket's groups at a time, so the buckets
+    stepped before the first one of that group (a bucket of vectors, whose state has no
+    width, too) had moved and counted their step. Both now refuse before anything moves."""
+    key, value, refusal = change
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    def loop(make):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 40), nn.Tanh(), nn.Linear(40, 8)).bfloat16()
+        groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+        optim = make(groups)
+        for _ in range(2):
+            model(x).float().square().mean().backward()
+            optim.step()
+            optim.zero_grad()
+        optim.param_groups[0][key] = value
+        before = [(p.detach().clone(), optim.state[p]["step"].item()) for p in model.parameters()]
+        with pytest.raises(ValueError, match=refusal):
+            model(x).float().square().mean().backward()
+            optim.step()
+        for p, (weight, step) in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p.detach(), weight) and optim.state[p]["step"].item() == step
+
+    loop(lambda groups: CompactAdamW(groups, **KWARGS))
+    loop(lambda groups: OptimizerInBackward(groups, CompactAdamW, bucket_numel=50, **KWARGS))
+
+
 @pytest.mark.parametrize("kernel", ["c", "eager"])
 def test_a_batch_of_empty_local_shards(kernel):
     """A rank whose shards of an FSDP unit are all empty (a head of one row on two ranks) steps
