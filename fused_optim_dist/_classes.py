@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from fused_optim_dist._kinds import group_check
 from fused_optim_dist._stepping import Batch, BucketStepper, Stepper
 
 __all__ = ["GROUP_CLASS_KEY", "ClassSteppers", "class_path"]
@@ -103,6 +104,19 @@ class ClassSteppers:
             for position, group in zip(positions, out, strict=True):
                 handed[position] = group
         return handed
+
+    def check_groups(
+        self, param_groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, dict]
+    ) -> None:
+        """Let each class refuse, before anything moves, a group of ``param_groups`` it cannot
+        step as it is now (see ``_kinds.checks_groups``)."""
+        by_class: dict[str | None, list[tuple[int, dict[str, Any]]]] = {}
+        for index, group in enumerate(param_groups):
+            by_class.setdefault(group.get(GROUP_CLASS_KEY), []).append((index, group))
+        for key, groups in by_class.items():
+            check = group_check(self.steppers[key].optimizer)
+            if check is not None:
+                check(groups, state)
 
     def flush(self) -> None:
         for stepper in self.steppers.values():

@@ -53,6 +53,23 @@ their nibbles where some group is short) and pack them back. ``variance_bits`` i
 run: a state written with the other width is refused at the next step (its codes would be
 read as garbage).
 ``benchmarks/results/compact_adamw_quality.md`` measures what the 4 bits cost in training.
+
+[Note: non-finite values]
+Where an update meets a non-finite value (a NaN or infinite gradient without
+``skip_nonfinite``, a gradient whose square overflows float32), the weights and moments it
+reaches turn NaN or infinite, the same values on the C kernel and the eager path, and their
+codes and scales the same bits: a float32 NaN is converted to bfloat16 as 0xFFFF (torch's
+vectorised conversion writes it so, which eager's tensors take; the C kernel's
+``float_to_bf16`` too, where c10's scalar conversion writes 0x7FC0), and a momentum level
+that is NaN (its group's scale is NaN or infinite) is coded 0 (eager's float-to-integer
+conversion writes it so; the C kernel recodes such a group, where its clamp put the level
+beyond a bound: 127 or -127, decoded as an infinity where eager's 0 decodes as a NaN). Not
+the same are the bits of a NaN weight (float32, or a bfloat16 and its error): which NaN an
+op returns depends on the order of its operands and on whether it propagates one or makes
+one (``0 * inf``), which the C compiler and torch's kernels choose apart (the kernel's
+0xFFC00000 where eager has 0xFFFF0000, for the same elements). Writing one NaN everywhere
+made the kernel 15-20% slower (measured), for weights that no longer train. The compiled
+path's NaN scales are 0x7FC0 (measured on the CPU).
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ from torch.optim import Optimizer
 __all__ = [
     "Stepping",
     "cache_attributes",
+    "checks_groups",
     "declare_stepping",
+    "group_check",
     "instance_caches",
     "keeps_state_per_parameter",
     "per_parameter_state",
@@ -114,6 +116,34 @@ def keeps_state_per_parameter(optimizer_cls: type[Optimizer]) -> bool:
     marked :func:`per_parameter_state`, which keep all their state in ``state[p]`` (not a
     subclass, which may keep more)."""
     return optimizer_cls in _KNOWN or optimizer_cls in _PER_PARAMETER_STATE
+
+
+_GROUP_CHECKS: WeakKeyDictionary[type, str] = WeakKeyDictionary()
+
+
+def checks_groups(method: str) -> Callable[[_Cls], _Cls]:
+    """Class decorator for this library's own optimizers: ``optimizer.<method>(groups,
+    state)``, with pairs of a param group's index and the group, raises for a group the class
+    cannot step as it is now (an option set on it since, or one its state was not written
+    with). ``OptimizerInBackward`` calls it with all the class's groups when a backward (or
+    ``step()``) starts stepping, before anything moves: stepped bucket by bucket, the class's
+    own ``step`` sees one bucket's groups at a time, after other buckets moved."""
+
+    def mark(cls: _Cls) -> _Cls:
+        _GROUP_CHECKS[cls] = method
+        return cls
+
+    return mark
+
+
+def group_check(optimizer: Optimizer) -> Callable[..., None] | None:
+    """``optimizer``'s group check (see :func:`checks_groups`; its class's or a base's), if
+    any."""
+    for cls in type(optimizer).__mro__:
+        method = _GROUP_CHECKS.get(cls)
+        if method is not None:
+            return getattr(optimizer, method)
+    return None
 
 
 _DECLARED: WeakKeyDictionary[type, Stepping] = WeakKeyDictionary()

@@ -72,7 +72,12 @@ from fused_optim_dist._compact_codes import (
 )
 from fused_optim_dist._compact_plan import FlatPlan, KernelPlan, KernelTable, Plan, kernel_table
 from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param, update_flat
-from fused_optim_dist._kinds import declare_stepping, instance_caches, per_parameter_state
+from fused_optim_dist._kinds import (
+    checks_groups,
+    declare_stepping,
+    instance_caches,
+    per_parameter_state,
+)
 from fused_optim_dist._stepping import _placed_like
 from fused_optim_dist._torch_internals import holds_values
 
@@ -161,9 +166,59 @@ def _check_shapes(param: torch.Tensor, entry: dict[str, Any]) -> None:
                 f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
                 f"{key!r} of shape {found} on this rank, where its local tensor is {shape}: "
                 "it was saved for a parameter of another shape (a resized head or "
-                "vocabulary?). Load state that matches the model, or drop this parameter's "
+                "vocabulary?), or the parameter was reshaped since (rows pruned through "
+                "p.data =). Load state that matches the model, or drop this parameter's "
                 "entry (del optimizer.state[param]) to start its state afresh"
             )
+
+
+def _check_dtypes(param: torch.Tensor, entry: dict[str, Any]) -> None:
+    """Raise if a state tensor of ``param``'s ``entry`` is not of the dtype this layout keeps
+    it in (replaced by hand: the C kernel, taking the dtype from the layout, would write a
+    uint8 ``exp_avg_scale`` two bytes an element, past its end; the eager path would convert
+    the values into it)."""
+    for key, value in entry.items():
+        expected = _CODE_DTYPES.get(key)
+        if expected is None and f"{key}_error" in entry:  # a 24-bit moment's upper half
+            expected = torch.bfloat16
+        found = _local(value).dtype if isinstance(value, torch.Tensor) else None
+        if expected is not None and found != expected:
+            raise TypeError(
+                f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
+                f"{key!r} as {found}, where CompactAdamW keeps it as {expected} (replaced by "
+                "hand?). Load state through load_state_dict (it converts each tensor to its "
+                "dtype), or drop this parameter's entry (del optimizer.state[param]) to start "
+                "its state afresh"
+            )
+
+
+def _check_width(param: torch.Tensor, entry: dict[str, Any], bits: int) -> None:
+    """Raise if ``param``'s ``entry`` holds second-moment codes of another ``variance_bits``
+    than ``bits`` (read with the wrong width, they would decode to garbage)."""
+    code = entry.get("exp_avg_sq_root_code")
+    if code is not None and tuple(_local(code).shape) != _root_code_shape(
+        _local(param).shape, bits
+    ):
+        raise ValueError(
+            f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
+            f"a second-moment code of shape {tuple(code.shape)}, written with another "
+            f"variance_bits than its group's ({bits}); variance_bits is fixed for a run "
+            "(convert with to_adamw_state_dict and load that to change it)"
+        )
+
+
+def _check_group_width(group: dict[str, Any], state: dict[torch.Tensor, Any]) -> None:
+    """Raise if ``group``'s ``variance_bits`` is not the width its matrices' state was
+    written with: the option changed since. Its first matrix holding state tells (a group's
+    matrices are written with one width); each parameter's own is checked again when it is
+    stepped, so one replaced by hand with the other width is refused then."""
+    bits = group["variance_bits"]
+    for param in group["params"]:
+        if param.dim() >= 2:
+            entry = state.get(param)
+            if entry and "exp_avg_sq_root_code" in entry:
+                _check_width(param, entry, bits)
+                return
 
 
 def _codes_of(group: dict[str, Any]) -> tuple[bool, int]:
@@ -241,6 +296,7 @@ def _on_local(fn: Any, param: torch.Tensor, entry: dict[str, Any], *args: Any) -
 
 @per_parameter_state
 @instance_caches("_plans", "_plan_of")
+@checks_groups("_check_groups")
 @declare_stepping("elementwise")
 class CompactAdamW(Optimizer):
     """AdamW with bfloat16 weights, an int8 error of their rounding and 8-bit moments.
@@ -423,8 +479,7 @@ class CompactAdamW(Optimizer):
         """
         if closure is not None:
             raise TypeError("CompactAdamW.step takes no closure")
-        for index, group in enumerate(self.param_groups):
-            _refuse_unsupported(group, index, "step")  # an option set on it since
+        self._check_groups(enumerate(self.param_groups), self.state)
         for group in self.param_groups:
             plan = self._plans.get(id(group["params"]))
             if isinstance(plan, KernelPlan) and plan.step(self.state, group):
@@ -433,6 +488,28 @@ class CompactAdamW(Optimizer):
                 continue
             with torch.no_grad():
                 self._step_group(group)
+
+    def _check_groups(
+        self,
+        groups: Iterable[tuple[int, dict[str, Any]]],
+        state: dict[torch.Tensor, dict[str, Any]],
+    ) -> None:
+        """Raise, before anything moves, if one of ``groups`` (pairs of a param group's index
+        and the group) cannot be stepped as it is now: an option set on it since it was added
+        asks for an update this class does not make, or its ``variance_bits`` is not the
+        width its matrices' state in ``state`` was written with.
+
+        :meth:`step` checks its groups so before it steps the first. ``OptimizerInBackward``
+        calls it with every group of this class when a backward (or its ``step()``) starts
+        stepping: there this class's ``step`` sees one bucket's groups at a time, and a
+        bucket of vectors, whose state has no width, would move before the first bucket of
+        matrices refused. A group stepped through a plan made with its options is not
+        looked at again; else its first matrix holding state is (about 1 us a group)."""
+        for index, group in groups:
+            _refuse_unsupported(group, index, "step")
+            plan = self._plans.get(id(group["params"]))
+            if plan is None or plan.options != Plan.options_of(group):
+                _check_group_width(group, state)
 
     def _step_group(self, group: dict[str, Any]) -> None:
         """Step ``group`` batch by batch, and keep a plan of its tables if the C kernel took
@@ -549,7 +626,8 @@ class CompactAdamW(Optimizer):
 
     def _param(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> Param:
         """``param`` with its local tensors and state, the state created if missing; raises
-        if its state was written with another ``variance_bits`` than its group's."""
+        if its state is not shaped or typed for it, or was written with another
+        ``variance_bits`` than its group's."""
         _refuse_weight_dtype(param)  # converted since it was added (module.half())
         local = _local(param)
         entry = self.state.get(param)
@@ -562,14 +640,8 @@ class CompactAdamW(Optimizer):
             error = _placed_like(torch.zeros_like(local, dtype=torch.int8), param, local)
             entry = self.state[param] = {**entry, "weight_error": error}
         _check_shapes(param, entry)
-        code = entry.get("exp_avg_sq_root_code")
-        if code is not None and tuple(_local(code).shape) != _root_code_shape(local.shape, bits):
-            raise ValueError(
-                f"CompactAdamW: the state of a parameter of shape {tuple(param.shape)} holds "
-                f"a second-moment code of shape {tuple(code.shape)}, written with another "
-                f"variance_bits than its group's ({bits}); variance_bits is fixed for a run "
-                "(convert with to_adamw_state_dict and load that to change it)"
-            )
+        _check_dtypes(param, entry)
+        _check_width(param, entry, bits)
         if type(param) is DTensor:
             if grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)

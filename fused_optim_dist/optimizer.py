@@ -919,6 +919,8 @@ class OptimizerInBackward(Optimizer):
                 "updates parameters in backward, before step() could run it. Do its work before "
                 "backward (or in a backward hook), or remove it."
             )
+        # Before the first bucket: a class's step sees one bucket's groups at a time.
+        self._stepper.check_groups(self.param_groups, self.state)
         plan = self._current_plan()
         if plan.plain_trainable and ddp_wrapped(plan.plain_trainable):
             raise _ddp_error()

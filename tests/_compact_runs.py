@@ -22,8 +22,12 @@ def train(
     compand: bool,
     device: str = "cpu",
     variance_bits: int = 8,
+    nonfinite: float | None = None,
 ) -> tuple[list[nn.Parameter], CompactAdamW]:
-    """Six steps on two param groups, the learning rate warmed up at every step."""
+    """Six steps on two param groups, the learning rate warmed up at every step; with
+    ``nonfinite`` (NaN, an infinity, or a value whose square overflows float32), every
+    seventh element of the gradients of steps 1 and 3 takes it, and the values it meets
+    become non-finite."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s).to(device, weight_dtype)) for s in SHAPES]
     optim = CompactAdamW(
@@ -44,6 +48,8 @@ def train(
             scale = 10.0 ** (step - 3)
             missing = step == 2 and index % 3 == 1
             grad = torch.randn(p.shape) * scale
+            if nonfinite is not None and step in (1, 3):
+                grad.view(-1)[::7] = nonfinite
             p.grad = None if missing else grad.to(device, grad_dtype)
         optim.step()
         schedule.step()
@@ -51,15 +57,28 @@ def train(
 
 
 def assert_same_run(
-    run: tuple[list[nn.Parameter], CompactAdamW], reference: tuple[list[nn.Parameter], CompactAdamW]
+    run: tuple[list[nn.Parameter], CompactAdamW],
+    reference: tuple[list[nn.Parameter], CompactAdamW],
+    *,
+    nan_weight_bits: bool = True,
 ) -> None:
-    """The same weights and the same state, key by key, dtype and bits (on the CPU where the
-    runs' devices differ)."""
+    """The same weights and the same state, key by key, dtype and bits (a NaN's too; on the
+    CPU where the runs' devices differ). ``nan_weight_bits=False``: a NaN weight only NaN in
+    both (see [Note: non-finite values] in ``_compact_codes.py``)."""
     (params, optim), (ref_params, ref_optim) = run, reference
     for p, q in zip(params, ref_params, strict=True):
-        assert torch.equal(p.detach().cpu(), q.detach().cpu()), p.shape
+        weight, ref_weight = p.detach(), q.detach()
+        if not nan_weight_bits:
+            assert torch.equal(weight.isnan(), ref_weight.isnan()), p.shape
+            weight, ref_weight = weight.nan_to_num(), ref_weight.nan_to_num()
+        assert torch.equal(_bits(weight), _bits(ref_weight)), p.shape
         state, ref_state = optim.state[p], ref_optim.state[q]
         assert state.keys() == ref_state.keys()
         for key, value in state.items():
             assert value.dtype == ref_state[key].dtype, key
-            assert torch.equal(value.cpu(), ref_state[key].cpu()), (p.shape, key)
+            assert torch.equal(_bits(value), _bits(ref_state[key])), (p.shape, key)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor``'s values, on the CPU: unlike the values, a NaN equals itself."""
+    return tensor.cpu().reshape(-1).view(torch.uint8)

@@ -459,6 +459,125 @@ def test_state_of_other_variance_bits_refused_before_anything_moves(kernel, writ
 
 
 @pytest.mark.parametrize("kernel", ["c", "eager"])
+@pytest.mark.parametrize("key", ["exp_avg_scale", "exp_avg_error"])
+def test_state_of_another_dtype_refused_before_anything_moves(kernel, key):
+    """A state tensor replaced by one of another dtype: the C kernel, which takes each
+    tensor's dtype from its layout, wrote a uint8 ``exp_avg_scale`` two bytes an element,
+    past its end (here into the second half of its buffer, measured: 8 of 8 bytes), and the
+    eager path converted the values into it; both now raise with nothing moved."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape, dtype=torch.bfloat16)) for shape in ((4, 64), (64,))]
+    optim = CompactAdamW(params, kernel=kernel, **KWARGS)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optim.step()
+    entry = optim.state[params[0] if key == "exp_avg_scale" else params[1]]
+    old = entry[key]
+    buffer = torch.zeros(2 * old.numel(), dtype=torch.uint8)
+    entry[key] = buffer[: old.numel()].view(old.shape)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [(p.detach().clone(), copy.deepcopy(optim.state[p])) for p in params]
+    with pytest.raises(TypeError, match=f"holds '{key}' as torch.uint8"):
+        optim.step()
+    assert not buffer.any()
+    for p, (weight, state) in zip(params, before, strict=True):
+        assert torch.equal(p.detach(), weight)
+        assert all(torch.equal(optim.state[p][k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("kernel", ["c", "eager"])
+def test_parameter_reshaped_at_its_address_refused_before_anything_moves(kernel):
+    """Rows dropped through ``p.data = p.data[:4]`` after a step keep the parameter's
+    address: the reused plan stepped it with the old layout, without an error, where
+    torch.optim.AdamW raises (its moments are of the old shape). The C kernel read the new
+    gradient past its end and wrote rows no longer part of the parameter (187 of 256 such
+    elements, measured). Now refused as AdamW refuses, with nothing moved."""
+
+    def loop(make, refused):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(8, 64, dtype=torch.bfloat16)) for _ in range(2)]
+        optim = make(params)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            optim.step()
+        storage = params[0].data
+        params[0].data = storage[:4]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        before = storage.clone(), params[1].detach().clone()
+        with pytest.raises(refused):
+            optim.step()
+        assert torch.equal(storage, before[0]) and torch.equal(params[1].detach(), before[1])
+
+    loop(lambda params: torch.optim.AdamW(params, **KWARGS), RuntimeError)
+    loop(lambda params: CompactAdamW(params, kernel=kernel, **KWARGS), ValueError)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "eager"])
+def test_parameter_transposed_at_its_address_steps_as_its_state_says(kernel):
+    """A square matrix transposed through ``p.data = p.data.t()`` keeps its shape and
+    address: the reused plan stepped its memory in the old order, pairing each gradient with
+    the weight and moments of the transposed element (4.7e-2 after two steps from the same
+    state stepped by a new optimizer, measured). Now it steps as a new optimizer on the same
+    state does, as torch.optim.AdamW pairs the element ``[i, j]`` of the weight, its gradient
+    and moments."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    optim = CompactAdamW([p], kernel=kernel, **KWARGS)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        optim.step()
+    p.data = p.data.t()
+    q = nn.Parameter(p.detach().clone())
+    fresh = CompactAdamW([q], kernel=kernel, **KWARGS)
+    fresh.state[q] = copy.deepcopy(optim.state[p])
+    for _ in range(2):
+        p.grad = torch.randn(64, 64, dtype=torch.bfloat16)  # contiguous, as autograd's
+        q.grad = p.grad.clone()
+        optim.step()
+        fresh.step()
+        fresh._plans.clear()  # always the full path
+    assert torch.equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [("variance_bits", 4, "another variance_bits"), ("maximize", True, "has maximize=True")],
+)
+def test_group_option_changed_refused_before_any_bucket_moves(change):
+    """A group option the state or the update cannot follow, set between steps on the group
+    stepped last (``variance_bits``: the state's codes are of the other width; ``maximize``:
+    not implemented). The plain CompactAdamW stepped the first group, then refused the
+    second; in backward the class's step sees one bucket's groups at a time, so the buckets
+    stepped before the first one of that group (a bucket of vectors, whose state has no
+    width, too) had moved and counted their step. Both now refuse before anything moves."""
+    key, value, refusal = change
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    def loop(make):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 40), nn.Tanh(), nn.Linear(40, 8)).bfloat16()
+        groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+        optim = make(groups)
+        for _ in range(2):
+            model(x).float().square().mean().backward()
+            optim.step()
+            optim.zero_grad()
+        optim.param_groups[0][key] = value
+        before = [(p.detach().clone(), optim.state[p]["step"].item()) for p in model.parameters()]
+        with pytest.raises(ValueError, match=refusal):
+            model(x).float().square().mean().backward()
+            optim.step()
+        for p, (weight, step) in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p.detach(), weight) and optim.state[p]["step"].item() == step
+
+    loop(lambda groups: CompactAdamW(groups, **KWARGS))
+    loop(lambda groups: OptimizerInBackward(groups, CompactAdamW, bucket_numel=50, **KWARGS))
+
+
+@pytest.mark.parametrize("kernel", ["c", "eager"])
 def test_a_batch_of_empty_local_shards(kernel):
     """A rank whose shards of an FSDP unit are all empty (a head of one row on two ranks) steps
     a batch of no elements in backward: the eager path raised in its group maxima

@@ -76,10 +76,15 @@ def _backward(model: nn.Module, step: int, micro_batches: int = 1, index: int = 
     (loss / micro_batches).backward()
 
 
-def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every weight and state value, gathered, by name."""
+def _full_state(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    named: list[tuple[str, nn.Parameter]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every weight and state value, gathered, by name (of ``named``, default the model's
+    parameters now)."""
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in named or model.named_parameters():
         out[name] = full(param).detach().clone()
         for key, value in optim.state[param].items():
             out[f"{name}/{key}"] = full(value).clone()
@@ -225,6 +230,40 @@ def _clip_body() -> None:
 
 def test_clipping_in_backward(worlds):
     worlds.run(2, _clip_body)
+
+
+def _width_changed_body() -> None:
+    """``variance_bits`` changed between steps on the group of the root unit's matrices,
+    which FSDP2 reduces last: the blocks' units were stepped (and counted their step) before
+    the root's bucket refused. Now refused when the backward starts stepping, nothing moved,
+    as the plain CompactAdamW refuses at its step."""
+    model, reference = _models()
+
+    def groups(m: ToyModel) -> list[dict]:
+        root = [m.inp.weight, m.head.weight]
+        return [
+            {"params": [p for p in m.parameters() if all(p is not q for q in root)]},
+            {"params": root},
+        ]
+
+    optim = OptimizerInBackward(groups(model), CompactAdamW, **KWARGS)
+    ref_optim = CompactAdamW(groups(reference), **KWARGS)
+    _train(model, optim, range(2))
+    _train(reference, ref_optim, range(2))
+    for m, o in ((model, optim), (reference, ref_optim)):
+        o.param_groups[1]["variance_bits"] = 4
+        # The sharded parameters: the backward that raises leaves the root's unsharded ones
+        # registered on the modules.
+        named = list(m.named_parameters())
+        before = _full_state(m, o, named)
+        with pytest.raises(ValueError, match=r"another variance_bits than its group's \(4\)"):
+            _backward(m, 2)
+            o.step()
+        _assert_equal(_full_state(m, o, named), before)
+
+
+def test_variance_bits_changed_refused_before_any_unit_moves(worlds):
+    worlds.run(2, _width_changed_body)
 
 
 # -- checkpoints ------------------------------------------------------------------------------

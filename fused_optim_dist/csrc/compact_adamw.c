@@ -24,6 +24,7 @@
  * inlined): no branch per element. IVDEP tells the compiler that the tensors do not overlap,
  * which it cannot prove: without it, it checks before every loop or does not vectorise.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -101,10 +102,12 @@ INLINE uint32_t float_to_bits(float f) {
 
 INLINE float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 
-/* Round to nearest even, as c10::BFloat16. */
+/* Round to nearest even, as c10::BFloat16; a NaN as 0xFFFF, as torch's vectorised conversion
+ * (eager's) writes it, where c10::BFloat16 writes 0x7FC0: see [Note: non-finite values] in
+ * _compact_codes.py. */
 INLINE uint16_t float_to_bf16(float f) {
     const uint32_t u = float_to_bits(f);
-    return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? 0xFFFF : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* [Note: 24-bit weights] of _compact_codes.py: bits(x) = bits(high) << 16 + error << 8; a zero
@@ -128,11 +131,11 @@ INLINE float larger(float a, float b) { return a > b ? a : b; }
 
 /* An integer-valued float (or an infinity, or NaN) as an integer clamped to [low, high]: eager's
  * clamp, then its conversion. Adding 1.5 * 2**23 puts an integer below 2**22 in magnitude in
- * the float's low bits, exactly; an infinity lands beyond the bound of its sign (a NaN, whose
- * code is unspecified in eager too, beyond one of them). A float clamp before the conversion
- * gives the same values but GCC compiles it into mask-register code that made the whole
- * kernel a third slower (measured); this is integer arithmetic, with no undefined conversion
- * of an out-of-range float. */
+ * the float's low bits, exactly; an infinity lands beyond the bound of its sign (a NaN beyond
+ * one of them: the momentum's caller recodes it 0, as eager codes it). A float clamp before
+ * the conversion gives the same values but GCC compiles it into mask-register code that made
+ * the whole kernel a third slower (measured); this is integer arithmetic, with no undefined
+ * conversion of an out-of-range float. */
 INLINE int32_t clamp_level(float level, int32_t low, int32_t high) {
     const float shifted = level + 12582912.0f;
     int32_t bits;
@@ -255,6 +258,12 @@ INLINE void update_group(Tensors t, int64_t at, const uint8_t *r_code, int size,
     *r_max = bits_to_float(r_most);
 }
 
+/* The momentum's code level of y, its ratio to the group's scale, rounded. */
+INLINE float momentum_level(float y, Layout l) {
+    return l.compand ? rintf(y / (fabsf(y) + 1.0f) * (2.0f * MOMENTUM_LEVELS))
+                     : rintf(y * MOMENTUM_LEVELS);
+}
+
 /* Encode a group's buffered momentum and root with its scales' factors; its root codes start
  * at r_code. */
 INLINE void encode_group(Tensors t, int64_t at, uint8_t *r_code, int size, float m_factor,
@@ -262,10 +271,17 @@ INLINE void encode_group(Tensors t, int64_t at, uint8_t *r_code, int size, float
     int8_t *m_code = (int8_t *)t.a;
     IVDEP
     for (int j = 0; j < size; j++) {
-        const float y = m[j] * m_factor;
-        const float level = l.compand ? rintf(y / (fabsf(y) + 1.0f) * (2.0f * MOMENTUM_LEVELS))
-                                      : rintf(y * MOMENTUM_LEVELS);
-        m_code[at + j] = (int8_t)clamp_level(level, -127, 127);
+        m_code[at + j] = (int8_t)clamp_level(momentum_level(m[j] * m_factor, l), -127, 127);
+    }
+    if (!(m_factor > 0.0f && m_factor <= FLT_MAX)) {
+        /* A NaN or infinite scale (a NaN or infinite momentum): a NaN level is coded 0, as eager
+         * codes it (see [Note: non-finite values] in _compact_codes.py), where clamp_level put
+         * it beyond a bound. Per group: a test per element in the loop above made the kernel
+         * about 10% slower (measured). */
+        for (int j = 0; j < size; j++) {
+            const float level = momentum_level(m[j] * m_factor, l);
+            if (level != level) m_code[at + j] = 0;
+        }
     }
     /* Nearest, but at least 1 for a positive root (see [Note: 8-bit moments]): eager's
      * ceil(min(level, 1)) of a non-negative level, written so that it vectorises. 4 bits: the
