@@ -1014,44 +1014,34 @@ def test_loop_ending_after_a_backward_without_step_warns():
     assert not [w for w in caught if "no step() followed" in str(w.message)]
 
 
-def test_state_dict_after_a_rollback_load_as_plain():
-    """``state_dict()`` between backward and ``step()`` after the optimizer's state was loaded
-    there (a rollback on a loss spike) returns the loaded state, as the plain optimizer's; the
-    refusal of a snapshot holding this step's update does not apply (it raised, a false
-    positive)."""
+def _restore_by_loading(net: nn.Module, weights: dict) -> None:
+    net.load_state_dict(weights)
+
+
+def _restore_by_assignment(net: nn.Module, weights: dict) -> None:
+    for name, param in net.named_parameters():
+        param.data = weights[name]
+
+
+@pytest.mark.parametrize("restore", [_restore_by_loading, _restore_by_assignment])
+def test_rollback_as_plain(restore):
+    """A backward rolled back (a loss spike): the weights restored, the optimizer's state
+    loaded, then ``zero_grad()``. ``state_dict()`` there returns the loaded state, as the
+    plain optimizer's: the refusal of a snapshot holding this step's update does not apply
+    (it raised, a false positive). Weights restored by assignment (``p.data = saved``) were
+    refused at ``zero_grad()`` as discarding the backward's updates (the assignment moves no
+    version counter); the replaced storage now counts as the parameter written. Equal."""
     model, reference = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
     _step_both(((model, optim), (reference, plain)), 0, zero=True)
     saved = copy.deepcopy(optim.state_dict())
     for net, opt in ((model, optim), (reference, plain)):
-        weights = copy.deepcopy(net.state_dict())
+        weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
         loss_fn(net, *_x(1)).backward()
-        net.load_state_dict(weights)
+        restore(net, weights)
         opt.load_state_dict(copy.deepcopy(saved))
         assert_same_state_dict(opt.state_dict(), saved)
-        opt.zero_grad()
-    _step_both(((model, optim), (reference, plain)), 2, zero=True)
-    assert_match(model, reference)
-
-
-def test_rollback_restoring_weights_by_assignment_as_plain():
-    """A backward rolled back with the weights restored by assignment (``p.data = saved``)
-    and the optimizer's state loaded, then ``zero_grad()``: the plain loop's rollback. It was
-    refused as discarding the backward's updates (the assignment moves no version counter);
-    the replaced storage now counts as the parameter written: equal."""
-    model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    _step_both(((model, optim), (reference, plain)), 0, zero=True)
-    saved = copy.deepcopy(optim.state_dict())
-    for net, opt in ((model, optim), (reference, plain)):
-        weights = [p.detach().clone() for p in net.parameters()]
-        loss_fn(net, *_x(1)).backward()
-        with torch.no_grad():
-            for param, weight in zip(net.parameters(), weights, strict=True):
-                param.data = weight
-        opt.load_state_dict(copy.deepcopy(saved))
         opt.zero_grad()
     _step_both(((model, optim), (reference, plain)), 2, zero=True)
     assert_match(model, reference)

@@ -697,6 +697,31 @@ class InBackwardFactory(AdamWFactory):
         )
 
 
+def _train_factories(
+    tmp_path: Path,
+    plain_factory: type,
+    ours_factory: type,
+    lr: float = 1e-2,
+    max_grad_norm: float = 1.0,
+) -> tuple[dict, dict]:
+    """Train with Trainer and ``plain_factory``, and with the in-backward Trainer and
+    ``ours_factory`` (``optimizer_cls_and_kwargs``), two micro-batches a step, clipping."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=max_grad_norm)
+    plain = _train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        optimizer_cls_and_kwargs=(plain_factory, {"lr": lr}),
+        **kwargs,
+    )
+    ours = _train(
+        in_backward_trainer(transformers.Trainer),
+        tmp_path / "ours",
+        optimizer_cls_and_kwargs=(ours_factory, {"lr": lr}),
+        **kwargs,
+    )
+    return plain, ours
+
+
 @pytest.mark.parametrize(
     ("plain_factory", "ours_factory"),
     [
@@ -713,19 +738,7 @@ def test_trainer_optimizer_factory_matches_plain(tmp_path, plain_factory, ours_f
     building an ``OptimizerInBackward`` is used as it is. It raised ``TypeError: optimizer_cls
     must be a torch.optim.Optimizer subclass`` at ``create_optimizer``. As plain, with
     accumulation and clipping."""
-    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
-    plain = _train(
-        transformers.Trainer,
-        tmp_path / "plain",
-        optimizer_cls_and_kwargs=(plain_factory, {"lr": 1e-2}),
-        **kwargs,
-    )
-    ours = _train(
-        in_backward_trainer(transformers.Trainer),
-        tmp_path / "ours",
-        optimizer_cls_and_kwargs=(ours_factory, {"lr": 1e-2}),
-        **kwargs,
-    )
+    plain, ours = _train_factories(tmp_path, plain_factory, ours_factory, max_grad_norm=CLIP)
     assert min(plain["norms"]) > CLIP, plain["norms"]
     print(f"optimizer factory {ours_factory.__name__}: {_assert_parity(ours, plain):.2e}")
 
@@ -793,13 +806,9 @@ def test_trainer_optimizer_factory_attributes_are_carried(tmp_path):
     its groups nor its defaults): built again from its class and groups, it stepped with the
     constructor's default (3.6e-2 apart after four steps, no error). The attributes it keeps
     that the one built again lacks are carried: as plain."""
-    kwargs = dict(
-        optimizer_cls_and_kwargs=(ScaledMomentumSGDFactory, {"lr": 1e-1}),
-        gradient_accumulation_steps=2,
-        max_grad_norm=1.0,
+    plain, ours = _train_factories(
+        tmp_path, ScaledMomentumSGDFactory, ScaledMomentumSGDFactory, lr=1e-1
     )
-    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
-    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
     print(f"factory attribute carried: {_assert_parity(ours, plain):.2e}")
 
 
@@ -884,19 +893,7 @@ def test_trainer_optimizer_factory_what_cannot_be_carried_is_refused(tmp_path, f
 def test_trainer_optimizer_factory_post_hook_on_the_in_backward_optimizer(tmp_path):
     """The refusal's way out: the factory returns an ``OptimizerInBackward`` with the step
     post-hook on it, which runs at ``step()``, after the backward's updates: as plain."""
-    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=1.0)
-    plain = _train(
-        transformers.Trainer,
-        tmp_path / "plain",
-        optimizer_cls_and_kwargs=(ClampedAdamWFactory, {"lr": 1e-2}),
-        **kwargs,
-    )
-    ours = _train(
-        in_backward_trainer(transformers.Trainer),
-        tmp_path / "ours",
-        optimizer_cls_and_kwargs=(ClampedInBackwardFactory, {"lr": 1e-2}),
-        **kwargs,
-    )
+    plain, ours = _train_factories(tmp_path, ClampedAdamWFactory, ClampedInBackwardFactory)
     # The hook clamped: the largest weight is at the bound.
     clamped = max(value.abs().max().item() for value in plain["params"].values())
     assert clamped == pytest.approx(0.05), clamped
