@@ -405,7 +405,9 @@ class BackwardPass:
         )
 
     def step_all(self, params: Sequence[torch.Tensor]) -> None:
-        """Step ``params`` (members of the plan holding gradients) bucket by bucket, in order.
+        """Step ``params`` (members of the plan holding gradients) bucket by bucket, in order,
+        clipped by their global norm and skipped together if one is not finite (see [Note:
+        what step() steps] in _gradients.py).
 
         Raises before anything moves if one of them was updated in backward since the last
         ``step()`` (its gradient would be stepped a second time)."""
@@ -414,10 +416,17 @@ class BackwardPass:
                 if self._pending.holds(param):
                     self._pending.refuse_second_gradient(param)
         ready = {id(p) for p in params}
-        for bucket in self._plan.buckets:
-            members = [p for p in bucket.params if id(p) in ready]
-            if members:
-                self._step_bucket(bucket, members)
+        parts = [
+            (bucket, members)
+            for bucket in self._plan.buckets
+            if (members := [p for p in bucket.params if id(p) in ready])
+        ]
+        # The plan's only bucket takes its norm as it is stepped: the same, at no extra cost.
+        if self._record and self._gradients.reduces_per_bucket and len(self._plan.buckets) > 1:
+            with torch.no_grad(), self._autocast_off(), traced("fused_optim_dist::gradients"):
+                self._gradients.before_steps(self._norms, params, local_gradients(params), parts)
+        for bucket, members in parts:
+            self._step_bucket(bucket, members)
 
     def finish(self, token: _GraphTaskToken | None = None) -> None:
         """Step what did not complete, wait for the steps' streams, complete the norm.

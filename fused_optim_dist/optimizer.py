@@ -689,7 +689,10 @@ class OptimizerInBackward(Optimizer):
         class that counts steps in its groups sees one step. Parameters holding a gradient (set
         by hand, accumulated under :meth:`accumulate`, left by a backward that raised, or the
         zero gradients ``torch.distributed.checkpoint`` sets to create state) are stepped,
-        bucket by bucket, and their gradients freed. Only DCP's state creation (no state, every
+        bucket by bucket, and their gradients freed: clipped by their global norm and checked
+        for non-finite values together, all known before any moves (see [Note: what step()
+        steps] in ``_gradients.py``), except those a backward that raised left, which complete
+        that backward's clipping. Only DCP's state creation (no state, every
         gradient exactly zero, lr 0 in every group) leaves :meth:`grad_norm` and the clipping
         history as they were; any other step at lr 0 is an ordinary step.
 
