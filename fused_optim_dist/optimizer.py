@@ -730,6 +730,7 @@ class OptimizerInBackward(Optimizer):
                 self._pending.refuse_changed(changed)
             self._pending.refuse_written_buffers()
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
+            self._pending.refuse_draws()
             self._refuse_step_under_autocast()
         plan = self._current_plan()
         if self._pending:
