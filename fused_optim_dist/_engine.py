@@ -79,11 +79,15 @@ step draws is not knowable before it runs, nor the loop's draws before they happ
 refused after the update, at ``step()``: the states of torch's generators (the CPU's, and the
 accelerator's once initialised) are taken before the joint step of a backward and compared
 after it; those it advanced are noted as they are then (``PendingUpdates.note_draws``), and
-``step()`` raises if one of them has advanced since. That costs a backward about 5 us (20 us
-in a training loop's cold caches), and ``step()`` after a class that drew about 4 us. A loop
-drawing from another generator than the class's (its own ``torch.Generator``) draws the same
-numbers in either order and is not refused. Python's ``random`` and NumPy's global generator
-are not watched here: their states cost 17 and 60 us more to read and compare, every backward.
+``step()`` raises if one of them has advanced since. A backward rolled back (the model and
+the optimizer loaded, then ``zero_grad()``) is one whose step the plain optimizer never ran,
+so it drew nothing: ``zero_grad()`` sets those generators back to their states before the
+joint step, unless something drew from them since (or set them). The watch costs a backward
+about 5 us (20 us in a training loop's cold caches), and ``step()`` after a class that drew
+about 4 us. A loop drawing from another generator than the class's (its own
+``torch.Generator``) draws the same numbers in either order and is not refused. Python's
+``random`` and NumPy's global generator are not watched here: their states cost 17 and 60 us
+more to read and compare, every backward.
 
 Profiler ranges, stable names for traces: ``fused_optim_dist::step_bucket`` (one bucket, all
 of it), inside it ``fused_optim_dist::gradients`` (norm, clipping, non-finite check),
@@ -591,7 +595,8 @@ class BackwardPass:
         if generators is not None:
             drawn = generators.advanced()
             if drawn:
-                self._pending.note_draws(GeneratorStates(drawn))
+                after = GeneratorStates(torch_only=True).only(drawn)
+                self._pending.note_draws(generators.only(drawn), after)
 
     def _release(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None

@@ -57,22 +57,25 @@ def _same(then: Any, now: Any) -> bool:
 
 
 class GeneratorStates:
-    """The states of the default generators (``names``: of those only), taken when made.
+    """The states of the default generators, taken when made.
 
     Args:
-        names: the generators to watch, as :meth:`advanced` names them; all by default.
         torch_only: watch torch's generators only: reading and comparing their states costs
             about 4 us, Python's about 17 more, NumPy's (imported by torch) about 60 more.
     """
 
     __slots__ = ("_generators", "_states")
 
-    def __init__(self, names: Collection[str] | None = None, *, torch_only: bool = False) -> None:
-        generators = _generators(torch_only)
-        self._generators = (
-            generators if names is None else {n: g for n, g in generators.items() if n in names}
-        )
+    def __init__(self, *, torch_only: bool = False) -> None:
+        self._generators = _generators(torch_only)
         self._states = {name: read() for name, (read, _) in self._generators.items()}
+
+    def only(self, names: Collection[str]) -> GeneratorStates:
+        """These states of the generators ``names`` (as :meth:`advanced` names them) only."""
+        kept = object.__new__(GeneratorStates)
+        kept._generators = {n: g for n, g in self._generators.items() if n in names}
+        kept._states = {n: self._states[n] for n in kept._generators}
+        return kept
 
     def advanced(self) -> list[str]:
         """The names of the generators whose state changed since (a draw, a seed set)."""

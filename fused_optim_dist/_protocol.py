@@ -18,7 +18,8 @@ loops would train differently without a word. Instead, the updates made in backw
   raises (the plain optimizer would step the loaded state with the gradients), and
   ``zero_grad()`` discards the updates only once every updated parameter was written too (the
   model restored with the optimizer: a rollback, equal to the plain loop's load and
-  ``zero_grad()``);
+  ``zero_grad()``; generators a jointly stepped class drew from are set back, see [Note:
+  random numbers drawn jointly] in ``_engine.py``);
 * at ``step()``, a parameter whose version counter, or whose state's, moved since its update
   (``model.load_state_dict``, an in-place write) would be stepped by the plain optimizer from the
   written values: ``step()`` raises, as it does when the loop dropped the gradients it would
@@ -235,9 +236,9 @@ class PendingUpdates:
         # id -> [a tensor the stepped gradients were views of, its version counter once the
         # updates were made]. See [Note: gradients in a flat buffer].
         self._buffers: dict[int, list[Any]] = {}
-        # The generators a jointly stepped class drew from, as they were after its step. See
-        # [Note: random numbers drawn jointly] in ``_engine.py``.
-        self._draws: GeneratorStates | None = None
+        # The generators a jointly stepped class drew from, as they were before and after its
+        # step. See [Note: random numbers drawn jointly] in ``_engine.py``.
+        self._draws: tuple[GeneratorStates, GeneratorStates] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -312,10 +313,18 @@ class PendingUpdates:
                 holding.update((i, (index, values)) for i in ids)
         return holding
 
-    def note_draws(self, generators: GeneratorStates) -> None:
-        """A jointly stepped class's step drew from ``generators`` at the end of backward,
-        which are as it left them."""
-        self._draws = generators
+    def note_draws(self, before: GeneratorStates, after: GeneratorStates) -> None:
+        """A jointly stepped class's step drew from generators at the end of backward: their
+        states ``before`` and ``after`` it."""
+        self._draws = before, after
+
+    def undo_draws(self) -> None:
+        """For a rollback (see :meth:`rolled_back`): set the generators a jointly stepped class
+        drew from at the end of backward back to their states before, unless they changed
+        since (the plain optimizer, its step never run, drew nothing). See [Note: random
+        numbers drawn jointly] in ``_engine.py``."""
+        if self._draws is not None and not self._draws[1].advanced():
+            self._draws[0].restore()
 
     def refuse_draws(self) -> None:
         """Raise for ``step()`` when a generator a jointly stepped class drew from at the end
@@ -323,7 +332,7 @@ class PendingUpdates:
         ``_engine.py``."""
         if self._draws is None:
             return
-        advanced = self._draws.advanced()
+        advanced = self._draws[1].advanced()
         if not advanced:
             return
         raise RuntimeError(

@@ -637,6 +637,7 @@ class OptimizerInBackward(Optimizer):
         if self._pending:
             # See [Note: the step protocol].
             if self._pending.rolled_back():
+                self._pending.undo_draws()
                 self._pending.commit()
                 self._pass = None
                 self._stepped_since_step = False  # the rolled-back backward is undone

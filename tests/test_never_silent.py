@@ -2192,6 +2192,32 @@ def test_undeclared_class_drawing_with_the_loop_drawing_before_step(draw, after_
     assert drawn[0] == drawn[1]
 
 
+def test_rollback_after_a_jointly_stepped_class_drew_as_plain():
+    """A backward rolled back (a loss spike: the weights and the optimizer's state loaded,
+    then ``zero_grad()``) with SGLD left undeclared: the plain optimizer never ran that
+    backward's step, so it drew nothing; here the class drew its noise at the end of
+    backward, and every later draw was shifted: 1.4e-1 apart two steps after the rollback,
+    no error. Now ``zero_grad()`` of the rollback sets torch's generator back to its state
+    before those draws. Equal, the generator's state too."""
+    model, reference = make_models()
+    optims = (OptimizerInBackward(model.parameters(), _SGLD), _SGLD(reference.parameters()))
+    generators = []
+    for net, opt in zip((model, reference), optims, strict=True):
+        torch.manual_seed(123)
+        saved = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+        loss_fn(net, *_x(0)).backward()
+        net.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        opt.zero_grad()
+        for step in (1, 2):
+            loss_fn(net, *_x(step)).backward()
+            opt.step()
+            opt.zero_grad()
+        generators.append(torch.get_rng_state())
+    assert torch.equal(*generators)
+    assert_match(model, reference)
+
+
 def test_dcp_async_staging_waited_for_before_step_equal():
     """DCP's asynchronous staging (torchtitan's ``async_with_pinned_mem``) copies the state in
     a thread after ``async_save`` returns; torchtitan's loop waits for it before
