@@ -28,7 +28,8 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   would draw them in another order, and on local shards in other shapes, than its plain
   ``step()``. Only classes declared
   ``"elementwise"`` or ``"dtensor"`` are checked: a class stepped jointly runs its step once
-  per backward (see [Note: classes stepped jointly] in ``_engine.py``);
+  per backward, at its end (see [Note: classes stepped jointly] and, for its draws, [Note:
+  random numbers drawn jointly] in ``_engine.py``);
 * every later bucket of such a class is watched for draws too: a class that starts drawing
   after its first backward (noise after a burn-in) is refused at the first bucket that draws.
   That bucket has moved (what a step will draw is not knowable before it runs); the others
@@ -55,9 +56,6 @@ each bucket must start from its value, as from any counter's.
 from __future__ import annotations
 
 import copy
-import pickle
-import random
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -65,6 +63,7 @@ import torch
 from torch.optim import Optimizer
 
 from fused_optim_dist._classes import ClassSteppers
+from fused_optim_dist._generators import GeneratorStates
 from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
 from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
@@ -239,7 +238,7 @@ class ClassState:
         instances = {id(self._owners[i]) for i in tracked}
         self._restore(instances)
         apart = not any(self._steppers.is_joint(self._groups[i]) for i in tracked)
-        generators = _RandomState() if apart else None
+        generators = GeneratorStates() if apart else None
         handed = step()
         assert handed is not None, "a tracked class is stepped through its own step()"
         if generators is not None and generators.drawn():
@@ -281,7 +280,7 @@ class ClassState:
             pieces += [(index, batch, cut) for cut in cuts]
         groups: dict[int, dict[str, Any]] = {}
         objects: dict[int, dict[str, Any]] = {}
-        generators = _RandomState()
+        generators = GeneratorStates()
         try:
             for index, batch, cut in pieces:
                 owner = id(self._owners[index])
@@ -389,47 +388,10 @@ _DRAWS = (
     "NumPy's generator, as SGLD's noise does): stepped bucket by bucket, as its declared "
     "stepping asks, it would draw them in another order, and on each rank's local shards in "
     "other shapes, than the plain step(), and train differently with nothing to tell. Leave "
-    "the class undeclared (stepped jointly, once per backward, as the plain step() is), or use "
+    "the class undeclared (stepped jointly: one call of its step, as the plain step() is, at "
+    "the end of backward, so the loop must draw nothing between backward and step()), or use "
     "the plain optimizer"
 )
-
-
-class _RandomState:
-    """The states of the default random number generators a step may draw from (torch's on
-    the CPU, and on the accelerator once initialised; Python's ``random``; NumPy's global one
-    where NumPy is imported), taken when made: the check on copies draws nothing that the
-    real steps or the rest of the loop (dropout masks, shuffling) would then miss."""
-
-    def __init__(self) -> None:
-        accelerator = torch.accelerator.current_accelerator()
-        module = None if accelerator is None else torch.get_device_module(accelerator)
-        self._module = module if module is not None and module.is_initialized() else None
-        self._numpy = sys.modules.get("numpy")
-        self._states = self._now()
-
-    def _now(self) -> tuple[list[torch.Tensor], Any, Any]:
-        tensors = [torch.get_rng_state()]
-        if self._module is not None:
-            tensors += self._module.get_rng_state_all()
-        # NumPy's state holds an array: compared by its pickle.
-        numpy = None if self._numpy is None else pickle.dumps(self._numpy.random.get_state())
-        return tensors, random.getstate(), numpy
-
-    def drawn(self) -> bool:
-        """Whether a generator advanced since."""
-        (tensors, python, numpy), (now, python_now, numpy_now) = self._states, self._now()
-        return not (
-            all(map(torch.equal, tensors, now)) and python == python_now and numpy == numpy_now
-        )
-
-    def restore(self) -> None:
-        tensors, python, numpy = self._states
-        torch.set_rng_state(tensors[0])
-        if self._module is not None:
-            self._module.set_rng_state_all(tensors[1:])
-        random.setstate(python)
-        if numpy is not None:
-            self._numpy.random.set_state(pickle.loads(numpy))
 
 
 def instance_attrs(optimizer: Optimizer) -> dict[str, Any]:

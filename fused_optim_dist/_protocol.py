@@ -18,7 +18,8 @@ loops would train differently without a word. Instead, the updates made in backw
   raises (the plain optimizer would step the loaded state with the gradients), and
   ``zero_grad()`` discards the updates only once every updated parameter was written too (the
   model restored with the optimizer: a rollback, equal to the plain loop's load and
-  ``zero_grad()``);
+  ``zero_grad()``; generators a jointly stepped class drew from are set back, see [Note:
+  random numbers drawn jointly] in ``_engine.py``);
 * at ``step()``, a parameter whose version counter, or whose state's, moved since its update
   (``model.load_state_dict``, an in-place write) would be stepped by the plain optimizer from the
   written values: ``step()`` raises, as it does when the loop dropped the gradients it would
@@ -35,7 +36,11 @@ loops would train differently without a word. Instead, the updates made in backw
   and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises;
 * an FSDP2 unit holding updates that was sharded when they were made and holds all-gathered
   weights at ``step()`` (``model.unshard()``, or a forward, between backward and ``step()``):
-  see [Note: copies gathered before step()].
+  see [Note: copies gathered before step()];
+* at ``step()``, a generator that a jointly stepped class's step drew from at the end of
+  backward and that was drawn from again since: the plain ``step()`` would draw after the
+  loop's draws, here the class drew before them: ``step()`` raises (see [Note: random
+  numbers drawn jointly] in ``_engine.py``).
 
 A second ``step()`` with no backward and no ``zero_grad()`` since the first would step the
 held gradients again in the plain optimizer: refused, seeing the freed gradients.
@@ -68,6 +73,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fused_optim_dist._generators import GeneratorStates
 from fused_optim_dist._torch_internals import FSDPUnit, storages
 
 __all__ = ["KeptGradients", "PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
@@ -195,6 +201,7 @@ class PendingUpdates:
     __slots__ = (
         "_added",
         "_buffers",
+        "_draws",
         "_gathered",
         "_groups",
         "_ids",
@@ -229,6 +236,9 @@ class PendingUpdates:
         # id -> [a tensor the stepped gradients were views of, its version counter once the
         # updates were made]. See [Note: gradients in a flat buffer].
         self._buffers: dict[int, list[Any]] = {}
+        # The generators a jointly stepped class drew from, as they were before and after its
+        # step. See [Note: random numbers drawn jointly] in ``_engine.py``.
+        self._draws: tuple[GeneratorStates, GeneratorStates] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -303,6 +313,42 @@ class PendingUpdates:
                 holding.update((i, (index, values)) for i in ids)
         return holding
 
+    def note_draws(self, before: GeneratorStates, after: GeneratorStates) -> None:
+        """A jointly stepped class's step drew from generators at the end of backward: their
+        states ``before`` and ``after`` it."""
+        self._draws = before, after
+
+    def undo_draws(self) -> None:
+        """For a rollback (see :meth:`rolled_back`): set the generators a jointly stepped class
+        drew from at the end of backward back to their states before, unless they changed
+        since (the plain optimizer, its step never run, drew nothing). See [Note: random
+        numbers drawn jointly] in ``_engine.py``."""
+        if self._draws is not None and not self._draws[1].advanced():
+            self._draws[0].restore()
+
+    def refuse_draws(self) -> None:
+        """Raise for ``step()`` when a generator a jointly stepped class drew from at the end
+        of backward was drawn from since. See [Note: random numbers drawn jointly] in
+        ``_engine.py``."""
+        if self._draws is None:
+            return
+        advanced = self._draws[1].advanced()
+        if not advanced:
+            return
+        raise RuntimeError(
+            "step(): the wrapped optimizer's step draws random numbers (SGLD's noise) from "
+            f"{' and '.join(advanced)}; stepped jointly (its class is not declared), it drew "
+            "them at the end of backward, and the loop drew from the same generator between "
+            "backward and step() (a torch.rand for a decision, an augmentation, a dropout "
+            "forward for logging or an evaluation in train mode). A plain optimizer's step() "
+            "draws after the loop's draws; here the class drew before them, so the update's "
+            "random numbers and the loop's both differ from the plain loop's. Draw after "
+            "step() or before backward (an evaluation forward under model.eval() draws "
+            "nothing), or give the loop's draws a torch.Generator of their own "
+            "(torch.rand(..., generator=g)); or use the plain optimizer. This step's update "
+            "is made: restart from the last checkpoint."
+        )
+
     def refuse_swapped(self) -> None:
         """Raise for ``step()`` when a parameter updated in backward had its storage swapped
         since (``p.data = backup``). See [Note: data swapped by assignment] in
@@ -355,6 +401,7 @@ class PendingUpdates:
         self._unfinished = False
         self._gathered = []
         self._buffers.clear()
+        self._draws = None
 
     def gathered_since(self, gathered: list[FSDPUnit]) -> list[FSDPUnit]:
         """The units of ``gathered`` (those holding all-gathered weights now) that hold updates

@@ -637,6 +637,7 @@ class OptimizerInBackward(Optimizer):
         if self._pending:
             # See [Note: the step protocol].
             if self._pending.rolled_back():
+                self._pending.undo_draws()
                 self._pending.commit()
                 self._pass = None
                 self._stepped_since_step = False  # the rolled-back backward is undone
@@ -733,6 +734,7 @@ class OptimizerInBackward(Optimizer):
                 self._pending.refuse_changed(changed)
             self._pending.refuse_written_buffers()
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
+            self._pending.refuse_draws()
             self._refuse_step_under_autocast()
         plan = self._current_plan()
         if self._pending:

@@ -2132,6 +2132,92 @@ def test_class_drawing_random_numbers_after_a_burn_in_refused():
     pytest.fail("the draws were not refused")
 
 
+def _dropout_forward(net: nn.Module, x: torch.Tensor) -> None:
+    """A forward for logging, in train mode: its dropout draws a mask."""
+    with torch.no_grad():
+        nn.functional.dropout(net(x), 0.5, training=True)
+
+
+_OWN = torch.Generator()
+
+
+@pytest.mark.parametrize(
+    "draw, after_step, refused",
+    [
+        (lambda net, x: torch.rand(()), False, True),
+        (_dropout_forward, False, True),
+        (lambda net, x: torch.rand(()), True, False),
+        (lambda net, x: torch.rand((), generator=_OWN), False, False),
+        (lambda net, x: random.random(), False, False),
+    ],
+    ids=[
+        "torch.rand-between",
+        "dropout-forward-between",
+        "torch.rand-after-step",
+        "own-generator-between",
+        "python-random-between",
+    ],
+)
+def test_undeclared_class_drawing_with_the_loop_drawing_before_step(draw, after_step, refused):
+    """SGLD left undeclared is stepped jointly, at the end of backward; the plain optimizer
+    draws its noise at ``step()``. A loop drawing from torch's generator between backward and
+    ``step()`` (a drop-path decision, a dropout forward for logging) got the class's draws
+    before its own: 8.9e-2 apart after four steps, the loop's own draws different too, no
+    error. Now refused at that ``step()``, which moves nothing more (the backward's update is
+    made: what the loop draws after backward is not knowable there). The same loop drawing
+    after ``step()``, from a generator of its own, or from Python's ``random`` (not the
+    class's) trains as plain."""
+    model, reference = make_models()
+    optims = (OptimizerInBackward(model.parameters(), _SGLD), _SGLD(reference.parameters()))
+    drawn: list[list[object]] = [[], []]
+    torch.manual_seed(123)
+    generators = torch.get_rng_state(), random.getstate(), _OWN.get_state()
+    for net, opt, log in zip((model, reference), optims, drawn, strict=True):
+        torch.set_rng_state(generators[0])
+        random.setstate(generators[1])
+        _OWN.set_state(generators[2])
+        for step in range(4):
+            x, y = _x(step)
+            loss_fn(net, x, y).backward()
+            if not after_step:
+                log.append(draw(net, x))
+            if refused and opt is optims[0]:
+                _refused_unmoved(net, "drew them at the end of backward", opt.step)
+                return
+            opt.step()
+            if after_step:
+                log.append(draw(net, x))
+            opt.zero_grad()
+    assert_match(model, reference)
+    assert drawn[0] == drawn[1]
+
+
+def test_rollback_after_a_jointly_stepped_class_drew_as_plain():
+    """A backward rolled back (a loss spike: the weights and the optimizer's state loaded,
+    then ``zero_grad()``) with SGLD left undeclared: the plain optimizer never ran that
+    backward's step, so it drew nothing; here the class drew its noise at the end of
+    backward, and every later draw was shifted: 1.4e-1 apart two steps after the rollback,
+    no error. Now ``zero_grad()`` of the rollback sets torch's generator back to its state
+    before those draws. Equal, the generator's state too."""
+    model, reference = make_models()
+    optims = (OptimizerInBackward(model.parameters(), _SGLD), _SGLD(reference.parameters()))
+    generators = []
+    for net, opt in zip((model, reference), optims, strict=True):
+        torch.manual_seed(123)
+        saved = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+        loss_fn(net, *_x(0)).backward()
+        net.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        opt.zero_grad()
+        for step in (1, 2):
+            loss_fn(net, *_x(step)).backward()
+            opt.step()
+            opt.zero_grad()
+        generators.append(torch.get_rng_state())
+    assert torch.equal(*generators)
+    assert_match(model, reference)
+
+
 def test_dcp_async_staging_waited_for_before_step_equal():
     """DCP's asynchronous staging (torchtitan's ``async_with_pinned_mem``) copies the state in
     a thread after ``async_save`` returns; torchtitan's loop waits for it before
