@@ -24,11 +24,14 @@ loops would train differently without a word. Instead, the updates made in backw
   written values: ``step()`` raises, as it does when the loop dropped the gradients it would
   step (see [Note: freed gradients]). A write through ``.data`` moves no version counter and
   goes unseen;
-* at ``step()``, a parameter whose storage was swapped since its update (``p.data = backup``:
-  SAM's second step, an adversarial perturbation of the weights undone, ``module.half()``)
-  would be stepped by the plain optimizer from the new data; the update was written to the
-  old: ``step()`` raises (see [Note: data swapped by assignment] in
-  ``_torch_internals.py``);
+* at ``step()``, a parameter whose storage was swapped since its update for other values
+  (``p.data = backup``: SAM's second step, an adversarial perturbation of the weights undone,
+  ``module.half()``) would be stepped by the plain optimizer from the new data; the update
+  was written to the old: ``step()`` raises (see [Note: data swapped by assignment] in
+  ``_torch_internals.py``). A swap for equal values (``model.to(memory_format=
+  torch.channels_last)``, ``p.data = p.data.clone()``, a device round trip) carries the
+  update: the plain optimizer steps the same values, converted, and the update is
+  elementwise;
 * at ``step()``, a value of a group (``lr``, betas) changed since the updates were made (an LR
   set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
@@ -68,7 +71,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fused_optim_dist._torch_internals import FSDPUnit, storages
+from fused_optim_dist._torch_internals import (
+    FSDPUnit,
+    held_values,
+    holds_values,
+    local_tensor,
+    storages,
+)
 
 __all__ = ["KeptGradients", "PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
 
@@ -181,6 +190,20 @@ class _Written:
         return [self._params[i] for i in sorted(written)]
 
 
+def _carries(held: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``param``'s values (its local shard's) are those of ``held``, the alias of the
+    data its update was written into."""
+    local = local_tensor(param)
+    return (
+        held.dtype == local.dtype
+        and held.shape == local.shape
+        and held.device == local.device
+        and holds_values(held)
+        and holds_values(local)
+        and torch.equal(held, local)
+    )
+
+
 def _entries(params: list[torch.Tensor], state: dict[torch.Tensor, dict]) -> list[dict | None]:
     """Each parameter's state entry, or None; found by id, read off the state's keys (looking a
     parameter up hashes it in Python)."""
@@ -197,10 +220,10 @@ class PendingUpdates:
         "_buffers",
         "_gathered",
         "_groups",
+        "_held",
         "_ids",
         "_loaded",
         "_params",
-        "_storages",
         "_unfinished",
         "_written",
     )
@@ -210,9 +233,10 @@ class PendingUpdates:
         # Each parameter's version counter when its update was made (before settle(), as a
         # backward that raised never settles).
         self._added: list[int] = []
-        # Each parameter's storage when its update was made. See [Note: data swapped by
-        # assignment] in ``_torch_internals.py``.
-        self._storages: list[object] = []
+        # An alias of each parameter's values when its update was made, holding the storage
+        # the update was written into. See [Note: data swapped by assignment] in
+        # ``_torch_internals.py``.
+        self._held: list[torch.Tensor] = []
         # id -> held in _params, so the ids cannot be recycled while they are here.
         self._ids: set[int] = set()
         # Whether an update belongs to a backward that raised before it finished.
@@ -241,7 +265,7 @@ class PendingUpdates:
                 new.append(param)
         self._params += new
         self._added += [param._version for param in new]
-        self._storages += storages(new)
+        self._held += held_values(new)
 
     def settle(
         self,
@@ -303,24 +327,34 @@ class PendingUpdates:
                 holding.update((i, (index, values)) for i in ids)
         return holding
 
+    def _replaced(self) -> list[bool]:
+        """Whether each parameter's storage was swapped since its update for other values
+        (``p.data = backup``). A swap for the values the update was written into (a layout
+        conversion, ``p.data = p.data.clone()``, a device round trip) carries the update.
+        Values are compared only where a storage was swapped (a host sync on an
+        accelerator); a meta or fake tensor's, which cannot be read, count as other. See
+        [Note: data swapped by assignment] in ``_torch_internals.py``."""
+        swapped = list(map(operator.is_not, storages(self._params), storages(self._held)))
+        if not any(swapped):
+            return swapped
+        return [
+            was_swapped and not _carries(held, param)
+            for was_swapped, held, param in zip(swapped, self._held, self._params, strict=True)
+        ]
+
     def refuse_swapped(self) -> None:
         """Raise for ``step()`` when a parameter updated in backward had its storage swapped
-        since (``p.data = backup``). See [Note: data swapped by assignment] in
-        ``_torch_internals.py``."""
-        now = storages(self._params)
-        if not any(map(operator.is_not, now, self._storages)):
+        since for other values (``p.data = backup``); see :meth:`_replaced`."""
+        replaced = self._replaced()
+        if not any(replaced):
             return
-        swapped = [
-            param
-            for param, then, held in zip(self._params, self._storages, now, strict=True)
-            if then is not held
-        ]
+        swapped = [param for param, r in zip(self._params, replaced, strict=True) if r]
         more = f" (and {len(swapped) - 1} more)" if len(swapped) > 1 else ""
         raise RuntimeError(
             f"step(): {describe(swapped[0])}{more} was updated in backward, and its data was "
-            "replaced since (p.data = backup, or a module conversion such as .half(), between "
-            "backward and step()). A plain optimizer would step the new data with the "
-            "gradient; here the gradient was stepped in backward into the data that was "
+            "replaced since by other values (p.data = backup, or a module conversion such as "
+            ".half(), between backward and step()). A plain optimizer would step the new data "
+            "with the gradient; here the gradient was stepped in backward into the data that was "
             "replaced, so that update is lost. Replace parameters' data before backward or "
             "after step(). A loop that takes the gradient at perturbed weights and steps the "
             "restored ones (SAM's second step, AWP or FGM restoring the weights) needs the "
@@ -347,7 +381,7 @@ class PendingUpdates:
         """``step()``: the pending updates are the step's, as the plain optimizer's would be."""
         self._params.clear()
         self._added.clear()
-        self._storages.clear()
+        self._held.clear()
         self._ids.clear()
         self._written = None
         self._groups.clear()
@@ -475,17 +509,17 @@ class PendingUpdates:
 
     def rolled_back(self) -> bool:
         """Whether the pending updates were overwritten: the optimizer's state loaded and
-        every updated parameter written since, in place or by replacing its data (the
-        checkpoint the plain loop would restore and then drop its gradients, as
-        ``zero_grad()`` here)."""
+        every updated parameter written since, in place or by replacing its data for other
+        values (the checkpoint the plain loop would restore and then drop its gradients, as
+        ``zero_grad()`` here; data converted, which still holds the update, is not
+        restored)."""
         if not self._loaded:
             return False
         if self._written is not None:
             written = self._written.rewritten()
         else:
             written = list(map(operator.ne, [p._version for p in self._params], self._added))
-        replaced = map(operator.is_not, storages(self._params), self._storages)
-        return all(map(operator.or_, written, replaced))
+        return all(map(operator.or_, written, self._replaced()))
 
     def refuse_snapshot(self, what: str) -> None:
         """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)

@@ -1809,6 +1809,73 @@ def test_sam_restoring_weights_between_backward_and_step_refused(restore, match)
     assert_match(model, reference)
 
 
+def _conv_net() -> nn.Module:
+    """Convolutions without biases: every parameter 4-D, converted by ``memory_format``."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False),
+        nn.Tanh(),
+        nn.Conv2d(6, 4, 3, padding=1, bias=False),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
+
+
+def _conv_loss(net: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(2, 3, 5, 5, generator=g), torch.randn(2, 4, generator=g)
+    return nn.functional.mse_loss(net(x), y)
+
+
+def _to_channels_last(net: nn.Module) -> None:
+    net.to(memory_format=torch.channels_last)
+
+
+def _cloned(net: nn.Module) -> None:
+    for param in net.parameters():
+        param.data = param.data.clone()
+
+
+def _rounded(net: nn.Module) -> None:
+    net.half()
+    net.float()
+
+
+@pytest.mark.parametrize(
+    ("convert", "equal"),
+    [(_to_channels_last, True), (_cloned, True), (_rounded, False)],
+    ids=["channels_last", "p.data = p.data.clone()", "half() then float()"],
+)
+def test_data_swapped_for_equal_values_between_backward_and_step(convert, equal):
+    """A conversion that keeps every value (``model.to(memory_format=torch.channels_last)``,
+    ``p.data = p.data.clone()``) between backward and ``step()``: the plain optimizer steps the
+    converted weights, here the update was made before and the conversion copied it; the
+    update is elementwise, so both are the same. It was refused as data replaced (with the
+    check bypassed, 0.0 apart); equal now. A conversion that changes values (``half()`` then
+    ``float()`` rounds them) is still refused, the weights the converted ones; and such a
+    conversion with the optimizer's state loaded, then ``zero_grad()``, is no rollback: the
+    converted weights hold the update, the plain loop's those of before it."""
+    model, reference = _conv_net(), _conv_net()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(4):
+        for net, opt in ((model, optim), (reference, plain)):
+            _conv_loss(net, step).backward()
+            if step == 1:
+                convert(net)
+            if opt is optim and not equal and step == 1:
+                _refused_unmoved(net, "its data was replaced since by other values", opt.step)
+                return
+            opt.step()
+            opt.zero_grad()
+        assert_match(model, reference)
+    saved = copy.deepcopy(optim.state_dict())
+    _conv_loss(model, 4).backward()
+    convert(model)
+    optim.load_state_dict(copy.deepcopy(saved))
+    _refused_unmoved(model, r"zero_grad\(\) called while 2 parameter\(s\) hold", optim.zero_grad)
+
+
 def test_state_dict_between_backward_and_step_refused():
     """``torch.save(optim.state_dict(), path)`` between backward and ``step()``: the plain
     optimizer's state there is the state before this step's update, ours already holds it, so
