@@ -45,18 +45,6 @@ held gradients again in the plain optimizer: refused, seeing the freed gradients
 
 Updates made by ``step()`` itself are committed at once. Parameters are held strongly, and only
 until the next ``step()``: their identity, never a recycled ``id()``, names them.
-
-[Note: gradients kept as zeros]
-``zero_grad(set_to_none=False)`` leaves every gradient the plain optimizer holds in place, as
-zeros, and its next ``step()`` steps each of them, gradient or not: a parameter that got no
-gradient in the backward between (a branch not taken, an unrouted expert, a frozen layer that
-once trained) is stepped with zeros, which still moves it under weight decay, momentum or
-Adam's moments. Here its gradient was consumed in backward, so it holds none and would not
-move. So once ``zero_grad(set_to_none=False)`` was called, ``step()`` refuses, before it steps
-anything itself, when a parameter stepped since the last ``zero_grad()`` that dropped the
-gradients got none since the last ``step()``.
-A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is refused there
-(see [Note: freed gradients]).
 """
 
 from __future__ import annotations
@@ -79,7 +67,7 @@ from fused_optim_dist._torch_internals import (
     storages,
 )
 
-__all__ = ["KeptGradients", "PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
+__all__ = ["PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
 
 
 def describe(param: torch.Tensor) -> str:
@@ -583,48 +571,6 @@ class PendingUpdates:
         raise RuntimeError(
             f"zero_grad() called while {count} parameter(s) hold updates made in backward "
             f"with no optimizer.step() since. {cause}"
-        )
-
-
-class KeptGradients:
-    """The parameters the plain optimizer holds a gradient for: those stepped since the last
-    ``zero_grad()`` that set the gradients to ``None``; and whether ``zero_grad`` has kept them
-    as zeros since. See [Note: gradients kept as zeros]."""
-
-    __slots__ = ("_kept", "_params")
-
-    def __init__(self) -> None:
-        # id -> parameter, held so that the ids cannot be recycled.
-        self._params: dict[int, torch.Tensor] = {}
-        self._kept = False
-
-    def stepped(self, params: Iterable[torch.Tensor]) -> None:
-        for param in params:
-            self._params.setdefault(id(param), param)
-
-    def zeroed(self, set_to_none: bool) -> None:
-        """``zero_grad(set_to_none)``: the gradients kept as zeros, or dropped."""
-        if set_to_none:
-            self._params.clear()
-        self._kept = not set_to_none
-
-    def refuse_unstepped(self, stepping: Callable[[torch.Tensor], bool]) -> None:
-        """Raise if gradients were kept as zeros and one of them would be stepped by the plain
-        optimizer but not here (``stepping(param)``: whether this step updates ``param``)."""
-        if not self._kept:
-            return
-        missing = [param for param in self._params.values() if not stepping(param)]
-        if not missing:
-            return
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise RuntimeError(
-            f"{describe(missing[0])}{more} got no gradient since the last step(), but "
-            "zero_grad(set_to_none=False) kept a zero gradient on it, which a plain optimizer "
-            "steps: weight decay, momentum and Adam's moments still move it. This optimizer "
-            "consumed its gradient in backward, so it cannot. Call zero_grad() "
-            "(set_to_none=True, torch's default) instead: then a parameter without a gradient "
-            "is skipped by both. The updates this backward made cannot be undone: fix the "
-            "loop and restart from the last checkpoint."
         )
 
 
