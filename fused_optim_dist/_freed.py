@@ -11,19 +11,20 @@ nothing and returned 0; a kept zero gradient, which the plain optimizer steps, w
 nothing was summed).
 
 So a stepped parameter's ``.grad`` holds a ``FreedGradient`` instead, until ``zero_grad()``
-(ours or the module's, ``set_to_none=True``) drops it as any gradient: a tensor with the
-gradient's shape, dtype and device but no storage (a DTensor wrapping one, for a DTensor
-parameter), which raises, naming the fix, on any operation that would read it, zero it, or add
-to it. The next backward adds to it if nothing dropped it (autograd's ``AccumulateGrad`` runs
-``grad += new``, FSDP2's reduce-scatter ``grad._local_tensor += new``): that raises there,
-before the parameter moves, as a second gradient (no ``step()`` since), or as a gradient never
-zeroed since ``step()``. Conversions (``Module.to`` converting the gradients) give another
-freed gradient. Checks of ``p.grad is None`` see a gradient: it is one, as far as the plain
-loop is concerned; ``is_freed`` tells the two apart. ``step()`` reads them too: a parameter
-updated in backward whose freed gradient is gone by ``step()`` had its gradient dropped
-(``model.zero_grad()`` between backward and ``step()``, where the plain optimizer steps
-nothing), and freed gradients still in place at a ``step()`` with no backward since the last
-would be stepped a second time by the plain optimizer: both raise.
+(ours or the module's, ``set_to_none=True``) drops it as any gradient, or ours with
+``set_to_none=False`` puts a zero gradient in its place (see [Note: gradients kept as zeros]):
+a tensor with the gradient's shape, dtype and device but no storage (a DTensor wrapping one,
+for a DTensor parameter), which raises, naming the fix, on any operation that would read it,
+zero it, or add to it. The next backward adds to it if nothing dropped it (autograd's
+``AccumulateGrad`` runs ``grad += new``, FSDP2's reduce-scatter ``grad._local_tensor += new``):
+that raises there, before the parameter moves, as a second gradient (no ``step()`` since), or
+as a gradient never zeroed since ``step()``. Conversions (``Module.to`` converting the
+gradients) give another freed gradient. Checks of ``p.grad is None`` see a gradient: it is one,
+as far as the plain loop is concerned; ``is_freed`` tells the two apart. ``step()`` reads them
+too: a parameter updated in backward whose freed gradient is gone by ``step()`` had its
+gradient dropped (``model.zero_grad()`` between backward and ``step()``, where the plain
+optimizer steps nothing), and freed gradients still in place at a ``step()`` with no backward
+since the last would be stepped a second time by the plain optimizer: both raise.
 
 One freed gradient per parameter, made at its first release and reused while the ``.grad``
 setter accepts it (same dtype, device and size): a backward allocates nothing for them.
@@ -43,9 +44,9 @@ from torch.utils._pytree import tree_leaves
 __all__ = [
     "FreedGradient",
     "FreedGradients",
-    "drop_freed",
     "freed_hidden",
     "is_freed",
+    "keep_as_zeros",
     "refuse_freed",
 ]
 
@@ -153,11 +154,12 @@ def refuse_freed(param: torch.Tensor | None, operation: str, func: Any) -> NoRet
     if operation == "zero":
         raise RuntimeError(
             f"{what}: its gradient was stepped in backward and freed by "
-            "OptimizerInBackward, so it cannot be kept as zeros in place "
-            "(model.zero_grad(set_to_none=False) or .grad.zero_()): a plain optimizer would "
-            "step such a kept zero gradient even when the next backward gives the parameter "
-            "none, and this one could not. Call optim.zero_grad() (either set_to_none) or "
-            "model.zero_grad() (set_to_none=True, torch's default) instead."
+            "OptimizerInBackward, and holds no memory to zero in place "
+            "(model.zero_grad(set_to_none=False) or .grad.zero_()), where a plain optimizer "
+            "keeps a zero gradient that it steps even when the next backward gives the "
+            "parameter none. Call optim.zero_grad(set_to_none=False), which puts a zero "
+            "gradient in its place, or optim.zero_grad() or model.zero_grad() "
+            "(set_to_none=True, torch's default) instead."
         )
     if func is _UNSCALING:
         raise RuntimeError(
@@ -239,12 +241,36 @@ def _holds_own_freed(param: torch.Tensor, grad: torch.Tensor | None) -> bool:
     )
 
 
-def drop_freed(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Set ``.grad = None`` where ``grads`` (the parameters' ``.grad``) is a freed one."""
+def keep_as_zeros(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """For ``zero_grad(set_to_none=False)``: give each of ``params`` whose ``.grad`` (in
+    ``grads``) is a freed one a new gradient, uninitialised (the caller zeroes it with the
+    others), shaped and placed like the parameter.
+
+    [Note: gradients kept as zeros]
+    The plain ``zero_grad(set_to_none=False)`` keeps every gradient it holds, as zeros, and its
+    next ``step()`` steps each of them, gradient or not: a parameter that gets no gradient in
+    the backward between (a branch not taken, an unrouted expert) is stepped with zeros, which
+    still moves it under weight decay, momentum or Adam's moments. So a freed gradient becomes
+    a real zero gradient here too, holding the memory the plain loop holds until the
+    parameter is stepped. The next backward adds into it, as autograd (or FSDP2's
+    reduce-scatter) adds into the plain loop's, and the bucket steps the sum; a parameter it
+    does not reach still holds its zeros when the backward ends, where every trainable
+    parameter holding a gradient is stepped, in that backward's pass (its norm, its
+    clipping); ``step()`` with no backward steps them all. What the loop does with them in
+    between (``model.zero_grad()``, ``p.grad = None``, the parameter removed from
+    ``param_groups``) it does to real gradients, as in the plain loop: no bookkeeping of its
+    own can go stale. A frozen parameter holding its zeros (a layer frozen after training) is
+    refused where the next stepping backward starts: the plain optimizer steps it, this one
+    steps trainable parameters only. A module's ``zero_grad(set_to_none=False)`` meets the
+    freed gradients and is refused (see [Note: freed gradients])."""
     with torch._C.DisableTorchFunctionSubclass():
         for param, grad in zip(params, grads, strict=True):
             if grad is not None and is_freed(grad):
-                param.grad = None
+                if isinstance(param, DTensor):
+                    local = torch.empty_like(param._local_tensor)
+                    param.grad = DTensor(local, param._spec, requires_grad=False)
+                else:
+                    param.grad = torch.empty_like(param)
 
 
 @contextlib.contextmanager

@@ -25,11 +25,14 @@ loops would train differently without a word. Instead, the updates made in backw
   written values: ``step()`` raises, as it does when the loop dropped the gradients it would
   step (see [Note: freed gradients]). A write through ``.data`` moves no version counter and
   goes unseen;
-* at ``step()``, a parameter whose storage was swapped since its update (``p.data = backup``:
-  SAM's second step, an adversarial perturbation of the weights undone, ``module.half()``)
-  would be stepped by the plain optimizer from the new data; the update was written to the
-  old: ``step()`` raises (see [Note: data swapped by assignment] in
-  ``_torch_internals.py``);
+* at ``step()``, a parameter whose storage was swapped since its update for other values
+  (``p.data = backup``: SAM's second step, an adversarial perturbation of the weights undone,
+  ``module.half()``) would be stepped by the plain optimizer from the new data; the update
+  was written to the old: ``step()`` raises (see [Note: data swapped by assignment] in
+  ``_torch_internals.py``). A swap for equal values (``model.to(memory_format=
+  torch.channels_last)``, ``p.data = p.data.clone()``, a device round trip) carries the
+  update: the plain optimizer steps the same values, converted, and the update is
+  elementwise;
 * at ``step()``, a value of a group (``lr``, betas) changed since the updates were made (an LR
   set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
@@ -47,18 +50,6 @@ held gradients again in the plain optimizer: refused, seeing the freed gradients
 
 Updates made by ``step()`` itself are committed at once. Parameters are held strongly, and only
 until the next ``step()``: their identity, never a recycled ``id()``, names them.
-
-[Note: gradients kept as zeros]
-``zero_grad(set_to_none=False)`` leaves every gradient the plain optimizer holds in place, as
-zeros, and its next ``step()`` steps each of them, gradient or not: a parameter that got no
-gradient in the backward between (a branch not taken, an unrouted expert, a frozen layer that
-once trained) is stepped with zeros, which still moves it under weight decay, momentum or
-Adam's moments. Here its gradient was consumed in backward, so it holds none and would not
-move. So once ``zero_grad(set_to_none=False)`` was called, ``step()`` refuses, before it steps
-anything itself, when a parameter stepped since the last ``zero_grad()`` that dropped the
-gradients got none since the last ``step()``.
-A module's ``zero_grad(set_to_none=False)`` meets the freed gradients and is refused there
-(see [Note: freed gradients]).
 """
 
 from __future__ import annotations
@@ -74,9 +65,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fused_optim_dist._generators import GeneratorStates
-from fused_optim_dist._torch_internals import FSDPUnit, storages
+from fused_optim_dist._torch_internals import (
+    FSDPUnit,
+    held_values,
+    holds_values,
+    local_tensor,
+    storages,
+)
 
-__all__ = ["KeptGradients", "PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
+__all__ = ["PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
 
 
 def describe(param: torch.Tensor) -> str:
@@ -187,6 +184,20 @@ class _Written:
         return [self._params[i] for i in sorted(written)]
 
 
+def _carries(held: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``param``'s values (its local shard's) are those of ``held``, the alias of the
+    data its update was written into."""
+    local = local_tensor(param)
+    return (
+        held.dtype == local.dtype
+        and held.shape == local.shape
+        and held.device == local.device
+        and holds_values(held)
+        and holds_values(local)
+        and torch.equal(held, local)
+    )
+
+
 def _entries(params: list[torch.Tensor], state: dict[torch.Tensor, dict]) -> list[dict | None]:
     """Each parameter's state entry, or None; found by id, read off the state's keys (looking a
     parameter up hashes it in Python)."""
@@ -204,10 +215,10 @@ class PendingUpdates:
         "_draws",
         "_gathered",
         "_groups",
+        "_held",
         "_ids",
         "_loaded",
         "_params",
-        "_storages",
         "_unfinished",
         "_written",
     )
@@ -217,9 +228,10 @@ class PendingUpdates:
         # Each parameter's version counter when its update was made (before settle(), as a
         # backward that raised never settles).
         self._added: list[int] = []
-        # Each parameter's storage when its update was made. See [Note: data swapped by
-        # assignment] in ``_torch_internals.py``.
-        self._storages: list[object] = []
+        # An alias of each parameter's values when its update was made, holding the storage
+        # the update was written into. See [Note: data swapped by assignment] in
+        # ``_torch_internals.py``.
+        self._held: list[torch.Tensor] = []
         # id -> held in _params, so the ids cannot be recycled while they are here.
         self._ids: set[int] = set()
         # Whether an update belongs to a backward that raised before it finished.
@@ -251,7 +263,7 @@ class PendingUpdates:
                 new.append(param)
         self._params += new
         self._added += [param._version for param in new]
-        self._storages += storages(new)
+        self._held += held_values(new)
 
     def settle(
         self,
@@ -349,24 +361,34 @@ class PendingUpdates:
             "is made: restart from the last checkpoint."
         )
 
+    def _replaced(self) -> list[bool]:
+        """Whether each parameter's storage was swapped since its update for other values
+        (``p.data = backup``). A swap for the values the update was written into (a layout
+        conversion, ``p.data = p.data.clone()``, a device round trip) carries the update.
+        Values are compared only where a storage was swapped (a host sync on an
+        accelerator); a meta or fake tensor's, which cannot be read, count as other. See
+        [Note: data swapped by assignment] in ``_torch_internals.py``."""
+        swapped = list(map(operator.is_not, storages(self._params), storages(self._held)))
+        if not any(swapped):
+            return swapped
+        return [
+            was_swapped and not _carries(held, param)
+            for was_swapped, held, param in zip(swapped, self._held, self._params, strict=True)
+        ]
+
     def refuse_swapped(self) -> None:
         """Raise for ``step()`` when a parameter updated in backward had its storage swapped
-        since (``p.data = backup``). See [Note: data swapped by assignment] in
-        ``_torch_internals.py``."""
-        now = storages(self._params)
-        if not any(map(operator.is_not, now, self._storages)):
+        since for other values (``p.data = backup``); see :meth:`_replaced`."""
+        replaced = self._replaced()
+        if not any(replaced):
             return
-        swapped = [
-            param
-            for param, then, held in zip(self._params, self._storages, now, strict=True)
-            if then is not held
-        ]
+        swapped = [param for param, r in zip(self._params, replaced, strict=True) if r]
         more = f" (and {len(swapped) - 1} more)" if len(swapped) > 1 else ""
         raise RuntimeError(
             f"step(): {describe(swapped[0])}{more} was updated in backward, and its data was "
-            "replaced since (p.data = backup, or a module conversion such as .half(), between "
-            "backward and step()). A plain optimizer would step the new data with the "
-            "gradient; here the gradient was stepped in backward into the data that was "
+            "replaced since by other values (p.data = backup, or a module conversion such as "
+            ".half(), between backward and step()). A plain optimizer would step the new data "
+            "with the gradient; here the gradient was stepped in backward into the data that was "
             "replaced, so that update is lost. Replace parameters' data before backward or "
             "after step(). A loop that takes the gradient at perturbed weights and steps the "
             "restored ones (SAM's second step, AWP or FGM restoring the weights) needs the "
@@ -393,7 +415,7 @@ class PendingUpdates:
         """``step()``: the pending updates are the step's, as the plain optimizer's would be."""
         self._params.clear()
         self._added.clear()
-        self._storages.clear()
+        self._held.clear()
         self._ids.clear()
         self._written = None
         self._groups.clear()
@@ -522,17 +544,17 @@ class PendingUpdates:
 
     def rolled_back(self) -> bool:
         """Whether the pending updates were overwritten: the optimizer's state loaded and
-        every updated parameter written since, in place or by replacing its data (the
-        checkpoint the plain loop would restore and then drop its gradients, as
-        ``zero_grad()`` here)."""
+        every updated parameter written since, in place or by replacing its data for other
+        values (the checkpoint the plain loop would restore and then drop its gradients, as
+        ``zero_grad()`` here; data converted, which still holds the update, is not
+        restored)."""
         if not self._loaded:
             return False
         if self._written is not None:
             written = self._written.rewritten()
         else:
             written = list(map(operator.ne, [p._version for p in self._params], self._added))
-        replaced = map(operator.is_not, storages(self._params), self._storages)
-        return all(map(operator.or_, written, replaced))
+        return all(map(operator.or_, written, self._replaced()))
 
     def refuse_snapshot(self, what: str) -> None:
         """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)
@@ -596,48 +618,6 @@ class PendingUpdates:
         raise RuntimeError(
             f"zero_grad() called while {count} parameter(s) hold updates made in backward "
             f"with no optimizer.step() since. {cause}"
-        )
-
-
-class KeptGradients:
-    """The parameters the plain optimizer holds a gradient for: those stepped since the last
-    ``zero_grad()`` that set the gradients to ``None``; and whether ``zero_grad`` has kept them
-    as zeros since. See [Note: gradients kept as zeros]."""
-
-    __slots__ = ("_kept", "_params")
-
-    def __init__(self) -> None:
-        # id -> parameter, held so that the ids cannot be recycled.
-        self._params: dict[int, torch.Tensor] = {}
-        self._kept = False
-
-    def stepped(self, params: Iterable[torch.Tensor]) -> None:
-        for param in params:
-            self._params.setdefault(id(param), param)
-
-    def zeroed(self, set_to_none: bool) -> None:
-        """``zero_grad(set_to_none)``: the gradients kept as zeros, or dropped."""
-        if set_to_none:
-            self._params.clear()
-        self._kept = not set_to_none
-
-    def refuse_unstepped(self, stepping: Callable[[torch.Tensor], bool]) -> None:
-        """Raise if gradients were kept as zeros and one of them would be stepped by the plain
-        optimizer but not here (``stepping(param)``: whether this step updates ``param``)."""
-        if not self._kept:
-            return
-        missing = [param for param in self._params.values() if not stepping(param)]
-        if not missing:
-            return
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise RuntimeError(
-            f"{describe(missing[0])}{more} got no gradient since the last step(), but "
-            "zero_grad(set_to_none=False) kept a zero gradient on it, which a plain optimizer "
-            "steps: weight decay, momentum and Adam's moments still move it. This optimizer "
-            "consumed its gradient in backward, so it cannot. Call zero_grad() "
-            "(set_to_none=True, torch's default) instead: then a parameter without a gradient "
-            "is skipped by both. The updates this backward made cannot be undone: fix the "
-            "loop and restart from the last checkpoint."
         )
 
 

@@ -110,7 +110,9 @@ Everything else in the package uses public APIs. What this module relies on, for
   only the wrapper's metadata: the local shard, which DTensor's ops read and write, keeps its
   object, storage and values, for the plain optimizer alike. A write through ``.data``
   (``p.data.copy_(other)``) keeps the storage, and ``.data`` has a version counter of its
-  own: it is not seen.
+  own: it is not seen. The swapped-out storage lives on while something holds it, but
+  ``set_data`` rewrites ``p``'s dtype, sizes, strides and offset in place: what it held can
+  be read only through an alias taken before (``detach()``, which keeps them).
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
@@ -150,6 +152,8 @@ __all__ = [
     "fsdp_sync_off",
     "fsdp_units",
     "global_step_pre_hooks",
+    "held_values",
+    "holds_values",
     "local_tensor",
     "observes_only",
     "placed_alike",
@@ -341,6 +345,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor object itself, not an alias); ``tensor``
     otherwise."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def held_values(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A detached alias of each tensor's values (its local shard's, for a DTensor): it holds
+    the storage, so that :func:`storages` of the aliases against the tensors' tells later
+    whether ``.data =`` swapped it, and reads what the swapped-out storage holds. See [Note:
+    data swapped by assignment]. The tensor itself for one that has no storage (a wrapper
+    subclass), which is then never found swapped."""
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    return [t.detach() if torch._C._has_storage(t) else t for t in local]
 
 
 def storages(tensors: Sequence[torch.Tensor]) -> list[object]:

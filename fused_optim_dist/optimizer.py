@@ -22,13 +22,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fused_optim_dist._class_state import instance_attrs
 from fused_optim_dist._classes import GROUP_CLASS_KEY, ClassSteppers, class_path
 from fused_optim_dist._engine import BackwardPass, autocast_enabled
-from fused_optim_dist._freed import FreedGradients, Refusal, drop_freed, is_freed, refuse_freed
+from fused_optim_dist._freed import FreedGradients, Refusal, is_freed, keep_as_zeros, refuse_freed
 from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, keeps_state_per_parameter, stepping_of
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
 from fused_optim_dist._protocol import (
-    KeptGradients,
     PendingUpdates,
     StaleCopies,
     describe,
@@ -362,8 +361,6 @@ class OptimizerInBackward(Optimizer):
         self._ever_arrived = False
         # Updates made in backward since the last step(). See [Note: the step protocol].
         self._pending = PendingUpdates()
-        # Gradients the plain optimizer would hold. See [Note: gradients kept as zeros].
-        self._kept = KeptGradients()
         # Whether a backward stepped since the last step().
         self._stepped_since_step = False
         # The state entries there were at the last step() or load (see _order_new_state).
@@ -632,8 +629,10 @@ class OptimizerInBackward(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; with ``set_to_none`` (the default), without
-        its per-parameter ``__torch_function__`` lookups. Freed gradients are dropped either
-        way (see [Note: freed gradients])."""
+        its per-parameter ``__torch_function__`` lookups. Freed gradients (see [Note: freed
+        gradients]) are dropped, or, with ``set_to_none=False``, replaced by the zero
+        gradients the plain optimizer keeps, which hold the memory it holds (see [Note:
+        gradients kept as zeros])."""
         if self._pending:
             # See [Note: the step protocol].
             if self._pending.rolled_back():
@@ -649,12 +648,11 @@ class OptimizerInBackward(Optimizer):
             # step it jointly): nothing moved, and the loop drops the gradients, as the plain
             # loop skipping the batch does; step() must not step them.
             self._pass = None
-        self._kept.zeroed(set_to_none)
         params = [p for group in self.param_groups for p in group["params"]]
         if not set_to_none:
-            # Freed gradients are dropped, the rest kept as zeros: see [Note: gradients kept
-            # as zeros] for what the plain optimizer would step.
-            drop_freed(params, read_grads(params))
+            # Freed gradients become the zero gradients the plain optimizer keeps: see [Note:
+            # gradients kept as zeros].
+            keep_as_zeros(params, read_grads(params))
             super().zero_grad(set_to_none=False)
         else:
             drop_grads(
@@ -752,9 +750,6 @@ class OptimizerInBackward(Optimizer):
             for p, grad in zip(plan.trainable, grads, strict=True)
             if grad is not None and not is_freed(grad)
         ]
-        ready_ids = {id(p) for p in ready}
-        self._kept.refuse_unstepped(lambda p: self._pending.holds(p) or id(p) in ready_ids)
-        self._kept.stepped([*self._pending.params(), *ready])
         if ready:
             self._ever_arrived = True
             if self._creates_state_only(plan, ready):
@@ -959,10 +954,11 @@ class OptimizerInBackward(Optimizer):
         if frozen:
             raise RuntimeError(
                 f"{when}: {describe(frozen[0])} is frozen (requires_grad=False) but holds a "
-                "gradient (set by hand, or kept from before it was frozen or added, as under "
-                "accumulate() by a layer frozen between micro-batches): a plain optimizer "
-                "steps every parameter holding one; this one steps the trainable parameters "
-                "only. Drop it (optim.zero_grad(), or p.grad = None) or unfreeze the "
+                "gradient (set by hand, kept as zeros by zero_grad(set_to_none=False), or kept "
+                "from before it was frozen or added, as under accumulate() by a layer frozen "
+                "between micro-batches): a plain optimizer steps every parameter holding one; "
+                "this one steps the trainable parameters only. Drop it (optim.zero_grad() with "
+                "set_to_none=True, torch's default, or p.grad = None) or unfreeze the "
                 f"parameter before {when}."
             )
 

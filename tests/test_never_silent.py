@@ -1266,54 +1266,74 @@ def test_parameter_swap_is_hooked_from_the_next_backward():
     assert_match(model, reference)
 
 
-def test_zero_gradients_kept_for_a_parameter_without_one_refused():
-    """``zero_grad(set_to_none=False)``, then a backward that gives a block no gradient (it
-    was frozen after training; a branch not taken is alike): the plain optimizer steps it with
-    its kept zero gradient, and AdamW moves it; refused at that ``step()``. See [Note:
-    gradients kept as zeros]."""
-    model, reference, optim, plain = _adamw_loops(sharded=False)
-    for net, opt in ((model, optim), (reference, plain)):
-        loss_fn(net, *_x(0)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        net.layers[2].requires_grad_(False)
-        loss_fn(net, *_x(1)).backward()
-    before = _snapshot(reference)
-    plain.step()
-    assert not torch.equal(reference.layers[2].up.weight, before["layers.2.up.weight"])
-    with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\) kept a zero"):
-        optim.step()
-    # A step() with no backward steps every kept zero gradient in the plain optimizer.
-    model, _ = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    loss_fn(model, *_x(0)).backward()
-    optim.step()
-    optim.zero_grad(set_to_none=False)
-    with pytest.raises(RuntimeError, match=r"got no gradient since the last step\(\)"):
-        optim.step()
+def _branching(model: nn.Module) -> nn.Module:
+    """``model`` whose forward leaves out block ``model.skip`` if set (a branch not taken: its
+    parameters get no gradient); the forward replaced on the instance, so FSDP2's hooks on
+    the root still run."""
+    model.skip = None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.inp(x)
+        for index, layer in enumerate(model.layers):
+            if index != model.skip:
+                h = layer(h)
+        return model.head(h)
+
+    model.forward = forward
+    return model
 
 
 def _kept_zero_gradients_body(sharded: bool = False) -> None:
-    """``zero_grad(set_to_none=False)`` in a loop where every parameter gets a gradient, and
-    ``zero_grad()`` before a block is frozen: as the plain optimizer (on the same FSDP2 model
-    when ``sharded``). Then kept zero gradients and the block frozen: refused on every rank."""
+    """``optim.zero_grad(set_to_none=False)`` in the loop, against the plain loop (on the same
+    FSDP2 model when ``sharded``). The plain optimizer keeps zero gradients and steps them,
+    gradient or not: a block its backward does not reach (a branch not taken) is still moved
+    by AdamW's weight decay and moments, and a ``step()`` with no backward moves every
+    parameter. Here the kept zeros are real gradients too, so both train alike, and so does
+    a loop that drops them in between (``model.zero_grad()``, the module's
+    ``set_to_none=True``; ``p.grad = None``; a parameter removed from ``param_groups``): each
+    was refused at the next ``step()`` as a kept zero not stepped, after the other
+    parameters had moved (1.0e-2), as if the plain optimizer held one. A block frozen after
+    training, holding its kept zeros, which the plain optimizer steps and this one cannot,
+    was refused at ``step()`` after the backward had moved the others (1.0e-2): now where
+    that backward starts, before anything moves. See [Note: gradients kept as zeros]."""
     model, reference, optim, plain = _adamw_loops(sharded)
-    for step in range(5):
-        for net, opt in ((model, optim), (reference, plain)):
-            net.layers[2].requires_grad_(step != 3)
+    loops = ((_branching(model), optim), (_branching(reference), plain))
+    for step in range(6):
+        for net, opt in loops:
+            net.skip = 2 if step in (2, 4, 5) else None
             loss_fn(net, *_x(step, sharded)).backward()
             opt.step()
-            opt.zero_grad(set_to_none=step in (0, 2, 3))
+            if step == 1:
+                net.zero_grad()
+            else:
+                opt.zero_grad(set_to_none=False)
+            if step == 3:
+                for param in net.layers[1].parameters():
+                    param.grad = None
+            if step == 4:
+                opt.param_groups[0]["params"] = [
+                    p for p in opt.param_groups[0]["params"] if p is not net.head.bias
+                ]
         assert_match(model, reference)
-    for net in (model, reference):
+    for opt in (optim, plain):
+        opt.step()  # no backward: every kept zero gradient is stepped
+    assert_match(model, reference)
+    for net, opt in loops:
+        opt.zero_grad(set_to_none=False)
+        net.skip = None
         net.layers[2].requires_grad_(False)
-        loss_fn(net, *_x(5, sharded)).backward()
+    before = _snapshot(reference)
+    loss_fn(reference, *_x(6, sharded)).backward()
     plain.step()
-    with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\) kept a zero"):
-        optim.step()
+    assert not torch.equal(full(reference.layers[2].up.weight), before["layers.2.up.weight"])
+    _refused_unmoved(
+        model,
+        r"backward\(\): .* is frozen .* kept as zeros by zero_grad\(set_to_none=False\)",
+        lambda: loss_fn(model, *_x(6, sharded)).backward(),
+    )
 
 
-def test_zero_gradients_kept_equal_plain_where_every_parameter_gets_one():
+def test_zero_gradients_kept_as_plain():
     _kept_zero_gradients_body()
 
 
@@ -1807,6 +1827,73 @@ def test_sam_restoring_weights_between_backward_and_step_refused(restore, match)
     _sam(model, optim, range(3), restore, held=True)
     _sam(reference, plain, range(3), restore, held=False)
     assert_match(model, reference)
+
+
+def _conv_net() -> nn.Module:
+    """Convolutions without biases: every parameter 4-D, converted by ``memory_format``."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False),
+        nn.Tanh(),
+        nn.Conv2d(6, 4, 3, padding=1, bias=False),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
+
+
+def _conv_loss(net: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(2, 3, 5, 5, generator=g), torch.randn(2, 4, generator=g)
+    return nn.functional.mse_loss(net(x), y)
+
+
+def _to_channels_last(net: nn.Module) -> None:
+    net.to(memory_format=torch.channels_last)
+
+
+def _cloned(net: nn.Module) -> None:
+    for param in net.parameters():
+        param.data = param.data.clone()
+
+
+def _rounded(net: nn.Module) -> None:
+    net.half()
+    net.float()
+
+
+@pytest.mark.parametrize(
+    ("convert", "equal"),
+    [(_to_channels_last, True), (_cloned, True), (_rounded, False)],
+    ids=["channels_last", "p.data = p.data.clone()", "half() then float()"],
+)
+def test_data_swapped_for_equal_values_between_backward_and_step(convert, equal):
+    """A conversion that keeps every value (``model.to(memory_format=torch.channels_last)``,
+    ``p.data = p.data.clone()``) between backward and ``step()``: the plain optimizer steps the
+    converted weights, here the update was made before and the conversion copied it; the
+    update is elementwise, so both are the same. It was refused as data replaced (with the
+    check bypassed, 0.0 apart); equal now. A conversion that changes values (``half()`` then
+    ``float()`` rounds them) is still refused, the weights the converted ones; and such a
+    conversion with the optimizer's state loaded, then ``zero_grad()``, is no rollback: the
+    converted weights hold the update, the plain loop's those of before it."""
+    model, reference = _conv_net(), _conv_net()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(4):
+        for net, opt in ((model, optim), (reference, plain)):
+            _conv_loss(net, step).backward()
+            if step == 1:
+                convert(net)
+            if opt is optim and not equal and step == 1:
+                _refused_unmoved(net, "its data was replaced since by other values", opt.step)
+                return
+            opt.step()
+            opt.zero_grad()
+        assert_match(model, reference)
+    saved = copy.deepcopy(optim.state_dict())
+    _conv_loss(model, 4).backward()
+    convert(model)
+    optim.load_state_dict(copy.deepcopy(saved))
+    _refused_unmoved(model, r"zero_grad\(\) called while 2 parameter\(s\) hold", optim.zero_grad)
 
 
 def test_state_dict_between_backward_and_step_refused():
