@@ -596,3 +596,45 @@ def test_accelerate_frozen_submodule_prepared_alone_is_not_a_second_model():
     (ours, ours_norms), (plain, plain_norms) = _frozen_encoder_run(True), _frozen_encoder_run(False)
     assert (ours - plain).abs().max().item() < PARITY_ATOL
     torch.testing.assert_close(ours_norms, plain_norms, rtol=NORM_RTOL, atol=0)
+
+
+def _no_sync_run(in_backward: bool, calls: str) -> dict[str, torch.Tensor]:
+    """accelerate's manual accumulation (``Accelerator.no_sync``'s own example): two
+    micro-batches a step, the first's backward inside ``accelerator.no_sync(model)``, on one
+    process. ``calls``: the backward ours calls, as in :func:`_loop`."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = tiny_llama()
+        if in_backward:
+            optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+            model, optim, loader = prepare(accelerator, model, optim, _loader())
+        else:
+            optim = torch.optim.AdamW(model.parameters(), lr=LR)
+            model, optim, loader = accelerator.prepare(model, optim, _loader())
+        batches = iter(loader)
+
+        def backward_of_next() -> None:
+            loss = model(**next(batches)).loss
+            if calls == "backward" and in_backward:
+                backward(accelerator, loss, optim)
+            elif calls == "loss.backward":
+                loss.backward()
+            else:
+                accelerator.backward(loss)
+
+        for _ in range(2):
+            with accelerator.no_sync(model):
+                backward_of_next()
+            backward_of_next()
+            optim.step()
+            optim.zero_grad()
+        return full_params(model)
+
+
+@pytest.mark.parametrize("calls", ["accelerator.backward", "backward", "loss.backward"])
+def test_accelerate_manual_accumulation_under_no_sync(calls):
+    """A backward inside ``accelerator.no_sync(model)`` only accumulates, on one process too
+    (where accelerate's ``no_sync`` does nothing and ``sync_gradients`` stays true): the first
+    micro-batch was stepped in backward and the second refused after every parameter had
+    moved. As plain now."""
+    assert max_difference(_no_sync_run(True, calls), _no_sync_run(False, calls)) < PARITY_ATOL

@@ -319,7 +319,12 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
     accelerate loop written for a plain optimizer, ``accelerator.backward(loss)`` (or
     accelerate's own example, ``loss.backward()``) inside ``accelerator.accumulate(model)``,
     then sums them, where it stepped the first micro-batch in backward (1.0e-2 moved before
-    the second was refused).
+    the second was refused). Any backward inside ``accelerator.no_sync(model)`` (accelerate's
+    manual accumulation: ``with accelerator.no_sync(model): accelerator.backward(loss_a)``,
+    then ``accelerator.backward(loss_b); optim.step()``) runs under ``accumulate()`` too: on
+    one process ``no_sync`` does nothing and ``sync_gradients`` stays true, so the first
+    micro-batch was stepped in backward and the second refused after every parameter had
+    moved 1.0e-2.
 
     The optimizers are looked up at each call, not kept: after ``accelerator.free_memory()``
     an optimizer the loop deleted is gone (kept, it stayed live, and a new one on the same
@@ -328,6 +333,7 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
         return
     original_backward = accelerator.backward
     original_accumulate = accelerator.accumulate
+    original_no_sync = accelerator.no_sync
 
     @functools.wraps(original_backward)
     def backward(loss: torch.Tensor, **kwargs: Any) -> None:
@@ -351,9 +357,21 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
         ):
             yield
 
+    @functools.wraps(original_no_sync)
+    @contextlib.contextmanager
+    def no_sync(model: nn.Module) -> Iterator[None]:
+        # Every backward inside only accumulates, on any distributed type: on one process
+        # accelerate's no_sync does nothing and sync_gradients stays true.
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(original_no_sync(model))
+            for optimizer in _in_backward_optimizers(accelerator):
+                stack.enter_context(optimizer.accumulate())
+            yield
+
     setattr(backward, _WRAPPED, True)
     accelerator.backward = backward  # type: ignore[method-assign]
     accelerator.accumulate = accumulate  # type: ignore[method-assign]
+    accelerator.no_sync = no_sync  # type: ignore[method-assign]
 
 
 def hook_swapped_parameters(optimizer: Optimizer) -> None:
