@@ -1032,6 +1032,42 @@ def test_trainer_jit_checkpoint_between_backward_and_step_is_refused(tmp_path, s
     assert not any(path.suffix == ".safetensors" for path in checkpoint.iterdir())
 
 
+def _two_stages(trainer_cls: type, out: Path) -> tuple[dict[str, torch.Tensor], float]:
+    """Two-stage fine-tuning with a Trainer each, the first kept: the head with the body
+    frozen, then everything; then the first evaluates and trains the head again. The
+    parameters, and the first Trainer's last evaluation loss."""
+    with accelerate_on_cpu():
+        model = tiny_llama()
+        model.requires_grad_(False)
+        model.lm_head.requires_grad_(True)
+        head_trainer = trainer_cls(
+            model=model, args=_args(out / "head"), train_dataset=TokenDataset()
+        )
+        head_trainer.train()
+        model.requires_grad_(True)
+        full_trainer = trainer_cls(
+            model=model, args=_args(out / "full", learning_rate=3e-3), train_dataset=TokenDataset()
+        )
+        full_trainer.train()
+        model.requires_grad_(False)
+        model.lm_head.requires_grad_(True)
+        head_trainer.train()
+        loss = head_trainer.evaluate(TokenDataset())["eval_loss"]
+        return full_params(model), loss
+
+
+def test_trainer_two_stages_on_one_model(tmp_path):
+    """A second Trainer on the model while the first is still referenced: the first's optimizer
+    kept its hooks on the head after its ``train()``, and the second was refused at its
+    ``train()`` as another live optimizer in backward (nothing moved). ``train()`` now
+    detaches its optimizer when it ends and attaches it when training begins again (see
+    [Note: an idle Trainer holds no hooks]): as plain, the first Trainer trained again too."""
+    ours, ours_loss = _two_stages(in_backward_trainer(transformers.Trainer), tmp_path / "ours")
+    plain, plain_loss = _two_stages(transformers.Trainer, tmp_path / "plain")
+    assert max_difference(ours, plain) < PARITY_ATOL
+    assert ours_loss == pytest.approx(plain_loss, rel=1e-6)
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 

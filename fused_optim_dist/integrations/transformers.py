@@ -64,7 +64,6 @@ from fused_optim_dist.integrations.accelerate import (
     _refuse_other_parameters,
     _unless_syncing,
     check_accelerator,
-    hook_swapped_parameters,
     in_backward_optimizer,
 )
 from fused_optim_dist.optimizer import OptimizerInBackward, in_backward
@@ -297,11 +296,13 @@ _TRAINER_OUTSIDE_FIX = (
 
 
 class _HookSwappedParameters(TrainerCallback):
-    """Trainer builds the optimizer before ``accelerator.prepare``, whose FSDP2 path replaces
-    its parameters: hook the new ones before step 1 (Trainer has zeroed the gradients)."""
+    """Hook the optimizer's parameters before step 1 (Trainer has zeroed the gradients): again
+    after the last ``train()`` detached them (see [Note: an idle Trainer holds no hooks]), and
+    the new ones where ``accelerator.prepare``'s FSDP2 path replaced them (Trainer builds the
+    optimizer before it)."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        hook_swapped_parameters(kwargs["optimizer"])
+        in_backward_optimizer(kwargs["optimizer"]).attach()
         # Trainer clips over model.parameters(): its norm, bit for bit, where one bucket.
         in_backward_optimizer(kwargs["optimizer"]).set_norm_order(kwargs["model"].parameters())
 
@@ -380,6 +381,24 @@ class InBackwardTrainerMixin:
                 self.optimizer_cls_and_kwargs = given
         self._in_backward_optimizer(self.optimizer)
         return self.optimizer
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train()``, its optimizer detached from the parameters when it ends.
+
+        [Note: an idle Trainer holds no hooks]
+        A Trainer's optimizer steps its parameters in backward only while that Trainer trains:
+        ``train()`` detaches it (:meth:`~fused_optim_dist.OptimizerInBackward.detach`, state
+        kept) however it ends, and the next ``train()`` attaches it again at
+        ``on_train_begin``. A second Trainer on the same model (two-stage fine-tuning: the
+        head with the body frozen, then everything), built while the first is still
+        referenced, was refused at its ``train()`` as a second optimizer in backward on the
+        head's parameters, which the plain Trainer runs.
+        """
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.optimizer is not None:
+                in_backward_optimizer(self.optimizer).detach()
 
     def training_step(
         self,
