@@ -333,6 +333,9 @@ class InBackwardTrainerMixin:
         if self.optimizer is not None:
             self._in_backward_optimizer(self.optimizer)
         self.add_callback(_HookSwappedParameters())
+        # See [Note: auto_find_batch_size's retry].
+        self._in_backward_attempt = 0
+        self._in_backward_step_error: Exception | None = None
 
     # Names prefixed `_in_backward_`: the mixin shares the namespace of any Trainer subclass.
     def _in_backward_check_accelerator(self) -> None:
@@ -394,6 +397,7 @@ class InBackwardTrainerMixin:
         referenced, was refused at its ``train()`` as a second optimizer in backward on the
         head's parameters, which the plain Trainer runs.
         """
+        self._in_backward_attempt = 0
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -411,7 +415,50 @@ class InBackwardTrainerMixin:
         calls ``loss.backward()`` itself, not ``accelerator.backward``, accumulates too (see
         [Note: Trainer's backward])."""
         with _unless_syncing(self.accelerator, self._in_backward_optimizer(self.optimizer)):
-            return super().training_step(model, inputs, num_items_in_batch)
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            except Exception as e:
+                self._in_backward_step_error = e  # for the message of a retry's refusal
+                raise
+
+    def _update_auto_batch_size(self, batch_size: int) -> None:
+        """Trainer's set-up of each attempt of ``auto_find_batch_size``, refused on a retry
+        after updates were made in backward.
+
+        [Note: auto_find_batch_size's retry]
+        accelerate's ``find_executable_batch_size`` runs Trainer's training loop again with a
+        smaller batch after an out-of-memory error; the plain Trainer then starts from the
+        weights it had (the failed step's gradients are discarded by ``model.zero_grad()``).
+        An error in backward comes after the buckets whose gradients were complete were
+        stepped (the layers above the one that ran out, every FSDP2 unit reduced before it):
+        those updates cannot be undone, and the retry would train from other weights (it
+        raised at its first backward, naming a missing ``step()``; 1.0e-2 moved). Refused
+        here, before the retry trains. An error in forward, or in a backward that stepped
+        nothing yet (one bucket: stepped at its end), leaves no update, and the retry runs.
+
+        Raises:
+            RuntimeError: on a retry while updates made in backward await ``step()``.
+        """
+        retry = self._in_backward_attempt > 0
+        self._in_backward_attempt += 1
+        if retry and self.optimizer is not None:
+            pending = in_backward_optimizer(self.optimizer)._pending
+            if pending:
+                # The error's type only: its message (" out of memory.") in this one would make
+                # find_executable_batch_size take it for another out-of-memory error and retry.
+                error = self._in_backward_step_error
+                raise RuntimeError(
+                    "auto_find_batch_size would retry with batch size "
+                    f"{batch_size} after an out-of-memory error ({type(error).__name__}) in "
+                    f"step {self.state.global_step + 1}'s backward, but that backward had already "
+                    f"updated {len(pending.params())} parameter(s), and these updates "
+                    "cannot be undone: the plain Trainer retries from the weights of before "
+                    "that step, this one would train from others. The retry was not started. "
+                    "Restart from the last checkpoint (or from the start), with "
+                    "per_device_train_batch_size set to a size that fits (find it with the "
+                    "plain optimizer and auto_find_batch_size, or by trying smaller sizes)"
+                ) from error
+        super()._update_auto_batch_size(batch_size)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator (built in ``__init__``, again for each hyperparameter-search
