@@ -419,6 +419,11 @@ class OptimizerInBackward(Optimizer):
         plan = self._plan = BucketPlan(self.param_groups, self.options.plain_bucket_numel)
         # History of buckets this plan no longer has must not be predicted to come.
         self._gradients.keep_history_of([bucket.key for bucket in plan.buckets])
+        self._hook_new(plan)
+        return plan
+
+    def _hook_new(self, plan: BucketPlan) -> None:
+        """Hook the trainable parameters of ``plan`` not hooked yet, unless detached."""
         new = [p for p in plan.trainable if p not in self._hooked]
         if new and not self._detached:
             self._check_not_driven_elsewhere(new)
@@ -429,7 +434,6 @@ class OptimizerInBackward(Optimizer):
                 self._hooked[param] = True
                 self._hook_ids[id(param)] = handle.id
                 _OWNERS[param] = weakref.ref(self)
-        return plan
 
     def _new_pass(self, backward_id: int | None, *, record: bool = True) -> BackwardPass:
         return BackwardPass(
@@ -1222,6 +1226,18 @@ class OptimizerInBackward(Optimizer):
             for param in group["params"]:
                 if _owner(param) is self:
                     del _OWNERS[param]
+
+    def attach(self) -> None:
+        """Hook the parameters again after :meth:`detach`, stepping nothing: backward steps
+        them in backward again from the next backward on. For an owner that hands its
+        parameters back and forth (a Trainer detaches its optimizer when ``train()`` returns,
+        so that an idle Trainer does not hold them, and attaches it when training begins).
+
+        Raises:
+            ValueError: if another live ``OptimizerInBackward`` steps one of them in backward.
+        """
+        self._detached = False
+        self._hook_new(self._current_plan())
 
     # ------------------------------------------------------------------ the backward path
 

@@ -1032,6 +1032,114 @@ def test_trainer_jit_checkpoint_between_backward_and_step_is_refused(tmp_path, s
     assert not any(path.suffix == ".safetensors" for path in checkpoint.iterdir())
 
 
+def _two_stages(trainer_cls: type, out: Path) -> tuple[dict[str, torch.Tensor], float]:
+    """Two-stage fine-tuning with a Trainer each, the first kept: the head with the body
+    frozen, then everything; then the first evaluates and trains the head again. The
+    parameters, and the first Trainer's last evaluation loss."""
+    with accelerate_on_cpu():
+        model = tiny_llama()
+        model.requires_grad_(False)
+        model.lm_head.requires_grad_(True)
+        head_trainer = trainer_cls(
+            model=model, args=_args(out / "head"), train_dataset=TokenDataset()
+        )
+        head_trainer.train()
+        model.requires_grad_(True)
+        full_trainer = trainer_cls(
+            model=model, args=_args(out / "full", learning_rate=3e-3), train_dataset=TokenDataset()
+        )
+        full_trainer.train()
+        model.requires_grad_(False)
+        model.lm_head.requires_grad_(True)
+        head_trainer.train()
+        loss = head_trainer.evaluate(TokenDataset())["eval_loss"]
+        return full_params(model), loss
+
+
+def test_trainer_two_stages_on_one_model(tmp_path):
+    """A second Trainer on the model while the first is still referenced: the first's optimizer
+    kept its hooks on the head after its ``train()``, and the second was refused at its
+    ``train()`` as another live optimizer in backward (nothing moved). ``train()`` now
+    detaches its optimizer when it ends and attaches it when training begins again (see
+    [Note: an idle Trainer holds no hooks]): as plain, the first Trainer trained again too."""
+    ours, ours_loss = _two_stages(in_backward_trainer(transformers.Trainer), tmp_path / "ours")
+    plain, plain_loss = _two_stages(transformers.Trainer, tmp_path / "plain")
+    assert max_difference(ours, plain) < PARITY_ATOL
+    assert ours_loss == pytest.approx(plain_loss, rel=1e-6)
+
+
+class _OutOfMemoryOnce:
+    """A tiny Llama that runs out of memory once, in the first batch of 4 examples (the
+    first attempt of ``auto_find_batch_size``): in the forward of its embedding, or in the
+    backward, at the embedding output's gradient, after the layers and the head had theirs.
+    ``weights``: the parameters when the error was raised."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    def model(self) -> nn.Module:
+        model = tiny_llama()
+        model.model.embed_tokens.register_forward_hook(self._hook)
+        self.model_ = model
+        return model
+
+    def _raise(self, *_: Any) -> None:
+        self.weights = full_params(self.model_)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def _hook(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if output.shape[0] != 4 or self.weights is not None:
+            return
+        if self.where == "forward":
+            self._raise()
+        output.register_hook(self._raise)
+
+
+def _adamw_in_buckets(model: nn.Module) -> torch.optim.Optimizer:
+    """Several buckets, stepped one by one in backward, as FSDP2 units are."""
+    return OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, bucket_numel=600
+    )
+
+
+def _out_of_memory_run(trainer_cls: type, oom: _OutOfMemoryOnce, out: Path) -> dict:
+    """``auto_find_batch_size`` from 4 examples, the first attempt out of memory."""
+    in_backward_ = issubclass(trainer_cls, InBackwardTrainerMixin)
+    return _train(
+        trainer_cls,
+        out,
+        optimizer=_adamw_in_buckets if in_backward_ else _adamw,
+        model_fn=oom.model,
+        auto_find_batch_size=True,
+        per_device_train_batch_size=4,
+    )
+
+
+def test_trainer_auto_find_batch_size_after_an_out_of_memory_error_in_forward(tmp_path):
+    """Out of memory in forward: nothing was updated, and the retry with a smaller batch
+    trains as plain's."""
+    ours_cls = in_backward_trainer(transformers.Trainer)
+    ours = _out_of_memory_run(ours_cls, _OutOfMemoryOnce("forward"), tmp_path / "ours")
+    plain = _out_of_memory_run(transformers.Trainer, _OutOfMemoryOnce("forward"), tmp_path / "p")
+    assert len(plain["norms"]) == STEPS
+    assert max_difference(ours["params"], plain["params"]) < PARITY_ATOL
+
+
+def test_trainer_auto_find_batch_size_after_updates_in_backward_is_refused(tmp_path):
+    """Out of memory in backward, after buckets were stepped: the plain Trainer retries from
+    the weights of before the step; ours had updated those buckets (which cannot be undone),
+    and the retry raised at its first backward, naming a missing ``step()`` (1.0e-2 moved).
+    Refused at the retry, before it trains: the weights are those of the error. See
+    [Note: auto_find_batch_size's retry]."""
+    plain = _out_of_memory_run(transformers.Trainer, _OutOfMemoryOnce("backward"), tmp_path / "p")
+    assert len(plain["norms"]) == STEPS  # the plain Trainer retried and trained
+    oom = _OutOfMemoryOnce("backward")
+    with pytest.raises(RuntimeError, match=r"OutOfMemoryError.*cannot be undone.*not started"):
+        _out_of_memory_run(in_backward_trainer(transformers.Trainer), oom, tmp_path / "ours")
+    assert max_difference(full_params(oom.model_), oom.weights) == 0
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 

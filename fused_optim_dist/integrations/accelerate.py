@@ -319,7 +319,26 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
     accelerate loop written for a plain optimizer, ``accelerator.backward(loss)`` (or
     accelerate's own example, ``loss.backward()``) inside ``accelerator.accumulate(model)``,
     then sums them, where it stepped the first micro-batch in backward (1.0e-2 moved before
-    the second was refused).
+    the second was refused). Any backward inside ``accelerator.no_sync(model)`` (accelerate's
+    manual accumulation: ``with accelerator.no_sync(model): accelerator.backward(loss_a)``,
+    then ``accelerator.backward(loss_b); optim.step()``) runs under ``accumulate()`` too: on
+    one process ``no_sync`` does nothing and ``sync_gradients`` stays true, so the first
+    micro-batch was stepped in backward and the second refused after every parameter had
+    moved 1.0e-2.
+
+    [Note: accelerate's no_sync]
+    Every backward inside ``accelerator.no_sync(model)`` only accumulates. Under DDP a
+    forward inside it decides that its backward, wherever it runs, does not synchronize:
+    ``trigger_sync_in_backward``'s example runs two forwards inside ``no_sync``, then
+    ``accelerator.backward(loss_a)`` outside it, then ``accelerator.backward(loss_b)`` inside
+    ``trigger_sync_in_backward(model)``, then ``optim.step()``. So after a ``no_sync`` context
+    in which ``accelerator.backward`` did not run (forwards only), the backwards accumulate
+    until one inside ``trigger_sync_in_backward``, which steps (the next ``no_sync`` or
+    ``accumulate`` ends this too). A backward that only accumulates where the plain loop
+    would have stepped is still exact: ``step()`` steps the gradients it left (a
+    ``loss.backward()`` inside ``no_sync``, not seen here, costs that saving, nothing more).
+    A ``loss.backward()`` after such a context is not seen either: it steps, and the next
+    backward of the step is refused, after that update.
 
     The optimizers are looked up at each call, not kept: after ``accelerator.free_memory()``
     an optimizer the loop deleted is gone (kept, it stayed live, and a new one on the same
@@ -328,9 +347,15 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
         return
     original_backward = accelerator.backward
     original_accumulate = accelerator.accumulate
+    original_no_sync = accelerator.no_sync
+    original_trigger = accelerator.trigger_sync_in_backward
+    # See [Note: accelerate's no_sync]: inside a no_sync context, whether
+    # accelerator.backward ran in it, and whether the last one ran none (forwards only).
+    in_no_sync = backward_in_no_sync = forwards_only = False
 
     @functools.wraps(original_backward)
     def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+        nonlocal backward_in_no_sync
         # A GradScaler put on the accelerator after prepare() would scale this backward's
         # gradients before they are stepped, and a parameter unfrozen since would be left out
         # of the optimizer's norm or the loop's: both refused before it runs.
@@ -338,12 +363,19 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
         optimizers = _in_backward_optimizers(accelerator)
         for optimizer in optimizers:
             _checked_model(accelerator, optimizer)
-        with _unless_syncing(accelerator, *optimizers):
+        backward_in_no_sync |= in_no_sync
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_unless_syncing(accelerator, *optimizers))
+            if forwards_only:
+                for optimizer in optimizers:
+                    stack.enter_context(optimizer.accumulate())
             original_backward(loss, **kwargs)
 
     @functools.wraps(original_accumulate)
     @contextlib.contextmanager
     def accumulate(*models: nn.Module) -> Iterator[None]:
+        nonlocal forwards_only
+        forwards_only = False
         # accelerate sets sync_gradients on entering its context, before the second reads it.
         with (
             original_accumulate(*models),
@@ -351,9 +383,35 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
         ):
             yield
 
+    @functools.wraps(original_no_sync)
+    @contextlib.contextmanager
+    def no_sync(model: nn.Module) -> Iterator[None]:
+        nonlocal in_no_sync, backward_in_no_sync, forwards_only
+        outer = in_no_sync
+        in_no_sync, backward_in_no_sync, forwards_only = True, False, False
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(original_no_sync(model))
+                for optimizer in _in_backward_optimizers(accelerator):
+                    stack.enter_context(optimizer.accumulate())
+                yield
+        finally:
+            in_no_sync = outer
+            forwards_only = not backward_in_no_sync
+
+    @functools.wraps(original_trigger)
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: nn.Module) -> Iterator[None]:
+        nonlocal forwards_only
+        forwards_only = False
+        with original_trigger(model):
+            yield
+
     setattr(backward, _WRAPPED, True)
     accelerator.backward = backward  # type: ignore[method-assign]
     accelerator.accumulate = accumulate  # type: ignore[method-assign]
+    accelerator.no_sync = no_sync  # type: ignore[method-assign]
+    accelerator.trigger_sync_in_backward = trigger_sync_in_backward  # type: ignore[method-assign]
 
 
 def hook_swapped_parameters(optimizer: Optimizer) -> None:

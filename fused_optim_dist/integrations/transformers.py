@@ -64,7 +64,6 @@ from fused_optim_dist.integrations.accelerate import (
     _refuse_other_parameters,
     _unless_syncing,
     check_accelerator,
-    hook_swapped_parameters,
     in_backward_optimizer,
 )
 from fused_optim_dist.optimizer import OptimizerInBackward, in_backward
@@ -297,11 +296,13 @@ _TRAINER_OUTSIDE_FIX = (
 
 
 class _HookSwappedParameters(TrainerCallback):
-    """Trainer builds the optimizer before ``accelerator.prepare``, whose FSDP2 path replaces
-    its parameters: hook the new ones before step 1 (Trainer has zeroed the gradients)."""
+    """Hook the optimizer's parameters before step 1 (Trainer has zeroed the gradients): again
+    after the last ``train()`` detached them (see [Note: an idle Trainer holds no hooks]), and
+    the new ones where ``accelerator.prepare``'s FSDP2 path replaced them (Trainer builds the
+    optimizer before it)."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        hook_swapped_parameters(kwargs["optimizer"])
+        in_backward_optimizer(kwargs["optimizer"]).attach()
         # Trainer clips over model.parameters(): its norm, bit for bit, where one bucket.
         in_backward_optimizer(kwargs["optimizer"]).set_norm_order(kwargs["model"].parameters())
 
@@ -332,6 +333,9 @@ class InBackwardTrainerMixin:
         if self.optimizer is not None:
             self._in_backward_optimizer(self.optimizer)
         self.add_callback(_HookSwappedParameters())
+        # See [Note: auto_find_batch_size's retry].
+        self._in_backward_attempt = 0
+        self._in_backward_step_error: Exception | None = None
 
     # Names prefixed `_in_backward_`: the mixin shares the namespace of any Trainer subclass.
     def _in_backward_check_accelerator(self) -> None:
@@ -381,6 +385,25 @@ class InBackwardTrainerMixin:
         self._in_backward_optimizer(self.optimizer)
         return self.optimizer
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train()``, its optimizer detached from the parameters when it ends.
+
+        [Note: an idle Trainer holds no hooks]
+        A Trainer's optimizer steps its parameters in backward only while that Trainer trains:
+        ``train()`` detaches it (:meth:`~fused_optim_dist.OptimizerInBackward.detach`, state
+        kept) however it ends, and the next ``train()`` attaches it again at
+        ``on_train_begin``. A second Trainer on the same model (two-stage fine-tuning: the
+        head with the body frozen, then everything), built while the first is still
+        referenced, was refused at its ``train()`` as a second optimizer in backward on the
+        head's parameters, which the plain Trainer runs.
+        """
+        self._in_backward_attempt = 0
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.optimizer is not None:
+                in_backward_optimizer(self.optimizer).detach()
+
     def training_step(
         self,
         model: nn.Module,
@@ -392,7 +415,50 @@ class InBackwardTrainerMixin:
         calls ``loss.backward()`` itself, not ``accelerator.backward``, accumulates too (see
         [Note: Trainer's backward])."""
         with _unless_syncing(self.accelerator, self._in_backward_optimizer(self.optimizer)):
-            return super().training_step(model, inputs, num_items_in_batch)
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            except Exception as e:
+                self._in_backward_step_error = e  # for the message of a retry's refusal
+                raise
+
+    def _update_auto_batch_size(self, batch_size: int) -> None:
+        """Trainer's set-up of each attempt of ``auto_find_batch_size``, refused on a retry
+        after updates were made in backward.
+
+        [Note: auto_find_batch_size's retry]
+        accelerate's ``find_executable_batch_size`` runs Trainer's training loop again with a
+        smaller batch after an out-of-memory error; the plain Trainer then starts from the
+        weights it had (the failed step's gradients are discarded by ``model.zero_grad()``).
+        An error in backward comes after the buckets whose gradients were complete were
+        stepped (the layers above the one that ran out, every FSDP2 unit reduced before it):
+        those updates cannot be undone, and the retry would train from other weights (it
+        raised at its first backward, naming a missing ``step()``; 1.0e-2 moved). Refused
+        here, before the retry trains. An error in forward, or in a backward that stepped
+        nothing yet (one bucket: stepped at its end), leaves no update, and the retry runs.
+
+        Raises:
+            RuntimeError: on a retry while updates made in backward await ``step()``.
+        """
+        retry = self._in_backward_attempt > 0
+        self._in_backward_attempt += 1
+        if retry and self.optimizer is not None:
+            pending = in_backward_optimizer(self.optimizer)._pending
+            if pending:
+                # The error's type only: its message (" out of memory.") in this one would make
+                # find_executable_batch_size take it for another out-of-memory error and retry.
+                error = self._in_backward_step_error
+                raise RuntimeError(
+                    "auto_find_batch_size would retry with batch size "
+                    f"{batch_size} after an out-of-memory error ({type(error).__name__}) in "
+                    f"step {self.state.global_step + 1}'s backward, but that backward had already "
+                    f"updated {len(pending.params())} parameter(s), and these updates "
+                    "cannot be undone: the plain Trainer retries from the weights of before "
+                    "that step, this one would train from others. The retry was not started. "
+                    "Restart from the last checkpoint (or from the start), with "
+                    "per_device_train_batch_size set to a size that fits (find it with the "
+                    "plain optimizer and auto_find_batch_size, or by trying smaller sizes)"
+                ) from error
+        super()._update_auto_batch_size(batch_size)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator (built in ``__init__``, again for each hyperparameter-search
