@@ -16,6 +16,10 @@ that arrives under another id while the pass's own graph task is still alive bel
 pass (:meth:`BackwardPass.adopt`): one norm, one clipping, one history. Whether the graph task
 is alive is told by a token only the callbacks queued on it hold: the engine drops them when the
 task finishes or fails, so a new backward after a failed one starts a new pass.
+A backward run from a hook of another one (GradCache's surrogate backwards, from a tensor hook
+of the loss) has no Function around it, and no node whose return would end the pass in the
+outer backward: its first gradient, starting a pass, is refused before anything moves
+(``_nested_in_hook_error`` in ``optimizer.py``).
 
 Phases: ``COLLECTING`` (hooks arrive; complete buckets are stepped at once), then ``FINISHED``
 (:meth:`BackwardPass.finish`: the buckets that did not complete are stepped, gradients that
@@ -120,7 +124,6 @@ from fused_optim_dist._streams import StepEvents, hook_stream, keep_alive_until_
 from fused_optim_dist._torch_internals import (
     FSDPUnit,
     current_backward_id,
-    enclosing_backward_node,
     fsdp_post_backward_node,
     local_tensor,
     queue_end_of_backward,
@@ -261,14 +264,14 @@ class BackwardPass:
         # See [Note: group and instance state].
         self._class_state = ClassState(stepper, param_groups, state)
 
-    def queue_finish(self) -> None:
+    def queue_finish(self, node: torch.autograd.graph.Node | None) -> None:
         """Finish this pass once its backward has finished (call in its first hook).
 
-        In a backward nested inside another, the pass belongs to the outermost one: its
-        finish is queued there, from a post hook of the node that backward is running."""
+        In a backward nested inside another from an autograd Function's ``backward``, the pass
+        belongs to the outermost one: its finish is queued there, from a post hook of ``node``,
+        the node that backward is running (``enclosing_backward().node``)."""
         token = _GraphTaskToken()
         self._token = weakref.ref(token)
-        node = enclosing_backward_node()
         if node is None:
             queue_end_of_backward(lambda: self.finish(token))
             return

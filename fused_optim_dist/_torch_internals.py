@@ -23,6 +23,20 @@ Everything else in the package uses public APIs. What this module relies on, for
   node itself. A post hook registered on that node (``Node.register_hook``) while it runs is
   called when it returns, in the outer graph task, where ``queue_callback`` queues on the outer
   task (checked on torch 2.13).
+* A backward run from a hook of another backward (a tensor hook, a node's or a module's backward
+  hook: GradCache's surrogate backwards) runs as a graph task of its own inside the outer one,
+  with no autograd Function's frame between them. Every backward called from Python runs
+  ``_engine_run_backward`` (``torch/autograd/graph.py``), which calls the engine: on the thread
+  that called it, the engine runs the CPU's nodes and their hooks, so a hook there sees the
+  backward's own frame, and a nested backward's above it (two frames, checked on torch 2.13);
+  the nodes of an accelerator run on a thread of the engine's own, which Python did not start
+  (``threading.current_thread()`` is a dummy thread), where a hook sees no frame of the
+  backward that called it, and any ``_engine_run_backward`` frame is a nested backward's. A
+  Function's node calling a nested backward (reentrant checkpointing) has its ``apply`` frame
+  between the two backwards' frames (or, on an accelerator's thread, below the nested one's);
+  a hook has none there. ``apply`` frames above a backward's own frame (FSDP2's
+  ``RegisterPostBackwardFunction``, whose node calls the hooks) run inside that backward and
+  do not count. The accelerator's case is read from the engine's design, not checked on one.
 * ``torch.distributed.destroy_process_group`` offers no hook: ``before_teardown`` replaces the
   module attribute (``torch.distributed`` re-exports ``distributed_c10d``'s function) with a
   wrapper that runs the callbacks first; code that imported the function by name earlier
@@ -139,13 +153,14 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "OPTIMIZER_HOOKS",
+    "Enclosing",
     "FSDPUnit",
     "before_teardown",
     "current_backward_id",
     "ddp_modules_holding",
     "ddp_wrapped",
     "drop_grads",
-    "enclosing_backward_node",
+    "enclosing_backward",
     "flatten",
     "fsdp_post_backward_node",
     "fsdp_reduced_params",
@@ -527,19 +542,46 @@ def wait_for_checkpoint_staging() -> None:
         time.sleep(1e-3)
 
 
-def enclosing_backward_node() -> torch.autograd.graph.Node | None:
-    """The node the outermost enclosing backward is running, if this code runs in a backward
-    nested inside another (reentrant checkpointing); ``None`` otherwise. Walks the stack."""
+class Enclosing(NamedTuple):
+    """Where the backward running a hook sits (see :func:`enclosing_backward`)."""
+
+    node: torch.autograd.graph.Node | None
+    """The node of the outermost autograd Function running on the stack: where that
+    Function's ``backward`` runs this backward nested in it (reentrant checkpointing), the
+    node the outermost enclosing backward is running."""
+    from_hook: bool
+    """Whether this backward runs inside another one with no Function's ``backward`` between
+    them: called from a hook of the outer backward."""
+
+
+def enclosing_backward() -> Enclosing:
+    """Where the backward running the caller (a hook) sits. Walks the stack."""
     from torch.autograd import function
 
     node = None
+    backwards = 0
+    in_function = False  # a Function's frame since the last backward's
+    from_hook = False
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "apply" and code.co_filename == function.__file__:
             node = frame.f_locals.get("self", node)
+            in_function = True
+        elif code.co_name == "_engine_run_backward":
+            from_hook = from_hook or (backwards > 0 and not in_function)
+            backwards += 1
+            in_function = False
         frame = frame.f_back
-    return node
+    # On an accelerator's thread, the frames below the last backward's were called by the
+    # engine for an outer backward, whose own frame is on another thread.
+    if (
+        backwards
+        and not in_function
+        and isinstance(threading.current_thread(), threading._DummyThread)
+    ):
+        from_hook = True
+    return Enclosing(node, from_hook)
 
 
 current_backward_id: Callable[[], int] = torch._C._current_graph_task_id

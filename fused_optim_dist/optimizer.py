@@ -41,6 +41,7 @@ from fused_optim_dist._torch_internals import (
     ddp_modules_holding,
     ddp_wrapped,
     drop_grads,
+    enclosing_backward,
     fsdp_sync_off,
     global_step_pre_hooks,
     hooked_after,
@@ -108,6 +109,26 @@ def _ddp_error(kind: type[Exception] = RuntimeError) -> Exception:
         "Shard the model with fully_shard, or for data parallel use replicate from "
         "torch.distributed._composable.replicate_with_fsdp (FSDP2's all-reduce twin), "
         "before building the optimizer."
+    )
+
+
+def _nested_in_hook_error() -> RuntimeError:
+    """A backward run from a hook of another backward (GradCache's surrogate backwards, as in
+    sentence-transformers' ``Cached*`` losses, run from a tensor hook of the returned loss).
+    The plain optimizer sums the gradients of all of them and steps once at ``step()``; here
+    each would be a pass of its own, stepped when it ends, and the next one's gradients would
+    reach updated weights. A backward nested in a Function's ``backward`` (reentrant
+    checkpointing) joins the outer pass, finished from a post hook of that Function's node
+    ([Note: one backward, one BackwardPass] in ``_engine.py``); a hook offers no such node, so
+    this is refused at the nested backward's first gradient, before anything moves."""
+    return RuntimeError(
+        "a backward run from a hook of another backward (a tensor hook calling backward(), "
+        "as GradCache does in sentence-transformers' Cached* losses) would be stepped on its "
+        "own when it ends, where the plain optimizer sums the gradients of every such "
+        "backward and steps once at optimizer.step(). Run the nested backwards under "
+        "`with optim.accumulate():` and call optim.step() after the outer backward, or use "
+        "the plain optimizer (with Hugging Face's Trainer, which reads the norm of a "
+        "stepping backward before step()). Nothing was stepped by this backward."
     )
 
 
@@ -1265,10 +1286,13 @@ class OptimizerInBackward(Optimizer):
                 # See [Note: FSDP2's micro-batches].
                 self._micro_batch = backward_id
                 return
+            enclosing = enclosing_backward()
+            if enclosing.from_hook:
+                raise _nested_in_hook_error()
             self._refuse_second_pass()
             self._refuse_frozen_holding_gradients(self._check_first_backward(), "backward()")
             current = self._pass = self._new_pass(backward_id)
-            current.queue_finish()
+            current.queue_finish(enclosing.node)
             self._stepped_since_step = True
         current.arrive(param)
 
