@@ -521,12 +521,7 @@ def _two_phases(in_backward: bool) -> dict[str, torch.Tensor]:
         accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
         model = tiny_llama()
         for lr in (LR, LR / 3):
-            if in_backward:
-                optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=lr)
-                model, optim, loader = prepare(accelerator, model, optim, _loader())
-            else:
-                optim = torch.optim.AdamW(model.parameters(), lr=lr)
-                model, optim, loader = accelerator.prepare(model, optim, _loader())
+            model, optim, loader = _prepared(accelerator, model, in_backward, lr)
             for _, batch in zip(range(4), loader, strict=False):
                 with accelerator.accumulate(model):
                     accelerator.backward(model(**batch).loss)
@@ -537,6 +532,18 @@ def _two_phases(in_backward: bool) -> dict[str, torch.Tensor]:
             del optim, loader
             gc.collect()
         return full_params(model)
+
+
+def _prepared(
+    accelerator: Any, model: torch.nn.Module, in_backward: bool, lr: float
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader]:
+    """``model``, an AdamW at ``lr`` (in backward, through this library's ``prepare``, or
+    plain, through accelerate's) and the loader, prepared on ``accelerator``."""
+    if in_backward:
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=lr)
+        return prepare(accelerator, model, optim, _loader())
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    return accelerator.prepare(model, optim, _loader())
 
 
 def _loader() -> torch.utils.data.DataLoader:
@@ -607,12 +614,7 @@ def _no_sync_run(in_backward: bool, calls: str, trigger: bool) -> dict[str, torc
     with accelerate_on_cpu():
         accelerator = accelerate.Accelerator(cpu=True)
         model = tiny_llama()
-        if in_backward:
-            optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
-            model, optim, loader = prepare(accelerator, model, optim, _loader())
-        else:
-            optim = torch.optim.AdamW(model.parameters(), lr=LR)
-            model, optim, loader = accelerator.prepare(model, optim, _loader())
+        model, optim, loader = _prepared(accelerator, model, in_backward, LR)
         batches = iter(loader)
 
         def backward_of(loss: torch.Tensor) -> None:

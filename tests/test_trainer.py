@@ -828,11 +828,20 @@ def _centralize_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                 param.grad.sub_(param.grad.mean(dim=1, keepdim=True))
 
 
-class ClampedAdamWFactory:
+class _HookedAdamWFactory:
+    """An AdamW with ``hook`` registered on it by its method ``register``."""
+
+    register: str
+    hook: Callable[..., None]
+
     def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         optim = torch.optim.AdamW(model.parameters(), lr=lr)
-        optim.register_step_post_hook(_clamp_weights)
+        getattr(optim, self.register)(self.hook)
         return optim
+
+
+class ClampedAdamWFactory(_HookedAdamWFactory):
+    register, hook = "register_step_post_hook", staticmethod(_clamp_weights)
 
 
 class ClampedInBackwardFactory:
@@ -845,11 +854,8 @@ class ClampedInBackwardFactory:
         return optim
 
 
-class CentralizedAdamWFactory:
-    def __call__(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-        optim = torch.optim.AdamW(model.parameters(), lr=lr)
-        optim.register_step_pre_hook(_centralize_gradients)
-        return optim
+class CentralizedAdamWFactory(_HookedAdamWFactory):
+    register, hook = "register_step_pre_hook", staticmethod(_centralize_gradients)
 
 
 class GroupsOnItselfFactory:
