@@ -33,13 +33,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from fused_optim_dist._sharing import refuse_shared_memory, storage_of
+from fused_optim_dist._sharing import refuse_shared_memory
 from fused_optim_dist._torch_internals import (
     FSDPUnit,
     fsdp_reduced_params,
     fsdp_units,
     read_requires_grad,
+    storages,
 )
 
 __all__ = ["Bucket", "BucketPlan"]
@@ -102,11 +104,12 @@ class BucketPlan:
         self._requires_grad = self._read_requires_grad()
         refuse_shared_memory(param_groups, self._all_params, self._requires_grad)
         # The plain parameters that have a storage, and their storages (held: never a
-        # recycled object), for is_current. DTensors are left out: FSDP2 replaces their local
-        # tensors itself.
-        storages = list(map(_storage, self._all_params))
-        self._backed = [p for p, s in zip(self._all_params, storages, strict=True) if s is not None]
-        self._storages = [s for s in storages if s is not None]
+        # recycled object), for is_current, which reads them without storages()'s DTensor
+        # lookup. DTensors are left out: FSDP2 replaces their local tensors itself.
+        plain = [p for p in self._all_params if not isinstance(p, DTensor)]
+        backed = [(p, s) for p, s in zip(plain, storages(plain), strict=True) if s is not p]
+        self._plain = [p for p, _ in backed]
+        self._storages = [s for _, s in backed]
         trainable = [
             p for p, flag in zip(self._all_params, self._requires_grad, strict=True) if flag
         ]
@@ -148,7 +151,7 @@ class BucketPlan:
             if len(current) != len(params) or not all(map(operator.is_, current, params)):
                 return False
         return self._read_requires_grad() == self._requires_grad and all(
-            map(operator.is_, map(torch.Tensor.untyped_storage, self._backed), self._storages)
+            map(operator.is_, map(torch.Tensor.untyped_storage, self._plain), self._storages)
         )
 
     def _read_requires_grad(self) -> list[bool]:
@@ -175,12 +178,6 @@ class BucketPlan:
     def gathered_units(self) -> list[FSDPUnit]:
         """The units that hold all-gathered weights now."""
         return [unit for unit in self.units if unit.holds_gathered_copy()]
-
-
-def _storage(param: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage of a plain parameter; ``None`` for a DTensor, or a tensor subclass without
-    one."""
-    return None if hasattr(param, "device_mesh") else storage_of(param)
 
 
 def _split(

@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 
-from fused_optim_dist._torch_internals import local_tensor
+from fused_optim_dist._torch_internals import local_tensor, storages
 
-__all__ = ["refuse_shared_memory", "refuse_shared_state", "storage_of"]
+__all__ = ["refuse_shared_memory", "refuse_shared_state"]
 
 
 def _bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -89,15 +89,6 @@ def _share_a_byte(a: torch.Tensor, b: torch.Tensor, a_bytes: tuple, b_bytes: tup
     return bool(_byte_view(mask, b, origin).any())
 
 
-def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """``tensor``'s storage (one Python object per storage while it is held); ``None`` for a
-    tensor subclass without one."""
-    try:
-        return tensor.untyped_storage()
-    except (NotImplementedError, RuntimeError):
-        return None
-
-
 def _overlapping_pair(
     params: Sequence[torch.Tensor], trainable: Sequence[bool]
 ) -> tuple[int, int] | None:
@@ -106,13 +97,13 @@ def _overlapping_pair(
 
     Costs a storage lookup per parameter; bytes are compared only within a shared storage."""
     tensors = list(map(local_tensor, params))
-    storages = list(map(storage_of, tensors))
-    counts = Counter(id(storage) for storage in storages if storage is not None)
+    held = storages(params)  # a tensor without storage stands for itself: shares nothing
+    counts = Counter(map(id, held))
     if all(count == 1 for count in counts.values()):
         return None
     by_storage: dict[int, list[tuple[tuple[int, int], int, torch.Tensor]]] = {}
-    for position, (tensor, storage) in enumerate(zip(tensors, storages, strict=True)):
-        span = _bytes(tensor) if storage is not None and counts[id(storage)] > 1 else None
+    for position, (tensor, storage) in enumerate(zip(tensors, held, strict=True)):
+        span = _bytes(tensor) if counts[id(storage)] > 1 else None
         if span is not None:
             by_storage.setdefault(id(storage), []).append((span, position, tensor))
     for spans in by_storage.values():

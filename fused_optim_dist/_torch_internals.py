@@ -368,15 +368,15 @@ def held_values(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     whether ``.data =`` swapped it, and reads what the swapped-out storage holds. See [Note:
     data swapped by assignment]. The tensor itself for one that has no storage (a wrapper
     subclass), which is then never found swapped."""
-    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
-    return [t.detach() if torch._C._has_storage(t) else t for t in local]
+    return [t.detach() if torch._C._has_storage(t) else t for t in map(local_tensor, tensors)]
 
 
 def storages(tensors: Sequence[torch.Tensor]) -> list[object]:
     """The storage holding each tensor's values (its local shard's, for a DTensor), to find
-    later whether ``.data =`` swapped it: see [Note: data swapped by assignment]. The tensor
-    itself for one that has none (a wrapper subclass), which is then never found swapped."""
-    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    later whether ``.data =`` swapped it (see [Note: data swapped by assignment]), or whether
+    two share memory. The tensor itself for one that has none (a wrapper subclass), which is
+    then never found swapped nor sharing."""
+    local = list(map(local_tensor, tensors))
     try:
         return list(map(torch.Tensor.untyped_storage, local))
     except RuntimeError:  # a tensor without storage
