@@ -184,10 +184,13 @@ class _Written:
         return [self._params[i] for i in sorted(written)]
 
 
-def _carries(held: torch.Tensor, param: torch.Tensor) -> bool:
+def _carries(held: torch.Tensor, param: torch.Tensor, converted: bool) -> bool:
     """Whether ``param``'s values (its local shard's) are those of ``held``, the alias of the
-    data its update was written into."""
+    data its update was written into; with ``converted``, also where they are ``held``'s
+    converted to another dtype (``model.double()``: the update is in them, rounded)."""
     local = local_tensor(param)
+    if converted and held.dtype != local.dtype and holds_values(held):
+        held = held.to(local.dtype)
     return (
         held.dtype == local.dtype
         and held.shape == local.shape
@@ -361,10 +364,11 @@ class PendingUpdates:
             "is made: restart from the last checkpoint."
         )
 
-    def _replaced(self) -> list[bool]:
+    def _replaced(self, converted: bool = False) -> list[bool]:
         """Whether each parameter's storage was swapped since its update for other values
         (``p.data = backup``). A swap for the values the update was written into (a layout
-        conversion, ``p.data = p.data.clone()``, a device round trip) carries the update.
+        conversion, ``p.data = p.data.clone()``, a device round trip) carries the update; with
+        ``converted``, so does a dtype conversion (see :func:`_carries`).
         Values are compared only where a storage was swapped (a host sync on an
         accelerator); a meta or fake tensor's, which cannot be read, count as other. See
         [Note: data swapped by assignment] in ``_torch_internals.py``."""
@@ -372,7 +376,7 @@ class PendingUpdates:
         if not any(swapped):
             return swapped
         return [
-            was_swapped and not _carries(held, param)
+            was_swapped and not _carries(held, param, converted)
             for was_swapped, held, param in zip(swapped, self._held, self._params, strict=True)
         ]
 
@@ -554,7 +558,9 @@ class PendingUpdates:
             written = self._written.rewritten()
         else:
             written = list(map(operator.ne, [p._version for p in self._params], self._added))
-        return all(map(operator.or_, written, self._replaced()))
+        # A dtype conversion keeps the update (rounded): not a restore. (At step() it is
+        # refused all the same, as the plain optimizer steps the converted data.)
+        return all(map(operator.or_, written, self._replaced(converted=True)))
 
     def refuse_snapshot(self, what: str) -> None:
         """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)

@@ -1974,6 +1974,23 @@ def test_data_swapped_for_equal_values_between_backward_and_step(convert, equal)
     _refused_unmoved(model, r"zero_grad\(\) called while 2 parameter\(s\) hold", optim.zero_grad)
 
 
+def test_dtype_conversion_after_a_state_load_is_no_rollback():
+    """Backward, the optimizer's state loaded, then ``model.double()`` and ``zero_grad()``:
+    the conversion replaces every parameter's storage, which was taken for weights restored,
+    so ``zero_grad()`` accepted a rollback whose weights still held the backward's update,
+    no error. The converted values are the updated ones, rounded: refused, nothing moved."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    loss_fn(model, *_x(0)).backward()
+    optim.step()
+    optim.zero_grad()
+    saved = copy.deepcopy(optim.state_dict())
+    loss_fn(model, *_x(1)).backward()
+    optim.load_state_dict(copy.deepcopy(saved))
+    model.double()
+    _refused_unmoved(model, r"zero_grad\(\) called while \d+ parameter\(s\) hold", optim.zero_grad)
+
+
 def test_state_dict_between_backward_and_step_refused():
     """``torch.save(optim.state_dict(), path)`` between backward and ``step()``: the plain
     optimizer's state there is the state before this step's update, ours already holds it, so
