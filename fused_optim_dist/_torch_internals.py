@@ -554,8 +554,9 @@ class Enclosing(NamedTuple):
     them: called from a hook of the outer backward."""
 
 
-def enclosing_backward() -> Enclosing:
-    """Where the backward running the caller (a hook) sits. Walks the stack."""
+def enclosing_backward(device: torch.device) -> Enclosing:
+    """Where the backward running the caller (a hook of a gradient on ``device``) sits. Walks
+    the stack."""
     from torch.autograd import function
 
     node = None
@@ -574,10 +575,13 @@ def enclosing_backward() -> Enclosing:
             in_function = False
         frame = frame.f_back
     # On an accelerator's thread, the frames below the last backward's were called by the
-    # engine for an outer backward, whose own frame is on another thread.
+    # engine for an outer backward, whose own frame is on another thread. (A CPU gradient's
+    # hooks run on the thread that called backward, which Python may not have started
+    # either: one started by C code, or by _thread.start_new_thread.)
     if (
         backwards
         and not in_function
+        and device.type != "cpu"
         and isinstance(threading.current_thread(), threading._DummyThread)
     ):
         from_hook = True

@@ -1255,10 +1255,16 @@ class OptimizerInBackward(Optimizer):
         so that an idle Trainer does not hold them, and attaches it when training begins).
 
         Raises:
-            ValueError: if another live ``OptimizerInBackward`` steps one of them in backward.
+            ValueError: if another live ``OptimizerInBackward`` steps one of them in backward
+                (it stays detached then).
         """
+        plan = self._current_plan()
         self._detached = False
-        self._hook_new(self._current_plan())
+        try:
+            self._hook_new(plan)
+        except ValueError:
+            self._detached = True
+            raise
 
     # ------------------------------------------------------------------ the backward path
 
@@ -1286,7 +1292,7 @@ class OptimizerInBackward(Optimizer):
                 # See [Note: FSDP2's micro-batches].
                 self._micro_batch = backward_id
                 return
-            enclosing = enclosing_backward()
+            enclosing = enclosing_backward(param.device)
             if enclosing.from_hook:
                 raise _nested_in_hook_error()
             self._refuse_second_pass()

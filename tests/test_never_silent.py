@@ -10,6 +10,7 @@ run on 2 (or 3) gloo ranks with FSDP2, uneven shards.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import copy
 import gc
@@ -17,6 +18,7 @@ import math
 import pickle
 import random
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -216,6 +218,32 @@ def test_backwards_nested_in_a_hook_refused_plain_module(max_grad_norm):
     first gradient, nothing moved; run under ``accumulate()`` with ``step()`` after, as the
     message says, equal."""
     _grad_cache(sharded=False, max_grad_norm=max_grad_norm)
+
+
+def test_backward_on_a_thread_python_did_not_start_as_plain():
+    """A CPU backward on a thread started outside ``threading`` (``_thread.start_new_thread``,
+    as C code starts one): its hooks run on that thread, which Python records as a dummy
+    thread, as autograd's device threads are. That was taken for a backward run from a hook
+    of another and refused; stepped now, equal."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    done = []
+
+    def train() -> None:
+        try:
+            _step_both(((model, optim),), 0, zero=True)
+            done.append(None)
+        except BaseException as error:  # reported on the test's thread
+            done.append(error)
+
+    _thread.start_new_thread(train, ())
+    while not done:
+        time.sleep(1e-3)
+    if done[0] is not None:
+        raise done[0]
+    _step_both(((reference, plain),), 0, zero=True)
+    assert_match(model, reference)
 
 
 def _grad_cache_body() -> None:

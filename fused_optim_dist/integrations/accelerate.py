@@ -387,7 +387,7 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
     @contextlib.contextmanager
     def no_sync(model: nn.Module) -> Iterator[None]:
         nonlocal in_no_sync, backward_in_no_sync, forwards_only
-        outer = in_no_sync
+        outer = in_no_sync, backward_in_no_sync  # a no_sync context this one is nested in
         in_no_sync, backward_in_no_sync, forwards_only = True, False, False
         try:
             with contextlib.ExitStack() as stack:
@@ -396,8 +396,9 @@ def _step_on_sync_only(accelerator: Accelerator) -> None:
                     stack.enter_context(optimizer.accumulate())
                 yield
         finally:
-            in_no_sync = outer
             forwards_only = not backward_in_no_sync
+            # This context's backwards ran in the outer one too.
+            in_no_sync, backward_in_no_sync = outer[0], outer[1] or backward_in_no_sync
 
     @functools.wraps(original_trigger)
     @contextlib.contextmanager
