@@ -158,6 +158,23 @@ def test_detached_optimizer_steps_like_plain_one():
     assert_match(model, reference)
 
 
+def test_refused_attach_stays_detached():
+    """``attach()`` refused while another optimizer steps the parameters in backward leaves
+    this one detached: once the other lets go, it steps like the plain optimizer (it took
+    itself for attached with no hooks, and its ``step()`` failed on a KeyError)."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    optim.detach()
+    other = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    with pytest.raises(ValueError, match="already stepped in backward"):
+        optim.attach()
+    other.detach()
+    loss_fn(model, *batch(0)).backward()
+    optim.step()
+    train_reference(reference, torch.optim.AdamW(reference.parameters(), **ADAMW), 1)
+    assert_match(model, reference)
+
+
 # ---------------------------------------------------------------------------------- construction
 
 
