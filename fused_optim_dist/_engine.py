@@ -119,6 +119,7 @@ from fused_optim_dist._generators import GeneratorStates
 from fused_optim_dist._gradients import BackwardNorms, BucketVerdict, GradientProcessor
 from fused_optim_dist._plan import Bucket, BucketPlan
 from fused_optim_dist._protocol import PendingUpdates, describe
+from fused_optim_dist._sharing import SharedStateError
 from fused_optim_dist._stepping import Batch, local_gradients
 from fused_optim_dist._streams import StepEvents, hook_stream, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
@@ -497,7 +498,7 @@ class BackwardPass:
         if self._record and self._gradients.reduces_per_bucket:
             self._refuse_second_part(bucket)
         with self._autocast_off(), traced("fused_optim_dist::step_bucket"):
-            grads = None
+            grads, moved = None, True
             try:
                 grads = local_gradients(params)
                 split = bucket.by_group(params)
@@ -538,8 +539,11 @@ class BackwardPass:
                         params = ()
                         return
                     self._update(indices, batches, verdict.found_inf)
+            except SharedStateError:
+                moved = False
+                raise
             finally:
-                self._release(params, grads)
+                self._release(params, grads, moved=moved)
 
     def _update(
         self, indices: list[int], batches: list[Batch], found_inf: torch.Tensor | None
@@ -611,11 +615,16 @@ class BackwardPass:
                 self._pending.note_draws(generators.only(drawn), after)
 
     def _release(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+        *,
+        moved: bool = True,
     ) -> None:
         """Free the gradients of stepped ``params`` (``grads``: their local tensors, if read),
-        leaving freed ones in their place. See [Note: streams of the in-backward step] and
-        [Note: freed gradients]."""
+        leaving freed ones in their place, and record their updates as awaiting ``step()``
+        unless the step was refused before anything ``moved``. See [Note: streams of the
+        in-backward step] and [Note: freed gradients]."""
         if grads is None:
             grads = [
                 local_tensor(g) for g in read_grads(params) if g is not None and not is_freed(g)
@@ -626,5 +635,5 @@ class BackwardPass:
             self._events.record(on_device[0].device)
         self._freed.put(params)
         self._stepped.update(map(id, params))
-        if self._record:
+        if self._record and moved:
             self._pending.add(params)

@@ -55,7 +55,12 @@ import torch
 
 from fused_optim_dist._torch_internals import local_tensor, storages
 
-__all__ = ["refuse_shared_memory", "refuse_shared_state"]
+__all__ = ["SharedStateError", "refuse_shared_memory", "refuse_shared_state"]
+
+
+class SharedStateError(ValueError):
+    """One tensor in the state of two parameters. Raised before any of them moved, so a bucket
+    refused so in backward records no update awaiting ``step()``."""
 
 
 def _bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -155,7 +160,7 @@ def refuse_shared_state(entries: Iterable[tuple[Any, Any]], name: Callable[[Any]
     value); a Python pass only when one does (a repeated number or ``None`` is no tensor).
 
     Raises:
-        ValueError: naming the two parameters and the state keys.
+        SharedStateError: naming the two parameters and the state keys.
     """
     held = [(key, entry) for key, entry in entries if isinstance(entry, dict)]
     values = list(chain.from_iterable(map(dict.values, map(itemgetter(1), held))))
@@ -168,7 +173,7 @@ def refuse_shared_state(entries: Iterable[tuple[Any, Any]], name: Callable[[Any]
                 continue
             first, first_key = holder.setdefault(id(value), (param, key))
             if first is not param:
-                raise ValueError(
+                raise SharedStateError(
                     f"the optimizer state of {name(first)} and of {name(param)} holds one "
                     f"tensor (under {first_key!r} and {key!r}). The plain step() updates it once "
                     "per parameter, in parameter order; OptimizerInBackward steps parameters "

@@ -225,9 +225,7 @@ def test_backward_on_a_thread_python_did_not_start_as_plain():
     as C code starts one): its hooks run on that thread, which Python records as a dummy
     thread, as autograd's device threads are. That was taken for a backward run from a hook
     of another and refused; stepped now, equal."""
-    model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model, reference, optim, plain = _adamw_loops(sharded=False)
     done = []
 
     def train() -> None:
@@ -970,9 +968,7 @@ def test_compiled_train_step_calling_backward_equals_plain():
     rounded otherwise than the eager kernel of the plain optimizer's ``step()`` (9.5e-7 apart
     after 20 AdamW steps, growing). The hooks are never traced: bit for bit equal."""
     torch._dynamo.reset()
-    model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model, reference, optim, plain = _adamw_loops(sharded=False)
     for net, opt in ((model, optim), (reference, plain)):
 
         @torch.compile
@@ -1010,9 +1006,7 @@ def test_copied_with_its_model_and_scheduler_trains_as_plain(how):
     A copy now leaves out what ``torch.optim.Optimizer.__getstate__`` leaves out (that
     wrapper, and the hooks, registered here on the original and gone from the plain copy)."""
     copied = (lambda x: pickle.loads(pickle.dumps(x))) if how == "pickle" else copy.deepcopy
-    model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model, reference, optim, plain = _adamw_loops(sharded=False)
     runs = []
     for net, opt in ((model, optim), (reference, plain)):
         scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
@@ -1137,9 +1131,7 @@ def test_rollback_as_plain(restore):
     (it raised, a false positive). Weights restored by assignment (``p.data = saved``) were
     refused at ``zero_grad()`` as discarding the backward's updates (the assignment moves no
     version counter); the replaced storage now counts as the parameter written. Equal."""
-    model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model, reference, optim, plain = _adamw_loops(sharded=False)
     _step_both(((model, optim), (reference, plain)), 0, zero=True)
     saved = copy.deepcopy(optim.state_dict())
     for net, opt in ((model, optim), (reference, plain)):
@@ -1927,9 +1919,7 @@ def test_sam_restoring_weights_between_backward_and_step_refused(restore, match)
     with pytest.raises(RuntimeError, match=match):
         _sam(model, optim, range(1), restore, held=False)
     assert_match(model, reference)  # the restored weights: as before the plain step
-    model, reference = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model, reference, optim, plain = _adamw_loops(sharded=False)
     _sam(model, optim, range(3), restore, held=True)
     _sam(reference, plain, range(3), restore, held=False)
     assert_match(model, reference)
@@ -2953,9 +2943,9 @@ def test_state_dict_sharing_a_tensor_between_parameters_refused_at_load():
         torch.optim.AdamW(models[1].parameters(), **ADAMW),
     )
     _step_both(tuple(zip(models, optims, strict=True)), 0, zero=True)
-    saved = optims[1].state_dict()
+    saved = copy.deepcopy(optims[1].state_dict())
     _share_step(saved["state"])
-    optims[1].load_state_dict(saved)  # the plain optimizer trains on
+    optims[1].load_state_dict(saved)  # the plain optimizer accepts it
     kept = copy.deepcopy(optims[0].state_dict())
     with pytest.raises(
         ValueError, match=r"parameter 0 of the state dict and of parameter 1 .*'step'"
@@ -2974,7 +2964,9 @@ def test_state_dict_sharing_a_tensor_between_parameters_refused_at_load():
 
 def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving():
     """The same sharing written into ``optim.state`` by hand between steps: refused when the
-    bucket holding both entries is derived again, in the next backward, nothing moved."""
+    bucket holding both entries is derived again, in the next backward, nothing moved and no
+    update recorded (``state_dict()`` took the refused bucket for updates awaiting
+    ``step()`` and raised)."""
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     for step in range(2):
@@ -2982,7 +2974,8 @@ def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving():
         optim.step()
         optim.zero_grad()
     _share_step(optim.state)
-    before = _snapshot(model)
+    before, kept = _snapshot(model), copy.deepcopy(optim.state_dict())
     with pytest.raises(ValueError, match="holds one tensor"):
         loss_fn(model, *_x(2)).backward()
     _assert_unchanged(model, before)
+    assert_same_state_dict(optim.state_dict(), kept)
