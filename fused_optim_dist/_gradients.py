@@ -362,10 +362,9 @@ class GradientProcessor:
 
         Collective, when clipping by norm or skipping non-finite gradients: one all-reduce per
         mesh dimension of the buckets' squared norms, and ``clip_grad_norm_``'s own where the
-        norm is taken as it takes it. No value is read back to the host.
+        norm is taken as it takes it. No value is read back to the host. Called only where
+        :attr:`reduces_per_bucket`.
         """
-        if not self._reduce_per_bucket:
-            return
         grad_of = dict(zip(map(id, params), grads, strict=True))
         # The buckets' squared norms (the clipping history): their shares of each reduce key
         # reduced together.

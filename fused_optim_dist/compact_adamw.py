@@ -503,8 +503,11 @@ class CompactAdamW(Optimizer):
         calls it with every group of this class when a backward (or its ``step()``) starts
         stepping: there this class's ``step`` sees one bucket's groups at a time, and a
         bucket of vectors, whose state has no width, would move before the first bucket of
-        matrices refused. A group stepped through a plan made with its options is not
-        looked at again; else its first matrix holding state is (about 1 us a group)."""
+        matrices refused. A group this class stepped through a plan made with its options is
+        not looked at again; else its first matrix holding state is (about 1 us a group).
+        Plans are kept by the group's ``params`` list, and the groups ``OptimizerInBackward``
+        checks are the user's, whose lists its buckets never hand to ``step``: there every
+        group is looked at, at each backward."""
         for index, group in groups:
             _refuse_unsupported(group, index, "step")
             plan = self._plans.get(id(group["params"]))
