@@ -4,8 +4,10 @@ Everything else in the package uses public APIs. What this module relies on, for
 
 * ``torch.distributed._composable_state._module_state_mapping`` maps every module managed by a
   composable API (``fully_shard`` among them) to its state object.
-* ``FSDPState._fsdp_param_groups`` lists the state's ``FSDPParamGroup`` objects, and each group's
-  ``fsdp_params[i].sharded_param`` is the DTensor ``nn.Parameter`` registered on the module. One
+* ``FSDPState._fsdp_param_groups`` lists the state's ``FSDPParamGroup`` objects (torch 2.11,
+  on which GPU checks run, keeps its one group, or ``None``, as ``_fsdp_param_group``), and
+  each group's ``fsdp_params[i].sharded_param`` is the DTensor ``nn.Parameter`` registered on
+  the module. One
   group is one FSDP unit: its gradients are reduce-scattered together into one flat buffer, and
   ``foreach_reduce`` (``_fsdp_collectives.py``) then calls each sharded parameter's
   post-accumulate-grad hooks, one after the other.
@@ -289,7 +291,10 @@ def _fsdp_param_groups() -> Iterator[Any]:
         state = state_ref()
         if not isinstance(state, FSDPState):
             continue
-        for param_group in state._fsdp_param_groups:
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch 2.11: one group or None, as ``_fsdp_param_group``
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for param_group in groups:
             if id(param_group) not in seen:
                 seen.add(id(param_group))
                 yield param_group
