@@ -636,4 +636,5 @@ class BackwardPass:
         self._freed.put(params)
         self._stepped.update(map(id, params))
         if self._record and moved:
+            self._pending.note_group_values(self._param_groups)
             self._pending.add(params)

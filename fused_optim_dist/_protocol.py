@@ -223,6 +223,7 @@ class PendingUpdates:
         "_loaded",
         "_params",
         "_unfinished",
+        "_unsettled",
         "_written",
     )
 
@@ -244,6 +245,9 @@ class PendingUpdates:
         # id(param) -> the index and values (not the params) of the group holding it, once
         # the updates were made.
         self._groups: dict[int, tuple[int, dict[str, Any]]] = {}
+        # Each group's values when the first update not yet settled was made: the values a
+        # backward that raised made its updates with, as it never settles.
+        self._unsettled: list[dict[str, Any]] | None = None
         # Whether the optimizer's state was loaded since the updates were made.
         self._loaded = False
         # The FSDP2 units holding all-gathered weights once the updates were made.
@@ -268,6 +272,12 @@ class PendingUpdates:
         self._added += [param._version for param in new]
         self._held += held_values(new)
 
+    def note_group_values(self, param_groups: list[dict[str, Any]]) -> None:
+        """As an update is recorded: note the groups' values, unless noted since the last
+        settle (once per backward)."""
+        if self._unsettled is None:
+            self._unsettled = list(map(_values, param_groups))
+
     def settle(
         self,
         param_groups: list[dict[str, Any]],
@@ -281,6 +291,7 @@ class PendingUpdates:
         updated them, to those of earlier backwards since ``step()``."""
         self._written = _Written(list(self._params), state)
         self._groups = self._holding_groups(param_groups)
+        self._unsettled = None
         self._gathered += gathered
         for entry in self._buffers.values():
             entry[1] = entry[0]._version
@@ -423,6 +434,7 @@ class PendingUpdates:
         self._ids.clear()
         self._written = None
         self._groups.clear()
+        self._unsettled = None
         self._loaded = False
         self._unfinished = False
         self._gathered = []
@@ -490,10 +502,17 @@ class PendingUpdates:
         betas, ...) changed, in place or by replacing the group's dict; the parameter moved to
         a group with other values; or it left ``param_groups``, where the plain optimizer
         would not step it at all. ``read(group)``: the keys the group's class reads, or
-        ``None`` if unknown (every key is compared then)."""
+        ``None`` if unknown (every key is compared then). Updates of a backward that raised
+        (never settled) are compared with the values noted before its first update, in the
+        group that holds the parameter now."""
         now = self._holding_groups(param_groups)
+        then_of = self._groups
+        if self._unsettled is not None:
+            noted = self._unsettled
+            unsettled = {i: (g, noted[g]) for i, (g, _) in now.items() if g < len(noted)}
+            then_of = unsettled | self._groups
         for param in self._params:
-            then = self._groups.get(id(param))
+            then = then_of.get(id(param))
             if then is None:
                 continue
             if id(param) not in now:

@@ -742,7 +742,10 @@ class OptimizerInBackward(Optimizer):
         if self._pass is not None and self._pass.abandoned:
             # A backward raised after stepping some buckets: step() accepts it, finishing it
             # as its end-of-backward callback would have (the gradients that arrived are
-            # stepped, the norm completed, group and instance state committed).
+            # stepped, the norm completed, group and instance state committed), unless a
+            # group value changed since its updates (checked first: finishing notes the
+            # values it steps with).
+            self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
             self._pass.finish()
         if self._pending:
             # See [Note: freed gradients]: the loop dropped gradients the plain optimizer

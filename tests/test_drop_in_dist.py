@@ -449,6 +449,34 @@ def _failing_backward_body(sharded: bool) -> None:
     assert_match(model, reference)
 
 
+def test_lr_changed_after_a_failing_backward_is_refused_before_the_rest_moves():
+    """A backward raises after some buckets were stepped, and the loop sets a new lr before
+    ``step()``: the plain ``step()`` steps every partial gradient with the new lr; here the
+    stepped buckets used the old one. ``step()`` finished the backward first, noting the new
+    lr as the one its updates were made with, and stepped the rest (2.2e-2 from plain, no
+    error). Refused now, nothing moved since the failure; with the lr unchanged, equal."""
+    for lr in (ADAMW["lr"], 3 * ADAMW["lr"]):
+        model, reference = _pair(sharded=False)
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=50, **ADAMW)
+        plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        for net in (model, reference):
+            handle = _raise_at(net.layers[1])
+            with pytest.raises(_Boom):
+                _backward(net, 0, sharded=False)
+            handle.remove()
+        failed = [p.detach().clone() for p in model.parameters()]
+        optim.param_groups[0]["lr"] = plain.param_groups[0]["lr"] = lr
+        plain.step()
+        if lr == ADAMW["lr"]:
+            optim.step()
+            assert_match(model, reference)
+            continue
+        with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] was changed"):
+            optim.step()
+        for param, then in zip(model.parameters(), failed, strict=True):
+            assert torch.equal(param.detach(), then)
+
+
 class _PlainSGD(torch.optim.SGD):
     """SGD as a class of one's own (a subclass is not torch.optim's): undeclared, or declared
     per call."""
