@@ -147,6 +147,9 @@ class _Written:
     def _read_versions(self) -> list[int]:
         return [p._version for p in self._params] + [t._version for t in self._tensors]
 
+    def __len__(self) -> int:
+        return len(self._params)
+
     def rewritten(self) -> list[bool]:
         """Whether each parameter was written in place since (a model restored)."""
         return list(map(operator.ne, [p._version for p in self._params], self._versions))
@@ -414,8 +417,13 @@ class PendingUpdates:
 
     def changed(self, state: dict[torch.Tensor, dict]) -> list[torch.Tensor]:
         """The parameters written in place since their update, or whose optimizer state was
-        (``model.load_state_dict``, an in-place edit between backward and ``step()``)."""
-        return [] if self._written is None else self._written.written(state)
+        (``model.load_state_dict``, an in-place edit between backward and ``step()``).
+        Updates of a backward that raised (never settled) by the parameters' own counters
+        only, as they were when each update was made."""
+        written = [] if self._written is None else self._written.written(state)
+        settled = 0 if self._written is None else len(self._written)
+        unsettled = zip(self._params[settled:], self._added[settled:], strict=True)
+        return written + [param for param, version in unsettled if param._version != version]
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids

@@ -739,14 +739,6 @@ class OptimizerInBackward(Optimizer):
                 "backward, so call loss.backward() yourself before step()"
             )
         self._refuse_grad_scaler()
-        if self._pass is not None and self._pass.abandoned:
-            # A backward raised after stepping some buckets: step() accepts it, finishing it
-            # as its end-of-backward callback would have (the gradients that arrived are
-            # stepped, the norm completed, group and instance state committed), unless a
-            # group value changed since its updates (checked first: finishing notes the
-            # values it steps with).
-            self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
-            self._pass.finish()
         if self._pending:
             # See [Note: freed gradients]: the loop dropped gradients the plain optimizer
             # would step here, or wrote parameters it would step from.
@@ -762,6 +754,13 @@ class OptimizerInBackward(Optimizer):
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
             self._pending.refuse_draws()
             self._refuse_step_under_autocast()
+        if self._pass is not None and self._pass.abandoned:
+            # A backward raised after stepping some buckets: step() accepts it, finishing it
+            # as its end-of-backward callback would have (the gradients that arrived are
+            # stepped, the norm completed, group and instance state committed). After the
+            # checks above: finishing notes the values and counters it leaves as the
+            # updates' own.
+            self._pass.finish()
         plan = self._current_plan()
         if self._pending:
             self._pending.refuse_unreduced(plan.units)

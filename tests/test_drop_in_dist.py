@@ -449,32 +449,41 @@ def _failing_backward_body(sharded: bool) -> None:
     assert_match(model, reference)
 
 
-def test_lr_changed_after_a_failing_backward_is_refused_before_the_rest_moves():
-    """A backward raises after some buckets were stepped, and the loop sets a new lr before
-    ``step()``: the plain ``step()`` steps every partial gradient with the new lr; here the
-    stepped buckets used the old one. ``step()`` finished the backward first, noting the new
-    lr as the one its updates were made with, and stepped the rest (2.2e-2 from plain, no
-    error). Refused now, nothing moved since the failure; with the lr unchanged, equal."""
-    for lr in (ADAMW["lr"], 3 * ADAMW["lr"]):
-        model, reference = _pair(sharded=False)
-        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=50, **ADAMW)
-        plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
-        for net in (model, reference):
-            handle = _raise_at(net.layers[1])
-            with pytest.raises(_Boom):
-                _backward(net, 0, sharded=False)
-            handle.remove()
-        failed = [p.detach().clone() for p in model.parameters()]
-        optim.param_groups[0]["lr"] = plain.param_groups[0]["lr"] = lr
+@pytest.mark.parametrize("change", [None, "lr", "weights"])
+def test_a_change_after_a_failing_backward_is_refused_before_the_rest_moves(change):
+    """A backward raises after some buckets were stepped, and the loop changes something
+    before ``step()``: a new lr, or the weights restored from before the backward (without
+    the optimizer). The plain ``step()`` steps every partial gradient with the new lr, or
+    from the restored weights; here the stepped buckets used the old lr, or were overwritten.
+    ``step()`` finished the backward first, noting the new values as those its updates were
+    made with, and stepped the rest (2.2e-2 from plain with the lr, 1.1e-2 with the weights,
+    no error). Refused now,
+    nothing moved since the change; with nothing changed, equal."""
+    model, reference = _pair(sharded=False)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=50, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    before = copy.deepcopy(model.state_dict())
+    for net in (model, reference):
+        handle = _raise_at(net.layers[1])
+        with pytest.raises(_Boom):
+            _backward(net, 0, sharded=False)
+        handle.remove()
+    if change is None:
+        optim.step()
         plain.step()
-        if lr == ADAMW["lr"]:
-            optim.step()
-            assert_match(model, reference)
-            continue
-        with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] was changed"):
-            optim.step()
-        for param, then in zip(model.parameters(), failed, strict=True):
-            assert torch.equal(param.detach(), then)
+        assert_match(model, reference)
+        return
+    if change == "lr":
+        optim.param_groups[0]["lr"] = 3 * ADAMW["lr"]
+        match = r"param_groups\[0\]\['lr'\] was changed"
+    else:
+        model.load_state_dict(before)
+        match = "written in place since"
+    changed = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=match):
+        optim.step()
+    for param, then in zip(model.parameters(), changed, strict=True):
+        assert torch.equal(param.detach(), then)
 
 
 class _PlainSGD(torch.optim.SGD):
