@@ -422,8 +422,15 @@ class PendingUpdates:
         only, as they were when each update was made."""
         written = [] if self._written is None else self._written.written(state)
         settled = 0 if self._written is None else len(self._written)
-        unsettled = zip(self._params[settled:], self._added[settled:], strict=True)
-        return written + [param for param, version in unsettled if param._version != version]
+        moved = self._unsettled_written(settled)
+        return written + [p for p, w in zip(self._params[settled:], moved, strict=True) if w]
+
+    def _unsettled_written(self, settled: int) -> list[bool]:
+        """Whether each parameter after the first ``settled`` (updated by a backward that
+        raised, never settled) was written in place since its update was recorded."""
+        return list(
+            map(operator.ne, [p._version for p in self._params[settled:]], self._added[settled:])
+        )
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids
@@ -581,10 +588,8 @@ class PendingUpdates:
         restored)."""
         if not self._loaded:
             return False
-        if self._written is not None:
-            written = self._written.rewritten()
-        else:
-            written = list(map(operator.ne, [p._version for p in self._params], self._added))
+        settled = [] if self._written is None else self._written.rewritten()
+        written = settled + self._unsettled_written(len(settled))
         # A dtype conversion keeps the update (rounded): not a restore. (At step() it is
         # refused all the same, as the plain optimizer steps the converted data.)
         return all(map(operator.or_, written, self._replaced(converted=True)))
