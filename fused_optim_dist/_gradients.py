@@ -272,6 +272,8 @@ class GradientProcessor:
         self._previous_sq: dict[str, torch.Tensor] = {}
         self._previous_total: torch.Tensor | float = 0.0
         self._last_norm: torch.Tensor | None = None
+        # The norm of the gradients stepped since the last step(), while a step holds some.
+        self._step_norm: torch.Tensor | None = None
         # Skipped bucket updates: a device counter, read back only when asked.
         self._nonfinite: torch.Tensor | int = 0
         # _Shares of each bucket's full parameter list, cached by bucket key.
@@ -439,7 +441,15 @@ class GradientProcessor:
             share = torch.stack([s.to(device) for s in shares]).sum()
             total = _add(total, _all_reduce(share, key))
         assert total is not None
-        self._last_norm = norms.exact if norms.exact is not None else total.sqrt()
+        norm = norms.exact if norms.exact is not None else total.sqrt()
+        if self._step_norm is not None:
+            # A second stepping pass before one step() (two backwards on disjoint parameters,
+            # a backward and gradients set by hand): the norm of all the step's gradients, as
+            # clip_grad_norm_ takes it, a norm of the per-tensor norms.
+            norm = torch.linalg.vector_norm(
+                torch.stack([self._step_norm, norm.to(self._step_norm)])
+            )
+        self._last_norm = self._step_norm = norm
         if self.max_grad_norm is not None:
             # Buckets that did not step this time are predicted to stay silent; a non-finite
             # bucket keeps its previous norm. No host sync.
@@ -478,6 +488,10 @@ class GradientProcessor:
         keys = set(bucket_keys)
         self._previous_sq = {k: v for k, v in self._previous_sq.items() if k in keys}
         self._previous_total = sum(self._previous_sq.values(), 0.0)
+
+    def end_of_step(self) -> None:
+        """``step()`` (or a rollback): the next stepping pass starts the next step's norm."""
+        self._step_norm = None
 
     def grad_norm(self) -> torch.Tensor:
         if not self._needs_norm:

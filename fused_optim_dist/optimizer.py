@@ -663,6 +663,7 @@ class OptimizerInBackward(Optimizer):
             if self._pending.rolled_back():
                 self._pending.undo_draws()
                 self._pending.commit()
+                self._gradients.end_of_step()
                 self._pass = None
                 self._stepped_since_step = False  # the rolled-back backward is undone
             else:
@@ -799,6 +800,7 @@ class OptimizerInBackward(Optimizer):
                 # See [Note: group and instance state].
                 self._new_pass(None).finish()
         self._pending.commit()
+        self._gradients.end_of_step()
         self._stepped_since_step = False
         self._order_new_state()
 
@@ -1038,7 +1040,9 @@ class OptimizerInBackward(Optimizer):
     # ------------------------------------------------------------------ gradient statistics
 
     def grad_norm(self) -> torch.Tensor:
-        """The total L2 norm of the gradients the last stepping backward consumed.
+        """The total L2 norm of the gradients stepped since the last ``step()``: those the last
+        stepping backward consumed, or, where several stepped before one ``step()`` (two
+        backwards on disjoint parameters, gradients set by hand after a backward), all of them.
 
         Measured before clipping, over all parameters and ranks: the value
         ``torch.nn.utils.clip_grad_norm_`` would return for the same gradients. Computed during

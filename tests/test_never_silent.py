@@ -508,7 +508,8 @@ def test_second_pass_before_step_refused_with_clipping(second):
     were clipped by its own (AdamW 2.1e-3 apart with the default buckets, no error; a hand-set
     gradient 3.9e-3). Refused at the second pass, before it moves anything; with the first
     under ``accumulate()``, equal to the plain clipped loop. ``skip_nonfinite``, which decides
-    bucket by bucket, is equal either way (finite gradients here)."""
+    bucket by bucket, is equal either way (finite gradients here); ``grad_norm()`` is the
+    norm of all the step's gradients either way."""
 
     def critic(net: nn.Module) -> None:
         if second == "backward":
@@ -536,11 +537,13 @@ def test_second_pass_before_step_refused_with_clipping(second):
             critic(model)
             reference["actor"](x).square().mean().backward()
             critic(reference)
-            if "max_grad_norm" in options:
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), options["max_grad_norm"])
+            clip = options.get("max_grad_norm", math.inf)
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
             for opt in (optim, plain):
                 opt.step()
                 opt.zero_grad()
+            # The norm of all the step's gradients (it was the last pass's: 2.38 for 2.76).
+            torch.testing.assert_close(optim.grad_norm(), norm, rtol=1e-5, atol=1e-6)
         assert_match(model, reference)
 
 
