@@ -274,6 +274,8 @@ class GradientProcessor:
         self._last_norm: torch.Tensor | None = None
         # The norm of the gradients stepped since the last step(), while a step holds some.
         self._step_norm: torch.Tensor | None = None
+        # With skip_nonfinite: each stepping pass's norm since the last step().
+        self._pass_norms: list[torch.Tensor] = []
         # Skipped bucket updates: a device counter, read back only when asked.
         self._nonfinite: torch.Tensor | int = 0
         # _Shares of each bucket's full parameter list, cached by bucket key.
@@ -442,13 +444,14 @@ class GradientProcessor:
             total = _add(total, _all_reduce(share, key))
         assert total is not None
         norm = norms.exact if norms.exact is not None else total.sqrt()
+        if self.skip_nonfinite:
+            self._pass_norms.append(norm)
         if self._step_norm is not None:
             # A second stepping pass before one step() (two backwards on disjoint parameters,
             # a backward and gradients set by hand): the norm of all the step's gradients, as
             # clip_grad_norm_ takes it, a norm of the per-tensor norms.
-            norm = torch.linalg.vector_norm(
-                torch.stack([self._step_norm, norm.to(self._step_norm)])
-            )
+            pair = torch.stack([self._step_norm, norm.to(self._step_norm)])
+            norm = torch.linalg.vector_norm(pair)
         self._last_norm = self._step_norm = norm
         if self.max_grad_norm is not None:
             # Buckets that did not step this time are predicted to stay silent; a non-finite
@@ -489,9 +492,39 @@ class GradientProcessor:
         self._previous_sq = {k: v for k, v in self._previous_sq.items() if k in keys}
         self._previous_total = sum(self._previous_sq.values(), 0.0)
 
+    def refuse_partly_skipped(self) -> None:
+        """At ``step()``, with ``skip_nonfinite``: raise if, of the stepping passes since the
+        last ``step()``, one had a non-finite gradient and another none.
+
+        [Note: non-finite gradients in one pass of several]
+        Two backwards on disjoint parameters (an actor's and a critic's loss), or a backward
+        and gradients set by hand, before one ``step()``: the plain loop checking the step's
+        gradients skips the whole step if one is not finite; here each pass's buckets were
+        stepped or skipped in that pass, and the finite pass's updates stand (1.0e-2 apart
+        after four AdamW steps, an actor's and a critic's loss, the critic's NaN once).
+        Whether a later pass will come, or find a non-finite value, is not known while the
+        earlier one steps, so this is refused at ``step()``, after the fact; each pass's flag
+        is read back to the host here, one sync, only where several passes stepped. Passes
+        all finite, or all not (every bucket skipped), end as the plain loop's (within a
+        pass, see "skip_nonfinite skips bucket by bucket" in ``docs/differences.md``)."""
+        if len(self._pass_norms) < 2:
+            return
+        device = self._pass_norms[0].device
+        finite = torch.isfinite(torch.stack([n.to(device) for n in self._pass_norms]))
+        if 0 < int(finite.sum()) < len(self._pass_norms):
+            raise RuntimeError(
+                "step(): with skip_nonfinite, one backward of this step had a non-finite "
+                "gradient and was skipped, where another's updates were applied in backward "
+                "and cannot be undone; a plain loop checking the step's gradients would skip "
+                "the whole step. Run every backward of a step but the last under "
+                "optim.accumulate() (the step is then checked as a whole), and restart from "
+                "the last checkpoint."
+            )
+
     def end_of_step(self) -> None:
         """``step()`` (or a rollback): the next stepping pass starts the next step's norm."""
         self._step_norm = None
+        self._pass_norms.clear()
 
     def grad_norm(self) -> torch.Tensor:
         if not self._needs_norm:

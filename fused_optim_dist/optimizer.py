@@ -799,6 +799,7 @@ class OptimizerInBackward(Optimizer):
                 # every group, so state it keeps there advances as the plain optimizer's does.
                 # See [Note: group and instance state].
                 self._new_pass(None).finish()
+        self._gradients.refuse_partly_skipped()
         self._pending.commit()
         self._gradients.end_of_step()
         self._stepped_since_step = False

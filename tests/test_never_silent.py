@@ -547,6 +547,45 @@ def test_second_pass_before_step_refused_with_clipping(second):
         assert_match(model, reference)
 
 
+@pytest.mark.parametrize(
+    "nonfinite", ["first backward", "second backward", "gradient set by hand", "both"]
+)
+def test_nonfinite_in_one_pass_of_several_refused_at_step(nonfinite):
+    """``skip_nonfinite``, an actor's and a critic's loss, two backwards on disjoint parameters
+    (or a backward, then a gradient set by hand) before one ``step()``, one of them not
+    finite: the plain loop checking the step's gradients skips the whole step; here the
+    finite pass's updates were made (1.0e-2 apart after four AdamW steps, the critic's loss
+    NaN at the second, no error). Refused
+    at ``step()``, the finite pass's update standing; both passes not finite, nothing moves,
+    as in the plain loop. See [Note: non-finite gradients in one pass of several]."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    nan = torch.tensor(math.nan)
+
+    def losses(net: nn.Module) -> None:
+        scale = nan if nonfinite in ("first backward", "both") else 1.0
+        (net["actor"](x).square().mean() * scale).backward()
+        if nonfinite == "gradient set by hand":
+            for p in net["critic"].parameters():
+                p.grad = torch.full_like(p, math.nan)
+            return
+        scale = nan if nonfinite in ("second backward", "both") else 1.0
+        (net["critic"](x).square().mean() * scale).backward()
+
+    model, reference = _actor_and_critic()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, skip_nonfinite=True)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses(model)
+    losses(reference)
+    if torch.isfinite(torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf)):
+        plain.step()
+    if nonfinite == "both":
+        optim.step()
+        assert_match(model, reference)
+        return
+    with pytest.raises(RuntimeError, match="skip_nonfinite, one backward of this step"):
+        optim.step()
+
+
 def test_group_state_depending_on_parameters_refused_per_bucket_equal_jointly():
     """A class writing a norm over the parameters it steps into its group: declared to step
     bucket by bucket, refused by the check before the first update; undeclared, stepped
