@@ -522,7 +522,8 @@ class GradientProcessor:
             )
 
     def end_of_step(self) -> None:
-        """``step()`` (or a rollback): the next stepping pass starts the next step's norm."""
+        """``step()``, or ``zero_grad()`` dropping the step's gradients: the next stepping
+        pass starts the next step's norm."""
         self._step_norm = None
         self._pass_norms.clear()
 

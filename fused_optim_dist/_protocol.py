@@ -633,8 +633,9 @@ class PendingUpdates:
             "accumulate(). Restart from the last checkpoint."
         )
 
-    def refuse_discard(self) -> None:
-        """Raise for ``zero_grad()`` while updates are pending."""
+    def refuse_discard(self, skip_nonfinite: bool) -> None:
+        """Raise for ``zero_grad()`` while updates are pending (``skip_nonfinite``: the
+        optimizer's option, whose skips are not read back to tell a skipped update)."""
         count = len(self._ids)
         if self._unfinished:
             cause = (
@@ -653,6 +654,12 @@ class PendingUpdates:
                 "GAN generator's loss flowing through the discriminator), freeze them for it "
                 "(requires_grad_(False)) or run it under this optimizer's accumulate()."
             )
+            if skip_nonfinite:
+                cause += (
+                    " With skip_nonfinite, a batch whose gradients were not finite was skipped "
+                    "where it was stepped (on the device, not read back): call step() after "
+                    "it too, which moves nothing more."
+                )
         raise RuntimeError(
             f"zero_grad() called while {count} parameter(s) hold updates made in backward "
             f"with no optimizer.step() since. {cause}"

@@ -663,12 +663,14 @@ class OptimizerInBackward(Optimizer):
             if self._pending.rolled_back():
                 self._pending.undo_draws()
                 self._pending.commit()
-                self._gradients.end_of_step()
                 self._pass = None
                 self._stepped_since_step = False  # the rolled-back backward is undone
             else:
                 self._pending.mark_unfinished(self._pass is not None and self._pass.abandoned)
-                self._pending.refuse_discard()
+                self._pending.refuse_discard(self.options.skip_nonfinite)
+        # The step's gradients are dropped (a batch skipped without step()): the next pass's
+        # norm is the next step's.
+        self._gradients.end_of_step()
         if self._pass is not None and self._pass.abandoned:
             # A backward that raised having only held buckets (to check their class, or to
             # step it jointly): nothing moved, and the loop drops the gradients, as the plain

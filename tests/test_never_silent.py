@@ -586,6 +586,31 @@ def test_nonfinite_in_one_pass_of_several_refused_at_step(nonfinite):
         optim.step()
 
 
+def test_a_skipped_batch_is_dropped_with_step_and_the_next_norm_is_its_own():
+    """``skip_nonfinite`` and a NaN loss, the loop dropping the batch as a plain loop does,
+    with ``zero_grad()`` and no ``step()``: refused, as the skip was made on the device and
+    not read back, and the message now says to call ``step()`` for such a batch too (it
+    spoke of updates already stepped). With ``step()``, the next batch trains as the plain
+    loop's, its norm its own."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, skip_nonfinite=True, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    (loss_fn(model, *_x(0)) * math.nan).backward()
+    assert optim.grad_norm().isnan()
+    with pytest.raises(RuntimeError, match="With skip_nonfinite, a batch whose gradients"):
+        optim.zero_grad()
+    optim.step()
+    optim.zero_grad()
+    (loss_fn(reference, *_x(0)) * math.nan).backward()
+    plain.zero_grad()
+    _step_both(((model, optim),), 1, zero=True)
+    loss_fn(reference, *_x(1)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf)
+    plain.step()
+    torch.testing.assert_close(optim.grad_norm(), norm, rtol=1e-5, atol=1e-6)
+    assert_match(model, reference)
+
+
 def test_group_state_depending_on_parameters_refused_per_bucket_equal_jointly():
     """A class writing a norm over the parameters it steps into its group: declared to step
     bucket by bucket, refused by the check before the first update; undeclared, stepped
