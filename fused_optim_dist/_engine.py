@@ -252,6 +252,8 @@ class BackwardPass:
         # of the parameters already stepped.
         self._arrived: dict[int, set[int]] = {}
         self._stepped: set[int] = set()
+        # Whether this pass updated a parameter (held buckets are stepped, not updated).
+        self.updated = False
         # Indices of the units whose closing is registered on FSDP2's post-backward node.
         self._closing: set[int] = set()
         # The FSDP2 units that held all-gathered weights when updated, by id of their group.
@@ -635,6 +637,7 @@ class BackwardPass:
             self._events.record(on_device[0].device)
         self._freed.put(params)
         self._stepped.update(map(id, params))
-        if self._record and moved:
+        if self._record and moved and params:
+            self.updated = True
             self._pending.note_group_values(self._param_groups)
             self._pending.add(params)

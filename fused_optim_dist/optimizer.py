@@ -758,12 +758,18 @@ class OptimizerInBackward(Optimizer):
             self._pending.refuse_draws()
             self._refuse_step_under_autocast()
         if self._pass is not None and self._pass.abandoned:
-            # A backward raised after stepping some buckets: step() accepts it, finishing it
-            # as its end-of-backward callback would have (the gradients that arrived are
-            # stepped, the norm completed, group and instance state committed). After the
-            # checks above: finishing notes the values and counters it leaves as the
-            # updates' own.
-            self._pass.finish()
+            if self._pass.updated:
+                # A backward raised after updating some buckets: step() accepts it, finishing
+                # it as its end-of-backward callback would have (the gradients that arrived
+                # are stepped, the norm completed, group and instance state committed). After
+                # the checks above: finishing notes the values and counters it leaves as the
+                # updates' own.
+                self._pass.finish()
+            else:
+                # It only held buckets (a class stepped jointly, or checked first), with the
+                # group values of its start: nothing moved, and their gradients are stepped
+                # below as gradients set by hand, with the values the plain step() reads.
+                self._pass = None
         plan = self._current_plan()
         if self._pending:
             self._pending.refuse_unreduced(plan.units)

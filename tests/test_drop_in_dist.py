@@ -517,6 +517,33 @@ def _failed_held_backward_body(sharded: bool, stepping: str | None) -> None:
     assert_match(model, reference)
 
 
+@pytest.mark.parametrize("stepping", [None, "elementwise"], ids=["joint", "checked-first"])
+def test_failed_held_backward_then_a_new_lr_steps_as_plain(stepping):
+    """A class's first backward raises having only held its buckets (to step it jointly, or
+    to check it first), then the loop sets a new lr and calls ``step()``: the plain step
+    steps the partial gradients with the new lr; here the held buckets were stepped with the
+    group values of the backward's start (1.2e-2 apart after that step, either way, no
+    error). Nothing had moved: they are now stepped afresh at ``step()``, equal."""
+    model, reference = _pair(sharded=False)
+    optim = OptimizerInBackward(
+        model.parameters(), _PlainSGD, lr=0.1, bucket_numel=20, stepping=stepping
+    )
+    plain = _PlainSGD(reference.parameters(), lr=0.1)
+    for net, opt in ((model, optim), (reference, plain)):
+        handle = _raise_at(net.layers[0])
+        with pytest.raises(_Boom):
+            _backward(net, 0, sharded=False)
+        handle.remove()
+        opt.param_groups[0]["lr"] = 0.3
+        opt.step()
+        opt.zero_grad()
+    assert_match(model, reference)
+    for step in range(1, 3):
+        _ours_step(model, optim, step, sharded=False)
+        _plain_step(reference, plain, step, sharded=False)
+    assert_match(model, reference)
+
+
 # ------------------------------------------------------- deepcopy, options, declarations
 
 

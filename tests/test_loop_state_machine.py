@@ -248,12 +248,14 @@ class LoopMachine(RuleBasedStateMachine):
         self.ours.load_state_dict(plain_state)
 
     @precondition(lambda self: not self.pending and not self.sharded)
-    @rule(layer=st.integers(0, LAYERS - 1))
-    def failing_backward(self, layer: int) -> None:
+    @rule(layer=st.integers(0, LAYERS - 1), new_lr=st.booleans())
+    def failing_backward(self, layer: int, new_lr: bool) -> None:
         """A backward that raises part-way, on both sides. Ours refuses to discard the updates
         it made (zero_grad() raises); step() accepts them, as the plain optimizer steps the
         same partial gradients (FSDP2 itself does not recover from an exception inside its
-        backward)."""
+        backward). With ``new_lr``, the loop then triples every group's lr: ours refuses that
+        step() where the backward made updates (with the old lr), and the loop sets the lr
+        back and steps; where it made none, both step with the new lr."""
 
         def boom(*_):
             raise _Boom("bad batch")
@@ -268,6 +270,19 @@ class LoopMachine(RuleBasedStateMachine):
         if self.ours._pending:
             with pytest.raises(RuntimeError, match="A backward raised after updating them"):
                 self.ours.zero_grad()
+        if new_lr:
+            old = [[group["lr"] for group in o.param_groups] for o in (self.ours, self.plain)]
+            for optim in (self.ours, self.plain):
+                for group in optim.param_groups:
+                    group["lr"] *= 3
+            if self.ours._pending and any(old[0]):
+                before = _parameters(self.models[0])
+                with pytest.raises(RuntimeError, match=r"\['lr'\] was changed between"):
+                    self._step(self.ours)
+                _assert_unchanged(self.models[0], before)
+                for optim, lrs in zip((self.ours, self.plain), old, strict=True):
+                    for group, lr in zip(optim.param_groups, lrs, strict=True):
+                        group["lr"] = lr
         for optim in (self.ours, self.plain):
             self._step(optim)
             optim.zero_grad()
