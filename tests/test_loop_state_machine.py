@@ -289,6 +289,36 @@ class LoopMachine(RuleBasedStateMachine):
         self.step += 1
 
     @precondition(lambda self: not self.pending and not self.sharded)
+    @rule(layer=st.integers(0, LAYERS - 1))
+    def failing_backward_rolled_back(self, layer: int) -> None:
+        """A backward that raises part-way, on both sides, and the loop rolls back: the model
+        and the optimizer loaded from a checkpoint taken before it, then ``zero_grad()``.
+        Ours accepts the rollback (the updates it made are overwritten) and both loops go on
+        from the checkpoint."""
+
+        def boom(*_):
+            raise _Boom("bad batch")
+
+        saved = [
+            (copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict()))
+            for model, optim in zip(self.models, (self.ours, self.plain), strict=True)
+        ]
+        for model in self.models:
+            handle = model.layers[layer].register_full_backward_hook(boom)
+            try:
+                with pytest.raises(_Boom):
+                    self._backward(model, self.step)
+            finally:
+                handle.remove()
+        for model, optim, (weights, state) in zip(
+            self.models, (self.ours, self.plain), saved, strict=True
+        ):
+            model.load_state_dict(weights)
+            optim.load_state_dict(state)
+            optim.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: not self.pending and not self.sharded)
     @rule()
     def second_backward(self) -> None:
         """Two backwards before step(): ours refuses the second before it moves anything; the
