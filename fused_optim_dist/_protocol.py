@@ -95,6 +95,29 @@ def refuse_stepping_again(freed: list[torch.Tensor]) -> None:
 _MISSING = object()
 
 
+def _changed_keys(
+    then: dict[str, Any], now: dict[str, Any], known: Collection[str] | None
+) -> list[str]:
+    """The keys of a group's values (:func:`_values`) that differ between ``then`` and
+    ``now``, among ``known`` (``None``: all of them)."""
+    keys = then.keys() | now.keys()
+    return [
+        key
+        for key in sorted(keys if known is None else keys & set(known))
+        if _differ(then.get(key, _MISSING), now.get(key, _MISSING))
+    ]
+
+
+def _changed_group_error(where: str) -> RuntimeError:
+    return RuntimeError(
+        f"step(): {where} between backward and step(). A plain optimizer steps with "
+        "the new value; here this step's update was made in backward, with the old "
+        "one. Set group values and move parameters before backward (at the top of "
+        "the loop, or after step(), where LR schedulers set them). The updates cannot "
+        "be undone: restart from the last checkpoint."
+    )
+
+
 def _values(group: dict[str, Any]) -> dict[str, Any]:
     """A group's values but its params, each as :func:`_noted`."""
     return {key: _noted(value) for key, value in group.items() if key != "params"}
@@ -517,17 +540,12 @@ class PendingUpdates:
         betas, ...) changed, in place or by replacing the group's dict; the parameter moved to
         a group with other values; or it left ``param_groups``, where the plain optimizer
         would not step it at all. ``read(group)``: the keys the group's class reads, or
-        ``None`` if unknown (every key is compared then). Updates of a backward that raised
-        (never settled) are compared with the values noted before its first update, in the
-        group that holds the parameter now."""
+        ``None`` if unknown (every key is compared then). After a backward that raised
+        (never settled), every group's values are compared with those noted at its first
+        update."""
         now = self._holding_groups(param_groups)
-        then_of = self._groups
-        if self._unsettled is not None:
-            noted = self._unsettled
-            unsettled = {i: (g, noted[g]) for i, (g, _) in now.items() if g < len(noted)}
-            then_of = unsettled | self._groups
         for param in self._params:
-            then = then_of.get(id(param))
+            then = self._groups.get(id(param))
             if then is None:
                 continue
             if id(param) not in now:
@@ -539,28 +557,23 @@ class PendingUpdates:
                     "checkpoint."
                 )
             (index, values), (index_now, values_now) = then, now[id(param)]
-            keys = values.keys() | values_now.keys()
-            known = read(param_groups[index_now])
-            changed = [
-                key
-                for key in sorted(keys if known is None else keys & set(known))
-                if _differ(values.get(key, _MISSING), values_now.get(key, _MISSING))
-            ]
+            changed = _changed_keys(values, values_now, read(param_groups[index_now]))
             if not changed:
                 continue
-            where = (
+            raise _changed_group_error(
                 f"param_groups[{index}][{changed[0]!r}] was changed"
                 if index == index_now
                 else f"{describe(param)} moved from param_groups[{index}] to "
                 f"param_groups[{index_now}], whose {changed[0]!r} differs,"
             )
-            raise RuntimeError(
-                f"step(): {where} between backward and step(). A plain optimizer steps with "
-                "the new value; here this step's update was made in backward, with the old "
-                "one. Set group values and move parameters before backward (at the top of "
-                "the loop, or after step(), where LR schedulers set them). The updates cannot "
-                "be undone: restart from the last checkpoint."
-            )
+        if self._unsettled is not None:
+            # A backward that raised also holds the buckets of a class stepped jointly, with
+            # the values of its start, to be stepped when it is finished: every group counts.
+            for index, then_values in enumerate(self._unsettled[: len(param_groups)]):
+                group = param_groups[index]
+                changed = _changed_keys(then_values, _values(group), read(group))
+                if changed:
+                    raise _changed_group_error(f"param_groups[{index}][{changed[0]!r}] was changed")
 
     def refuse_changed(self, changed: list[torch.Tensor]) -> None:
         """Raise for ``step()`` when ``changed``, updated in backward, were written since."""

@@ -27,6 +27,7 @@ from _toy import (
     rank_slice,
     shard,
 )
+from test_never_silent import GlobalClipSGD
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -515,6 +516,34 @@ def _failed_held_backward_body(sharded: bool, stepping: str | None) -> None:
         _ours_step(model, optim, step, sharded=sharded)
         _plain_step(reference, plain, step, sharded=sharded)
     assert_match(model, reference)
+
+
+def test_failed_backward_then_a_new_lr_for_a_held_class_is_refused():
+    """One optimizer, two classes: SGD updates the head in backward, a class stepped jointly
+    holds the blocks to the end of it. The backward raises, the loop sets a new lr for the
+    blocks' group only, and calls ``step()``: the plain step steps the blocks with it; here
+    finishing the backward stepped the held blocks with the old one, the head's group being
+    unchanged (3.0e-3 apart, no error). Refused, nothing moved since the failure."""
+    model, _ = _pair(sharded=False)
+    blocks = [*model.inp.parameters(), *model.layers.parameters()]
+    head = list(model.head.parameters())
+    optim = OptimizerInBackward(
+        [{"params": blocks}, {"params": head, "optimizer_cls": torch.optim.SGD, "lr": 0.1}],
+        GlobalClipSGD,
+        lr=0.05,
+        bucket_numel=20,
+    )
+    handle = _raise_at(model.layers[0])
+    with pytest.raises(_Boom):
+        _backward(model, 0, sharded=False)
+    handle.remove()
+    assert optim._pass.updated  # the head moved in backward
+    failed = [p.detach().clone() for p in model.parameters()]
+    optim.param_groups[0]["lr"] = 0.15
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] was changed"):
+        optim.step()
+    for param, then in zip(model.parameters(), failed, strict=True):
+        assert torch.equal(param.detach(), then)
 
 
 @pytest.mark.parametrize("stepping", [None, "elementwise"], ids=["joint", "checked-first"])
