@@ -674,8 +674,10 @@ class OptimizerInBackward(Optimizer):
         if self._pass is not None and self._pass.abandoned:
             # A backward that raised having only held buckets (to check their class, or to
             # step it jointly): nothing moved, and the loop drops the gradients, as the plain
-            # loop skipping the batch does; step() must not step them.
+            # loop skipping the batch does; step() must not step them, and steps as after no
+            # backward (a class counting steps in its groups counts this one).
             self._pass = None
+            self._stepped_since_step = False
         params = [p for group in self.param_groups for p in group["params"]]
         if not set_to_none:
             # Freed gradients become the zero gradients the plain optimizer keeps: see [Note:

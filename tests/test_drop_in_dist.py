@@ -27,7 +27,7 @@ from _toy import (
     rank_slice,
     shard,
 )
-from test_never_silent import GlobalClipSGD
+from test_never_silent import GlobalClipSGD, GroupStepLamb
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -570,6 +570,32 @@ def test_failed_held_backward_then_a_new_lr_steps_as_plain(stepping):
     for step in range(1, 3):
         _ours_step(model, optim, step, sharded=False)
         _plain_step(reference, plain, step, sharded=False)
+    assert_match(model, reference)
+
+
+@pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "checked-first"])
+def test_failed_held_backward_skipped_then_a_step_counts_it(stepping):
+    """A class counting steps in its groups (timm's LAMB): its first backward raises having
+    only held its buckets, the loop skips the batch with ``zero_grad()`` and calls ``step()``
+    with no gradient, as the plain loop does. The plain step counts the step in every group;
+    here ``step()`` took the dropped backward for this step's and counted nothing (the
+    groups' ``step`` 2 against 3 two steps later, no error). Equal now."""
+    model, reference = _pair(sharded=False)
+    optim = OptimizerInBackward(
+        model.parameters(), GroupStepLamb, lr=0.01, bucket_numel=20, stepping=stepping
+    )
+    plain = GroupStepLamb(reference.parameters(), lr=0.01)
+    for net, opt in ((model, optim), (reference, plain)):
+        handle = _raise_at(net.layers[0])
+        with pytest.raises(_Boom):
+            _backward(net, 0, sharded=False)
+        handle.remove()
+        opt.zero_grad()
+        opt.step()
+    for step in range(1, 3):
+        _ours_step(model, optim, step, sharded=False)
+        _plain_step(reference, plain, step, sharded=False)
+    assert optim.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
     assert_match(model, reference)
 
 
