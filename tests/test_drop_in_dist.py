@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -492,30 +493,49 @@ class _PlainSGD(torch.optim.SGD):
     per call."""
 
 
+def _after_a_failed_held_backward(
+    cls: type[torch.optim.Optimizer],
+    lr: float,
+    then: Callable[[torch.optim.Optimizer], None],
+    *,
+    sharded: bool = False,
+    stepping: str | None,
+) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """A first backward raising on ours and on plain ``cls``, where ours only held its
+    buckets (to check the class, or to step it jointly); ``then(optimizer)`` on each, then two
+    ordinary steps, the models equal after each part. Returns ours and the plain one."""
+    model, reference = _pair(sharded=sharded)
+    optim = OptimizerInBackward(model.parameters(), cls, lr=lr, bucket_numel=20, stepping=stepping)
+    plain = cls(reference.parameters(), lr=lr)
+    for net, opt in ((model, optim), (reference, plain)):
+        handle = _raise_at(net.layers[0])
+        with pytest.raises(_Boom):
+            _backward(net, 0, sharded=sharded)
+        handle.remove()
+        then(opt)
+    assert_match(model, reference)
+    for step in range(1, 3):
+        _ours_step(model, optim, step, sharded=sharded)
+        _plain_step(reference, plain, step, sharded=sharded)
+    assert_match(model, reference)
+    return optim, plain
+
+
 def _failed_held_backward_body(sharded: bool, stepping: str | None) -> None:
     """A class's first backward raises, having only held its buckets (to check the class, or
     to step it jointly); the loop skips the batch with ``zero_grad()`` and calls ``step()``,
     which steps nothing, as the plain loop's (``step()`` stepped the held gradients captured
     before ``zero_grad()``: 4.1e-2 apart on FSDP2 for an ``"elementwise"`` class; a
     ``"dtensor"`` one raised an AttributeError)."""
-    model, reference = _pair(sharded=sharded)
-    optim = OptimizerInBackward(
-        model.parameters(), _PlainSGD, lr=0.1, bucket_numel=20, stepping=stepping
-    )
-    plain = _PlainSGD(reference.parameters(), lr=0.1)
-    for net, opt in ((model, optim), (reference, plain)):
-        handle = _raise_at(net.layers[0])
-        with pytest.raises(_Boom):
-            _backward(net, 0, sharded=sharded)
-        handle.remove()
+
+    def skip_the_batch(opt: torch.optim.Optimizer) -> None:
         opt.zero_grad()
         opt.step()
         opt.zero_grad()
-    assert_match(model, reference)
-    for step in range(1, 3):
-        _ours_step(model, optim, step, sharded=sharded)
-        _plain_step(reference, plain, step, sharded=sharded)
-    assert_match(model, reference)
+
+    _after_a_failed_held_backward(
+        _PlainSGD, 0.1, skip_the_batch, sharded=sharded, stepping=stepping
+    )
 
 
 def test_failed_backward_then_a_new_lr_for_a_held_class_is_refused():
@@ -553,24 +573,13 @@ def test_failed_held_backward_then_a_new_lr_steps_as_plain(stepping):
     steps the partial gradients with the new lr; here the held buckets were stepped with the
     group values of the backward's start (1.2e-2 apart after that step, either way, no
     error). Nothing had moved: they are now stepped afresh at ``step()``, equal."""
-    model, reference = _pair(sharded=False)
-    optim = OptimizerInBackward(
-        model.parameters(), _PlainSGD, lr=0.1, bucket_numel=20, stepping=stepping
-    )
-    plain = _PlainSGD(reference.parameters(), lr=0.1)
-    for net, opt in ((model, optim), (reference, plain)):
-        handle = _raise_at(net.layers[0])
-        with pytest.raises(_Boom):
-            _backward(net, 0, sharded=False)
-        handle.remove()
+
+    def new_lr(opt: torch.optim.Optimizer) -> None:
         opt.param_groups[0]["lr"] = 0.3
         opt.step()
         opt.zero_grad()
-    assert_match(model, reference)
-    for step in range(1, 3):
-        _ours_step(model, optim, step, sharded=False)
-        _plain_step(reference, plain, step, sharded=False)
-    assert_match(model, reference)
+
+    _after_a_failed_held_backward(_PlainSGD, 0.1, new_lr, stepping=stepping)
 
 
 @pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "checked-first"])
@@ -580,23 +589,15 @@ def test_failed_held_backward_skipped_then_a_step_counts_it(stepping):
     with no gradient, as the plain loop does. The plain step counts the step in every group;
     here ``step()`` took the dropped backward for this step's and counted nothing (the
     groups' ``step`` 2 against 3 two steps later, no error). Equal now."""
-    model, reference = _pair(sharded=False)
-    optim = OptimizerInBackward(
-        model.parameters(), GroupStepLamb, lr=0.01, bucket_numel=20, stepping=stepping
-    )
-    plain = GroupStepLamb(reference.parameters(), lr=0.01)
-    for net, opt in ((model, optim), (reference, plain)):
-        handle = _raise_at(net.layers[0])
-        with pytest.raises(_Boom):
-            _backward(net, 0, sharded=False)
-        handle.remove()
+
+    def skip_the_batch(opt: torch.optim.Optimizer) -> None:
         opt.zero_grad()
         opt.step()
-    for step in range(1, 3):
-        _ours_step(model, optim, step, sharded=False)
-        _plain_step(reference, plain, step, sharded=False)
+
+    optim, plain = _after_a_failed_held_backward(
+        GroupStepLamb, 0.01, skip_the_batch, stepping=stepping
+    )
     assert optim.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
-    assert_match(model, reference)
 
 
 # ------------------------------------------------------- deepcopy, options, declarations

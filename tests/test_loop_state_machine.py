@@ -247,15 +247,8 @@ class LoopMachine(RuleBasedStateMachine):
         self.plain.load_state_dict(copy.deepcopy(self.ours.state_dict()))
         self.ours.load_state_dict(plain_state)
 
-    @precondition(lambda self: not self.pending and not self.sharded)
-    @rule(layer=st.integers(0, LAYERS - 1), new_lr=st.booleans())
-    def failing_backward(self, layer: int, new_lr: bool) -> None:
-        """A backward that raises part-way, on both sides. Ours refuses to discard the updates
-        it made (zero_grad() raises); step() accepts them, as the plain optimizer steps the
-        same partial gradients (FSDP2 itself does not recover from an exception inside its
-        backward). With ``new_lr``, the loop then triples every group's lr: ours refuses that
-        step() where the backward made updates (with the old lr), and the loop sets the lr
-        back and steps; where it made none, both step with the new lr."""
+    def _failing_backward(self, layer: int) -> None:
+        """A backward raising in ``layer``'s backward hook, on both loops."""
 
         def boom(*_):
             raise _Boom("bad batch")
@@ -267,6 +260,18 @@ class LoopMachine(RuleBasedStateMachine):
                     self._backward(model, self.step)
             finally:
                 handle.remove()
+
+    @precondition(lambda self: not self.pending and not self.sharded)
+    @rule(layer=st.integers(0, LAYERS - 1), new_lr=st.booleans())
+    def failing_backward(self, layer: int, new_lr: bool) -> None:
+        """A backward that raises part-way, on both sides. Ours refuses to discard the updates
+        it made (zero_grad() raises); step() accepts them, as the plain optimizer steps the
+        same partial gradients (FSDP2 itself does not recover from an exception inside its
+        backward). With ``new_lr``, the loop then triples every group's lr: ours refuses that
+        step() where the backward made updates (with the old lr), and the loop sets the lr
+        back and steps; where it made none, both step with the new lr."""
+
+        self._failing_backward(layer)
         if self.ours._pending:
             with pytest.raises(RuntimeError, match="A backward raised after updating them"):
                 self.ours.zero_grad()
@@ -296,20 +301,11 @@ class LoopMachine(RuleBasedStateMachine):
         Ours accepts the rollback (the updates it made are overwritten) and both loops go on
         from the checkpoint."""
 
-        def boom(*_):
-            raise _Boom("bad batch")
-
         saved = [
             (copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict()))
             for model, optim in zip(self.models, (self.ours, self.plain), strict=True)
         ]
-        for model in self.models:
-            handle = model.layers[layer].register_full_backward_hook(boom)
-            try:
-                with pytest.raises(_Boom):
-                    self._backward(model, self.step)
-            finally:
-                handle.remove()
+        self._failing_backward(layer)
         for model, optim, (weights, state) in zip(
             self.models, (self.ours, self.plain), saved, strict=True
         ):
