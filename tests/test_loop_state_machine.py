@@ -295,6 +295,32 @@ class LoopMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: not self.pending and not self.sharded)
     @rule(layer=st.integers(0, LAYERS - 1))
+    def failing_backward_retried(self, layer: int) -> None:
+        """A backward that raises part-way, on both sides, and the loop runs the batch's
+        backward again, without ``zero_grad()``: the plain loop adds the partial gradients to
+        the new ones. Where ours updated parameters, the retry's gradient to one of them is
+        refused before anything moves; the loop then steps both as after the failure alone,
+        drops the gradients and goes on. Where ours only held buckets, both step the summed
+        gradients."""
+        self._failing_backward(layer)
+        ours_model = self.models[0]
+        if self.ours._pending:
+            before = _parameters(ours_model)
+            refused = r"already updated in an earlier backward|a second backward"
+            with pytest.raises(RuntimeError, match=refused):
+                self._backward(ours_model, self.step)
+            _assert_unchanged(ours_model, before)
+        else:
+            for model in self.models:
+                self._backward(model, self.step)
+        for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+            self._step(optim)
+            optim.zero_grad()
+            model.zero_grad()
+        self.step += 1
+
+    @precondition(lambda self: not self.pending and not self.sharded)
+    @rule(layer=st.integers(0, LAYERS - 1))
     def failing_backward_rolled_back(self, layer: int) -> None:
         """A backward that raises part-way, on both sides, and the loop rolls back: the model
         and the optimizer loaded from a checkpoint taken before it, then ``zero_grad()``.
