@@ -272,9 +272,7 @@ class GradientProcessor:
         self._previous_sq: dict[str, torch.Tensor] = {}
         self._previous_total: torch.Tensor | float = 0.0
         self._last_norm: torch.Tensor | None = None
-        # The norm of the gradients stepped since the last step(), while a step holds some.
-        self._step_norm: torch.Tensor | None = None
-        # With skip_nonfinite: each stepping pass's norm since the last step().
+        # Each stepping pass's norm since the last step().
         self._pass_norms: list[torch.Tensor] = []
         # Skipped bucket updates: a device counter, read back only when asked.
         self._nonfinite: torch.Tensor | int = 0
@@ -444,15 +442,13 @@ class GradientProcessor:
             total = _add(total, _all_reduce(share, key))
         assert total is not None
         norm = norms.exact if norms.exact is not None else total.sqrt()
-        if self.skip_nonfinite:
-            self._pass_norms.append(norm)
-        if self._step_norm is not None:
-            # A second stepping pass before one step() (two backwards on disjoint parameters,
-            # a backward and gradients set by hand): the norm of all the step's gradients, as
-            # clip_grad_norm_ takes it, a norm of the per-tensor norms.
-            pair = torch.stack([self._step_norm, norm.to(self._step_norm)])
-            norm = torch.linalg.vector_norm(pair)
-        self._last_norm = self._step_norm = norm
+        self._pass_norms.append(norm)
+        if len(self._pass_norms) > 1:
+            # Several stepping passes before one step() (two backwards on disjoint
+            # parameters, a backward and gradients set by hand): the norm of all the step's
+            # gradients, as clip_grad_norm_ takes it, a norm of the per-tensor norms.
+            norm = torch.linalg.vector_norm(torch.stack([n.to(norm) for n in self._pass_norms]))
+        self._last_norm = norm
         if self.max_grad_norm is not None:
             # Buckets that did not step this time are predicted to stay silent; a non-finite
             # bucket keeps its previous norm. No host sync.
@@ -507,7 +503,7 @@ class GradientProcessor:
         is read back to the host here, one sync, only where several passes stepped. Passes
         all finite, or all not (every bucket skipped), end as the plain loop's (within a
         pass, see "skip_nonfinite skips bucket by bucket" in ``docs/differences.md``)."""
-        if len(self._pass_norms) < 2:
+        if not self.skip_nonfinite or len(self._pass_norms) < 2:
             return
         device = self._pass_norms[0].device
         finite = torch.isfinite(torch.stack([n.to(device) for n in self._pass_norms]))
@@ -524,7 +520,6 @@ class GradientProcessor:
     def end_of_step(self) -> None:
         """``step()``, or ``zero_grad()`` dropping the step's gradients: the next stepping
         pass starts the next step's norm."""
-        self._step_norm = None
         self._pass_norms.clear()
 
     def grad_norm(self) -> torch.Tensor:

@@ -642,6 +642,38 @@ def _no_sync_run(in_backward: bool, calls: str, trigger: bool) -> dict[str, torc
         return full_params(model)
 
 
+def _nested_no_sync_run(in_backward: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """Two micro-batches a step: the first's backward inside ``accelerator.no_sync(model)``,
+    the second's forward inside a ``no_sync`` nested in it, its backward after both. Returns
+    the parameters, and whether the last backward of the first step left every gradient
+    stepped (freed) rather than held."""
+    with accelerate_on_cpu():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model, optim, loader = _prepared(accelerator, tiny_llama(), in_backward, LR)
+        batches = iter(loader)
+        stepped = []
+        for _ in range(2):
+            with accelerator.no_sync(model):
+                accelerator.backward(model(**next(batches)).loss)
+                with accelerator.no_sync(model):
+                    loss = model(**next(batches)).loss
+            accelerator.backward(loss)
+            stepped.append(not any(holds_gradient(p) for p in model.parameters()))
+            optim.step()
+            optim.zero_grad()
+        return full_params(model), stepped[0]
+
+
+def test_accelerate_nested_no_sync_keeps_the_outer_backward():
+    """A ``no_sync`` of forwards only nested in one that ran a backward: the backward after
+    both is the step's last, stepped in backward as after the outer one alone. The inner
+    context's exit forgot the outer one's backward, and the last backward was taken for one
+    after forwards only and held to ``step()`` (equal values, its gradients all held)."""
+    (ours, stepped), (plain, _) = _nested_no_sync_run(True), _nested_no_sync_run(False)
+    assert stepped
+    assert max_difference(ours, plain) < PARITY_ATOL
+
+
 @pytest.mark.parametrize(
     ("calls", "trigger"),
     [
