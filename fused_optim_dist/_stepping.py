@@ -95,6 +95,7 @@ from fused_optim_dist._protocol import describe
 from fused_optim_dist._sharing import refuse_shared_state
 from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._torch_internals import (
+    dtensor_from_local,
     local_tensor,
     placed_alike,
     read_grads,
@@ -133,8 +134,9 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
 
     State tensors shaped like the local shard become DTensors placed like ``param``; scalars
     (e.g. Adam's ``step``) stay plain tensors, as torch.optim creates them. FSDP2 shards dim 0
-    unevenly (the last ranks may hold fewer rows, or none), so ``from_local`` is given the
-    global shape and stride instead of inferring them from the local shard.
+    unevenly (the last ranks may hold fewer rows, or none), so the DTensor is given the global
+    shape and stride instead of inferring them from the local shard, and keeps the local
+    value's device (host memory under FSDP2's CPU offload, as the plain optimizer's state).
 
     A state tensor with one entry per row of the shard (dim 0 the shard's rows, other dims its
     own, e.g. ``CompactAdamW``'s per-row quantization scales) is placed like ``param`` too,
@@ -153,9 +155,7 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
         stride = torch.empty(shape, device="meta").stride()
     else:
         return value
-    return DTensor.from_local(
-        value, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride
-    )
+    return dtensor_from_local(value, param.device_mesh, param.placements, shape, stride)
 
 
 class Stepper(Protocol):

@@ -92,7 +92,9 @@ Everything else in the package uses public APIs. What this module relies on, for
   registered last is its last key.
 * [Note: FSDP2's copies and flags] ``FSDPParamGroup`` records whether a unit holds
   all-gathered weights (``is_sharded``, ``is_unsharded``; ``_all_gather_result`` is set from
-  the issue of an all-gather, whose copy-in reads the shards at once, until it is waited for)
+  the issue of an all-gather, whose copy-in reads the shards at once, until it is waited for;
+  on a one-rank FSDP mesh, or a mesh without one, ``unshard`` records an empty result and
+  ``wait_for_unshard`` copies the shards then, so a pending result holds no copy)
   and whether it reduces its gradients (``reduce_grads``, which
   ``set_requires_gradient_sync`` sets; on a mesh with a replicate dimension,
   ``mesh_info`` a ``DDPMeshInfo``, also ``all_reduce_grads``, which
@@ -216,9 +218,12 @@ class FSDPUnit(NamedTuple):
     def holds_gathered_copy(self) -> bool:
         """Whether the unit holds all-gathered weights: unsharded, resharded after forward to a
         smaller world, or with an all-gather issued and not yet waited for (its copy-in has
-        read the shards). See [Note: FSDP2's copies and flags]."""
+        read the shards: not on a one-rank mesh, where the copy is made at the wait). See
+        [Note: FSDP2's copies and flags]."""
         group = self.group
-        return not group.is_sharded or group._all_gather_result is not None
+        if not group.is_sharded:
+            return True
+        return group._all_gather_result is not None and _gather_world_size(group) > 1
 
     def module_requires_grad(self) -> list[bool] | None:
         """Each parameter's ``requires_grad`` as autograd sees it while the unit is unsharded
@@ -265,6 +270,35 @@ def _in_backward_states() -> tuple[Any, ...]:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     return TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
+
+
+def dtensor_from_local(
+    local: torch.Tensor,
+    mesh: Any,
+    placements: Sequence[Any],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+    stride=stride)``, with ``local`` kept on its device: ``from_local`` moves a local tensor
+    to the mesh's device type, but FSDP2's CPU offload keeps the shards of parameters and
+    gradients, and so torch.optim's state made from them, in host memory on a CUDA mesh. Built
+    as FSDP2 builds its sharded parameters (``_fsdp_common._from_local_no_grad``): the DTensor
+    constructor with a ``DTensorSpec``."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _gather_world_size(group: Any) -> int:
+    """The ranks a unit's all-gather spans, as ``FSDPParamGroup.unshard`` counts them (1 on a
+    mesh without an FSDP dimension)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    if not isinstance(group.mesh_info, FSDPMeshInfo):
+        return 1
+    return group._all_gather_process_group.size()
 
 
 def register_post_accumulate_grad_hook(

@@ -58,6 +58,7 @@ from torch.optim.optimizer import _to_scalar
 
 from fused_optim_dist._owners import Exchange, TensorSpec, assign_owners, chunk_rows
 from fused_optim_dist._stepping import Batch, BucketStepper
+from fused_optim_dist._torch_internals import dtensor_from_local
 
 __all__ = ["WholeTensorStepper", "check_whole_tensor_params"]
 
@@ -122,9 +123,7 @@ def _stored(value: torch.Tensor, rows: bool, param: DTensor, shape: torch.Size) 
     else:
         placements = tuple(Replicate() for _ in param.placements)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        value, param.device_mesh, placements, run_check=False, shape=shape, stride=stride
-    )
+    return dtensor_from_local(value, param.device_mesh, placements, shape, stride)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

@@ -219,6 +219,45 @@ def _gathered_before_step_body() -> None:
     assert_match(ours, plain)
 
 
+def _not_last_backward_body() -> None:
+    """``set_is_last_backward(False)`` before every backward, each followed by ``step()`` (the
+    flag meant for all but the last backward of an accumulation): FSDP2 keeps every forward's
+    order, and from the second step its backward prefetches the child unit by an earlier
+    forward's index, after the unit was reduced, and leaves the all-gather pending. The plain
+    loop's next forward runs on that copy, the weights of before ``step()`` (7.0e-4 from the
+    loop without the flag on 2 ranks, no error); here the copy holds the update: refused at
+    that forward. On one rank FSDP2 copies the shards when it waits for the all-gather, not
+    when it issues it: no stale copy, and equal. The root holds no parameters (else it would
+    be last in the forward order and, never resharded, the mistargeted prefetch's no-op)."""
+
+    def units() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 3))
+        for unit in (model[0], model[1], model):
+            fully_shard(unit)
+        return model
+
+    def loop(model: nn.Module, opt: Any, last: bool) -> None:
+        for step in range(4):
+            model.set_is_last_backward(last)
+            _loss(model, *_batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    ours, plain, (optim,), (reference,) = _both(units)
+    loop(plain, reference, last=False)
+    if dist.get_world_size() == 1:
+        loop(ours, optim, last=False)
+        assert_match(ours, plain)
+        return
+    with pytest.raises(RuntimeError, match="set_is_last_backward"):
+        loop(ours, optim, last=False)
+    flagged, (model, _, (opt,), _) = plain, _both(units)
+    loop(model, opt, last=True)  # ours, the flag left on: the plain loop's stale copy shows
+    with pytest.raises(AssertionError):
+        assert_match(model, flagged)
+
+
 def _gan_frozen_root_body() -> None:
     """A GAN whose generator and discriminator are FSDP2 roots of their own. The discriminator
     phase freezes the generator and runs it (a forward with no backward: its root stays
@@ -370,6 +409,7 @@ def _all_body() -> None:
     for flag in ("set_requires_gradient_sync", "set_requires_all_reduce"):
         _sync_off_after_a_stepping_backward_body(flag)
     _gathered_before_step_body()
+    _not_last_backward_body()
     _gan_frozen_root_body()
     _unfrozen_after_evaluation_body()
 
@@ -377,3 +417,7 @@ def _all_body() -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_controls_equal_plain_or_refused(worlds, world_size):
     worlds.run(world_size, _all_body)
+
+
+def test_not_last_backward_on_one_rank_equal_plain(worlds):
+    worlds.run(1, _not_last_backward_body)
