@@ -12,6 +12,9 @@ call per unit. A step updates every unit; its cost is the main thread's CPU time
   gradients: the C kernel (``fused_optim_dist/csrc/compact_adamw.c``), what ``kernel="auto"``
   takes on the CPU;
 * ``compact-c-4bit``: the same with ``variance_bits=4`` (packed 4-bit second-moment codes);
+* ``compact-triton``, ``compact-triton-4bit``: the same with ``kernel="triton"``, one Triton
+  kernel per unit (``fused_optim_dist/_compact_triton.py``), what ``kernel="auto"`` takes on
+  CUDA (``--device cuda`` only);
 * ``compact-compile``: ``CompactAdamW(kernel="compile").step()``, the eager path's update
   compiled by ``torch.compile`` (Inductor's C++ on the CPU; compiled before the rounds);
 * ``compact-eager``: ``CompactAdamW(kernel="eager").step()``, the fallback in whole-tensor
@@ -31,7 +34,8 @@ process, one thread::
     python benchmarks/compact_adamw_cost.py --shapes many-tiny --rounds 1 --out /tmp/cost
 
 With ``--device cuda`` the tensors are on the GPU and the methods are those that run there
-(``compact-compile``, Inductor's Triton, and ``compact-eager``; the C kernel is the CPU's); a
+(``compact-triton``, ``compact-compile``, Inductor's Triton, and ``compact-eager``; the C
+kernel is the CPU's); a
 call's cost is its wall time between two ``torch.cuda.synchronize()`` (host work and kernels
 both, as a step in backward costs them), and the buffer written before each call is twice
 the GPU's L2 cache; the results go to ``compact_adamw_cost_cuda.{md,json}``. Add a shape of GPU
@@ -70,12 +74,19 @@ KWARGS = dict(lr=1e-4, weight_decay=0.01)
 VARIANTS = {
     "compact-c": dict(kernel="c"),
     "compact-c-4bit": dict(kernel="c", variance_bits=4),
+    "compact-triton": dict(kernel="triton"),
+    "compact-triton-4bit": dict(kernel="triton", variance_bits=4),
     "compact-compile": dict(kernel="compile"),
     "compact-eager": dict(kernel="eager"),
 }
 """CompactAdamW's methods, by their constructor arguments."""
-CPU_ONLY = ("compact-c", "compact-c-4bit")
-"""The C kernel's methods: it runs on the CPU only."""
+ONLY_ON = {
+    "compact-c": "cpu",
+    "compact-c-4bit": "cpu",
+    "compact-triton": "cuda",
+    "compact-triton-4bit": "cuda",
+}
+"""The kernels' methods: the C kernel runs on the CPU, the Triton kernel on CUDA."""
 COLD_CACHE_BYTES = 64 << 20
 """Written before each timed call on the CPU: twice the L3 cache of the machine measured."""
 BASELINE = "adamw-fused"
@@ -84,7 +95,7 @@ COMPACT = tuple(VARIANTS)
 
 def compact_methods(device: str) -> tuple[str, ...]:
     """The compact methods measured on ``device``."""
-    return tuple(m for m in COMPACT if device == "cpu" or m not in CPU_ONLY)
+    return tuple(m for m in COMPACT if ONLY_ON.get(m, device) == device)
 
 
 def _units(model: nn.Module) -> list[list[nn.Parameter]]:

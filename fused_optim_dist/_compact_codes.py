@@ -12,7 +12,12 @@ to nearest (add half of bit 16, shift), and the error is the rest, ``rounded - b
 16``, a multiple of 2**8 in [-2**15, 2**15), stored divided by it (-128..127). Decoding is
 ``bits(x) = bits(w) << 16 + error << 8``: exact integer arithmetic, the same on every device,
 within half of 2**8 float32 ULPs of ``x``, which is 1/512 of the weight's bfloat16 ULP. Each
-step decodes ``x``, updates it in float32 and splits it again. A split never pairs a zero
+step decodes ``x``, updates it in float32 and splits it again. A NaN is not rounded: the
+carry would run from a NaN whose payload fills its low bits (``0x7FFFFFFF``, the NaN CUDA's
+arithmetic makes) through the exponent into the sign, a ``-0.0``, so the weight (or moment)
+would silently start again from zero where AdamW's stays NaN (found on a GPU; on the CPU too
+for such a NaN in a gradient). Its weight is its upper 16 bits with the quiet bit set (a
+NaN whatever its payload) and its error 0. A split never pairs a zero
 (either sign) with a negative error, which decoded would cross zero into a NaN; such a pair
 is a value written since the split (a pruned weight zeroed in place, a moment reset), and is
 decoded as the zero it holds: the error is stale. Without the error
@@ -92,6 +97,7 @@ SMALLEST_SCALE = 2.0**-120
 HALF_BF16_BIT = 0x8000  # float32 bits: half of the lowest bit a bfloat16 keeps
 HALF_ERROR_BIT = 0x80  # half of the lowest bit the error keeps (bit 8 of the float32)
 ERROR_BITS = ~0xFF  # the float32 bits the pair keeps: all but the lowest 8
+QUIET_BIT = 0x40  # a bfloat16 NaN's quiet bit: set, the upper half of any NaN is a NaN
 
 
 def join24(high: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
@@ -111,10 +117,13 @@ def error_bits(bits: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
 def split24(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``value`` (float32) rounded to bfloat16, and the int8 error of that rounding. See
     [Note: 24-bit weights]."""
-    rounded = value.view(torch.int32).add(HALF_ERROR_BIT).bitwise_and_(ERROR_BITS)
+    bits = value.view(torch.int32)
+    rounded = bits.add(HALF_ERROR_BIT).bitwise_and_(ERROR_BITS)
     high = rounded.add(HALF_BF16_BIT).bitwise_right_shift_(16)
     error = rounded.sub_(high.bitwise_left_shift(16)).bitwise_right_shift_(8)  # -128..127
-    return high.to(torch.int16).view(torch.bfloat16), error.to(torch.int8)
+    nan = value.isnan()
+    high = torch.where(nan, bits.bitwise_right_shift(16).bitwise_or_(QUIET_BIT), high)
+    return high.to(torch.int16).view(torch.bfloat16), error.masked_fill_(nan, 0).to(torch.int8)
 
 
 class Groups:

@@ -1,5 +1,5 @@
-"""CompactAdamW's plans: what a param group's step makes (the C kernel's table of addresses,
-or the eager path's flat batches), reused from step to step. See [Note: the C kernel] in
+"""CompactAdamW's plans: what a param group's step makes (the C or Triton kernel's tables of
+addresses, or the eager path's flat batches), reused from step to step. See [Note: the C kernel] in
 ``_compact_kernel.py`` and [Note: reused plans] below."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 import operator
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -15,6 +15,9 @@ from fused_optim_dist import _compact_kernel
 from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param
 from fused_optim_dist._state_identity import StateEntries
 from fused_optim_dist._torch_internals import holds_values
+
+if TYPE_CHECKING:
+    from fused_optim_dist._compact_triton import TritonTable
 
 _GRAD_DTYPES = (torch.bfloat16, torch.float32)
 """Gradient dtypes the kernel reads."""
@@ -189,6 +192,44 @@ class KernelPlan(Plan):
             return False
         self.table.grads[:] = list(map(_data_ptr, grads))
         self.table.run(self.weights, group)
+        return True
+
+
+class TritonPlan(Plan):
+    """A group stepped by the Triton kernel: its batches' tables, each with its parameters'
+    indices in the group; only the gradients' addresses are written at each step. See
+    [Note: reused plans] and [Note: the Triton kernel] in ``_compact_triton.py``."""
+
+    __slots__ = ("tables", "weights")
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        state: dict[torch.Tensor, dict[str, Any]],
+        tables: Sequence[tuple[list[int], TritonTable, list[Param]]],
+        options: tuple[bool, int],
+    ) -> None:
+        order = sorted(
+            (index, item)
+            for indices, _, batch in tables
+            for index, item in zip(indices, batch, strict=True)
+        )
+        super().__init__(params, state, [item for _, item in order], options)
+        self.tables = [(indices, table) for indices, table, _ in tables]
+        self.weights = [[item.weight for item in batch] for _, _, batch in tables]
+
+    def step(self, state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> bool:
+        """Step the group through this plan; ``False`` (nothing done) if it no longer holds."""
+        grads = self.grads(state, group)
+        if grads is None:
+            return False
+        for indices, table in self.tables:
+            batch = [grads[i] for i in indices]
+            if not table.takes_grads(batch):
+                return False
+        for (indices, table), weights in zip(self.tables, self.weights, strict=True):
+            table.grads = [grads[i].data_ptr() for i in indices]
+            table.run(weights, group)
         return True
 
 

@@ -71,6 +71,12 @@ Factor = float | torch.Tensor
 """A float, or a float32 tensor with one value per element of a batch."""
 
 
+def correction_factors(t: float, h: Hyper) -> tuple[float, float]:
+    """``1 / sqrt(1 - beta2**t)`` and ``lr / (1 - beta1**t)`` for step count ``t``, in
+    Python's double precision (every path rounds them to float32 the same way)."""
+    return 1 / math.sqrt(1 - h.beta2**t), h.lr / (1 - h.beta1**t)
+
+
 def bias_corrections(
     numels: Sequence[int], counts: list[float], h: Hyper, device: torch.device
 ) -> tuple[Factor, Factor]:
@@ -81,12 +87,9 @@ def bias_corrections(
     float32 rounding of its parameter's factor, so the result does not depend on which
     parameters share the batch."""
 
-    def factors(t: float) -> tuple[float, float]:
-        return 1 / math.sqrt(1 - h.beta2**t), h.lr / (1 - h.beta1**t)
-
     if min(counts) == max(counts):
-        return factors(counts[0])
-    per_param = torch.tensor([factors(t) for t in counts], dtype=torch.float32)
+        return correction_factors(counts[0], h)
+    per_param = torch.tensor([correction_factors(t, h) for t in counts], dtype=torch.float32)
     return tuple(  # type: ignore[return-value]
         column.repeat_interleave(torch.tensor(numels), output_size=sum(numels)).to(device)
         for column in per_param.unbind(1)

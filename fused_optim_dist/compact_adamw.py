@@ -49,9 +49,11 @@ class it wraps), casts each back to its dtype by key. It also converts an AdamW 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -70,7 +72,14 @@ from fused_optim_dist._compact_codes import (
     split24,
     sqrt_rn,
 )
-from fused_optim_dist._compact_plan import FlatPlan, KernelPlan, KernelTable, Plan, kernel_table
+from fused_optim_dist._compact_plan import (
+    FlatPlan,
+    KernelPlan,
+    KernelTable,
+    Plan,
+    TritonPlan,
+    kernel_table,
+)
 from fused_optim_dist._compact_update import FlatBatch, FlatUpdate, Hyper, Param, update_flat
 from fused_optim_dist._kinds import (
     checks_groups,
@@ -80,6 +89,9 @@ from fused_optim_dist._kinds import (
 )
 from fused_optim_dist._stepping import _placed_like
 from fused_optim_dist._torch_internals import holds_values
+
+if TYPE_CHECKING:
+    from fused_optim_dist._compact_triton import TritonTable
 
 __all__ = [
     "GROUP_SIZE",
@@ -302,7 +314,8 @@ class CompactAdamW(Optimizer):
     """AdamW with bfloat16 weights, an int8 error of their rounding and 8-bit moments.
 
     About 5.1 bytes of persistent state per parameter (weights included) instead of 12, on
-    CPU (a C kernel, see ``kernel``) and CUDA (eager PyTorch ops). See the module's notes for
+    CPU (a C kernel, see ``kernel``) and CUDA (a Triton kernel, or eager PyTorch ops without
+    Triton). See the module's notes for
     the layout. The update is ``torch.optim.AdamW``'s (decoupled weight decay, bias
     corrections) on the decoded values.
 
@@ -329,7 +342,9 @@ class CompactAdamW(Optimizer):
             (raises here if it cannot be built); ``"compile"`` steps every batch, on any device,
             with the eager path's update compiled by ``torch.compile`` (optional, see [Note:
             compiling the flat update] in ``_compact_compiled.py``; the first steps compile
-            it); ``"eager"`` always takes the eager path. All give the same bits.
+            it); ``"eager"`` always takes the eager path. ``"auto"`` steps CUDA tensors with
+            a Triton kernel where Triton is installed (see [Note: the Triton kernel] in
+            ``_compact_triton.py``), and ``"triton"`` requires it. All give the same bits.
 
     ``state[p]`` holds ``step`` (a float32 CPU scalar, as AdamW's) and the tensors named in the
     module's table, created at ``p``'s first step. ``load_state_dict`` also takes a
@@ -359,6 +374,11 @@ class CompactAdamW(Optimizer):
                 f"CompactAdamW(kernel='c'): the C kernel is unavailable: "
                 f"{_compact_kernel.unavailable_reason()}; use kernel='auto' to fall back to "
                 "the eager path"
+            )
+        if kernel == "triton" and _triton_module() is None:
+            raise RuntimeError(
+                f"CompactAdamW(kernel='triton'): {_TRITON_MISSING}; install it (it comes with "
+                "torch's CUDA builds), or use kernel='auto' to fall back to the eager path"
             )
         self.kernel = kernel
         # Plans by the id of their group's ``params`` list, and that id by parameter id.
@@ -482,7 +502,7 @@ class CompactAdamW(Optimizer):
         self._check_groups(enumerate(self.param_groups), self.state)
         for group in self.param_groups:
             plan = self._plans.get(id(group["params"]))
-            if isinstance(plan, KernelPlan) and plan.step(self.state, group):
+            if isinstance(plan, (KernelPlan, TritonPlan)) and plan.step(self.state, group):
                 continue
             if isinstance(plan, FlatPlan) and plan.step(self.state, group, self._update_flat()):
                 continue
@@ -569,15 +589,17 @@ class CompactAdamW(Optimizer):
             not params
             or sum(map(len, indices.values())) < len(params)
             or (tables and flat)
+            or len({type(table) for _, table, _ in tables}) > 1  # CPU and CUDA tensors
             or not holds_values(params[0])  # fake tensors (the memory estimator): no addresses
         ):
             return
         options = Plan.options_of(group)
-        plan = (
-            KernelPlan(params, self.state, tables, options)
-            if tables
-            else FlatPlan(params, self.state, flat, options)
-        )
+        if not tables:
+            plan: Plan = FlatPlan(params, self.state, flat, options)
+        elif isinstance(tables[0][1], KernelTable):
+            plan = KernelPlan(params, self.state, tables, options)
+        else:
+            plan = TritonPlan(params, self.state, tables, options)
         if plan.params:
             self._remember(id(params), plan)
 
@@ -606,24 +628,38 @@ class CompactAdamW(Optimizer):
         params: list[Param],
         kind: tuple[bool, torch.dtype, torch.device],
         group: dict[str, Any],
-    ) -> KernelTable | None:
-        """The C kernel's table of a batch, or ``None`` where the eager path steps it (the
-        eager kernel chosen, another device, or a layout the kernel does not take: then
-        ``kernel="c"`` raises). See [Note: the C kernel] in ``_compact_kernel.py``."""
+    ) -> KernelTable | TritonTable | None:
+        """The table of a batch for the C kernel (CPU) or the Triton kernel (CUDA), or
+        ``None`` where the eager path steps it (the eager or compiled path chosen, or a
+        kernel unavailable or not taking the batch's tensors: then ``kernel="c"`` and
+        ``kernel="triton"`` raise). See [Note: the C kernel] in ``_compact_kernel.py`` and
+        [Note: the Triton kernel] in ``_compact_triton.py``."""
         grouped, _, device = kind
-        if self.kernel not in _C_KERNELS or device.type != "cpu":
-            return None
+        which = self.kernel
+        if which == "auto":
+            which = "c" if device.type == "cpu" else "triton" if device.type == "cuda" else None
         keys = _batch_keys(grouped, group, params[0].weight)
-        table = (
-            kernel_table(params, keys, grouped, group["variance_bits"])
-            if _compact_kernel.kernel()
-            else None
-        )
-        if table is None and self.kernel == "c":
+        if which == "c":
+            available = _compact_kernel.kernel() is not None
+            reason = _compact_kernel.unavailable_reason()
+            table = (
+                kernel_table(params, keys, grouped, group["variance_bits"]) if available else None
+            )
+        elif which == "triton":
+            triton_kernel = _triton_module()
+            reason = _TRITON_MISSING if triton_kernel is None else None
+            table = (
+                None
+                if triton_kernel is None
+                else triton_kernel.TritonTable.of(params, keys, grouped, group)
+            )
+        else:
+            return None
+        if table is None and self.kernel == which:
             raise RuntimeError(
-                "CompactAdamW(kernel='c') cannot step these tensors with the C kernel "
-                f"({_compact_kernel.unavailable_reason() or _KERNEL_LAYOUT}); use "
-                "kernel='auto' to fall back to the eager path"
+                f"CompactAdamW(kernel={which!r}) cannot step these tensors with its kernel "
+                f"({reason or _KERNEL_LAYOUT[which]}); use kernel='auto' to fall back to the "
+                "eager path"
             )
         return table
 
@@ -697,6 +733,19 @@ def _refuse_unsupported(group: dict[str, Any], index: int, action: str = "load")
         )
 
 
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    """``_compact_triton``, or ``None`` where Triton is not installed."""
+    try:
+        from fused_optim_dist import _compact_triton
+    except ImportError:
+        return None
+    return _compact_triton
+
+
+_TRITON_MISSING = "Triton is not installed"
+
+
 def _batch_keys(grouped: bool, group: dict[str, Any], weight: torch.Tensor) -> tuple[str, ...]:
     """The state keys a batch's update reads and writes (``step`` aside): its moments', and
     ``weight_error`` where its bfloat16 weights keep one."""
@@ -709,11 +758,13 @@ def _batch_keys(grouped: bool, group: dict[str, Any], weight: torch.Tensor) -> t
 _OPTIONS = {"weight_correction": True, "compand": True, "variance_bits": 8}
 """CompactAdamW's param-group options that torch.optim.AdamW does not have, with defaults."""
 
-_KERNELS = ("auto", "c", "compile", "eager")
-_C_KERNELS = ("auto", "c")
-_KERNEL_LAYOUT = (
-    "it takes contiguous CPU tensors, bfloat16 or float32 gradients and float32 CPU step counters"
-)
+_KERNELS = ("auto", "c", "triton", "compile", "eager")
+_KERNEL_LAYOUT = {
+    "c": "it takes contiguous CPU tensors, bfloat16 or float32 gradients and float32 CPU step "
+    "counters",
+    "triton": "it takes contiguous CUDA tensors (CPU ones under TRITON_INTERPRET=1), gradients "
+    "of one dtype, bfloat16 or float32, in a batch, and float32 CPU step counters",
+}
 
 
 def master_weight(param: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:

@@ -61,24 +61,56 @@ def assert_same_run(
     reference: tuple[list[nn.Parameter], CompactAdamW],
     *,
     nan_weight_bits: bool = True,
+    nan_state_bits: bool = True,
 ) -> None:
     """The same weights and the same state, key by key, dtype and bits (a NaN's too; on the
     CPU where the runs' devices differ). ``nan_weight_bits=False``: a NaN weight only NaN in
-    both (see [Note: non-finite values] in ``_compact_codes.py``)."""
+    both (see [Note: non-finite values] in ``_compact_codes.py``); ``nan_state_bits=False``:
+    a NaN state value too (CUDA's eager conversions write other NaNs than the kernels')."""
     (params, optim), (ref_params, ref_optim) = run, reference
     for p, q in zip(params, ref_params, strict=True):
-        weight, ref_weight = p.detach(), q.detach()
-        if not nan_weight_bits:
-            assert torch.equal(weight.isnan(), ref_weight.isnan()), p.shape
-            weight, ref_weight = weight.nan_to_num(), ref_weight.nan_to_num()
-        assert torch.equal(_bits(weight), _bits(ref_weight)), p.shape
+        _assert_same_bits(p.detach(), q.detach(), nan_weight_bits, p.shape)
         state, ref_state = optim.state[p], ref_optim.state[q]
         assert state.keys() == ref_state.keys()
         for key, value in state.items():
             assert value.dtype == ref_state[key].dtype, key
-            assert torch.equal(_bits(value), _bits(ref_state[key])), (p.shape, key)
+            _assert_same_bits(value, ref_state[key], nan_state_bits, (p.shape, key))
+
+
+def _assert_same_bits(value: torch.Tensor, reference: torch.Tensor, nan_bits: bool, what) -> None:
+    if not nan_bits and value.is_floating_point():
+        assert torch.equal(value.isnan(), reference.isnan()), what
+        value, reference = value.nan_to_num(), reference.nan_to_num()
+    assert torch.equal(_bits(value), _bits(reference)), what
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes of ``tensor``'s values, on the CPU: unlike the values, a NaN equals itself."""
     return tensor.cpu().reshape(-1).view(torch.uint8)
+
+
+def nan_gradient_steps(kernel: str, payload: int, device: str = "cpu") -> None:
+    """Step a matrix and a vector with a gradient whose first element is the NaN of bits
+    ``payload``, then with finite ones, beside ``torch.optim.AdamW``: the NaN weights where
+    AdamW's are, and still NaN a step later (a group of 32 then NaN whole: its scale is)."""
+    nan = torch.tensor([payload], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert nan.isnan().all()
+    shapes = ((2, 32), (5,))
+    params = [nn.Parameter(torch.ones(s, device=device, dtype=torch.bfloat16)) for s in shapes]
+    reference = [nn.Parameter(torch.ones(s, device=device)) for s in shapes]
+    optim = CompactAdamW(params, kernel=kernel)
+    plain = torch.optim.AdamW(reference)
+    for step in range(2):
+        for p, q in zip(params, reference, strict=True):
+            p.grad_dtype = None
+            grad = torch.full(q.shape, 0.5)
+            if step == 0:
+                grad.view(-1)[0] = nan
+            q.grad, p.grad = grad.to(device), grad.to(device)
+        optim.step()
+        plain.step()
+        if step == 0:
+            for p, q in zip(params, reference, strict=True):
+                assert torch.equal(p.detach().isnan(), q.detach().isnan()), (kernel, p.shape)
+    for p in params:
+        assert p.detach().view(-1)[0].isnan(), (kernel, p.shape)

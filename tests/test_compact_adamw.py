@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from _compact_runs import nan_gradient_steps
 from torch import nn
 
 from fused_optim_dist import OptimizerInBackward, _kinds
@@ -734,6 +735,17 @@ def test_weights_and_moments_zeroed_in_place_train_on():
         runs.append([p.detach().clone() for p in model.parameters()])
     for p, q in zip(*runs, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("payload", [0x7FFFFFFF, 0xFFFFFFFF])
+@pytest.mark.parametrize("kernel", ["c", "eager", "compile"])
+def test_a_nan_gradient_leaves_weights_nan_as_adamw(kernel, payload):
+    """A NaN whose payload fills its low bits (0x7FFFFFFF, the NaN CUDA's arithmetic makes)
+    was rounded by the split into bfloat16 and error into a carry through the exponent into
+    the sign: -0.0, with no error. The weight (and a vector's moments) silently started again
+    from zero where AdamW's is NaN (0xFFFFFFFF: +0.0); found on a GPU, the same on the CPU
+    for such a gradient. Now NaN (see [Note: 24-bit weights])."""
+    nan_gradient_steps(kernel, payload)
 
 
 @pytest.mark.parametrize("in_backward", [False, True])

@@ -47,12 +47,12 @@ def test_cost_benchmark_runs(tmp_path):
     argv = ["--shapes", "many-tiny", "--steps", "3", "--rounds", "1", "--out", str(tmp_path)]
     compact_adamw_cost.main(argv)
     text = (tmp_path / "compact_adamw_cost.md").read_text()
-    for method in compact_adamw_cost.COMPACT:
+    for method in compact_adamw_cost.compact_methods("cpu"):
         assert f"| many-tiny | {method} |" in text
     # The structure and the arithmetic only: timings are for the benchmark to judge.
     result = json.loads((tmp_path / "compact_adamw_cost.json").read_text())["results"]["many-tiny"]
     (round_,) = result["rounds"]
-    for method in compact_adamw_cost.COMPACT:
+    for method in compact_adamw_cost.compact_methods("cpu"):
         medians = round_["median_ms"]
         assert round_["ratio"][method] == medians[method] / medians["adamw-fused"]
         assert result["ratio_median"][method] == round_["ratio"][method]
@@ -61,13 +61,15 @@ def test_cost_benchmark_runs(tmp_path):
 
 @pytest.mark.gpu
 def test_cost_benchmark_runs_on_cuda(tmp_path):
-    """The GPU's methods only (no C kernel), timed between CUDA synchronizations."""
+    """The GPU's methods only (the Triton kernel, no C kernel), timed between CUDA
+    synchronizations."""
     argv = ["--device", "cuda", "--shapes", "many-tiny", "--steps", "3", "--rounds", "1"]
     compact_adamw_cost.main([*argv, "--out", str(tmp_path)])
     result = json.loads((tmp_path / "compact_adamw_cost_cuda.json").read_text())["results"]
     (round_,) = result["many-tiny"]["rounds"]
-    assert result["many-tiny"]["methods"] == ["compact-compile", "compact-eager"]
-    assert set(round_["ratio"]) == {"compact-compile", "compact-eager"}
+    methods = ["compact-triton", "compact-triton-4bit", "compact-compile", "compact-eager"]
+    assert result["many-tiny"]["methods"] == methods
+    assert set(round_["ratio"]) == set(methods)
     assert "| many-tiny | compact-eager |" in (tmp_path / "compact_adamw_cost_cuda.md").read_text()
 
 

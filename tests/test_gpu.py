@@ -24,6 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist.compact_adamw import CompactAdamW
 
 pytestmark = pytest.mark.gpu
 
@@ -112,3 +113,22 @@ def test_cpu_offload_with_clipping(nccl_world):
         torch.testing.assert_close(
             param.to_local().detach(), ref.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name
         )
+
+
+def test_compact_adamw_in_backward_on_cuda(nccl_world):
+    """CompactAdamW on FSDP2's bfloat16 CUDA shards, stepped in backward by its Triton kernel
+    (what ``kernel="auto"`` takes there, in the hooks' stream): the same bits as the same class
+    stepped after backward on an identical sharded model."""
+    pytest.importorskip("triton")
+    models = [shard(m.cuda().bfloat16()) for m in make_models()]
+    ours = OptimizerInBackward(models[0].parameters(), CompactAdamW, lr=1e-2)
+    plain = CompactAdamW(models[1].parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = (t.cuda().bfloat16() for t in batch(step))
+        for model, optim in zip(models, (ours, plain), strict=True):
+            loss_fn(model, x, y).backward()
+            optim.step()
+            optim.zero_grad()
+    torch.cuda.synchronize()
+    for p, q in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor())

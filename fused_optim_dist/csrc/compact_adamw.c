@@ -118,12 +118,15 @@ INLINE float join24(uint16_t high, int8_t error) {
 }
 
 /* bits(x) rounded to nearest 2**8 (ties up), then split: the upper 16 bits rounded to nearest
- * and the rest, -128..127 units of 2**8. */
+ * and the rest, -128..127 units of 2**8. A NaN is not rounded (the carry of 0x7FFFFFFF would
+ * reach the sign: -0.0): its upper half with the quiet bit set, and no error. */
 INLINE void split24(float value, uint16_t *high, int8_t *error) {
-    const uint32_t rounded = (float_to_bits(value) + 0x80u) & ~0xFFu;
+    const uint32_t bits = float_to_bits(value);
+    const uint32_t rounded = (bits + 0x80u) & ~0xFFu;
     const uint32_t h = (rounded + 0x8000u) >> 16;
-    *high = (uint16_t)h;
-    *error = (int8_t)((int32_t)(rounded - (h << 16)) >> 8);
+    const int nan = value != value;
+    *high = nan ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)h;
+    *error = nan ? 0 : (int8_t)((int32_t)(rounded - (h << 16)) >> 8);
 }
 
 /* A plain comparison: fmaxf is a library call, this a single instruction. */
