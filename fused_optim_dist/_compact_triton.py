@@ -136,45 +136,53 @@ def _larger(a, b):
 
 
 @triton.jit
-def _weights(row, index, mask, WEIGHT_BF16: tl.constexpr, ERROR: tl.constexpr):
+def _pointer(row, field, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """The address in ``row[field]`` as a pointer to ``dtype``, 16-byte aligned if ALIGNED
+    (what lets Triton move 16 bytes per load and store)."""
+    pointer = tl.load(row + field).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def _weights(
+    row, index, mask, WEIGHT_BF16: tl.constexpr, ERROR: tl.constexpr, ALIGNED: tl.constexpr
+):
     """The weights at ``index`` as float32."""
-    address = tl.load(row + 0)
     if WEIGHT_BF16:
-        pointer = address.to(tl.pointer_type(tl.uint16))
-        high = tl.load(pointer + index, mask=mask, other=0)
+        high = tl.load(_pointer(row, 0, tl.uint16, ALIGNED) + index, mask=mask, other=0)
         if ERROR:
-            errors = tl.load(row + 1).to(tl.pointer_type(tl.int8))
-            x = _join24(high, tl.load(errors + index, mask=mask, other=0))
+            error = tl.load(_pointer(row, 1, tl.int8, ALIGNED) + index, mask=mask, other=0)
+            x = _join24(high, error)
         else:
             x = _bf16_to_f32(high)
     else:
-        x = tl.load(address.to(tl.pointer_type(tl.float32)) + index, mask=mask, other=0.0)
+        x = tl.load(_pointer(row, 0, tl.float32, ALIGNED) + index, mask=mask, other=0.0)
     return x
 
 
 @triton.jit
-def _store_weights(row, index, mask, x, WEIGHT_BF16: tl.constexpr, ERROR: tl.constexpr):
-    address = tl.load(row + 0)
+def _store_weights(
+    row, index, mask, x, WEIGHT_BF16: tl.constexpr, ERROR: tl.constexpr, ALIGNED: tl.constexpr
+):
     if WEIGHT_BF16:
-        pointer = address.to(tl.pointer_type(tl.uint16))
         if ERROR:
             high, error = _split24(x)
-            errors = tl.load(row + 1).to(tl.pointer_type(tl.int8))
-            tl.store(errors + index, error, mask=mask)
+            tl.store(_pointer(row, 1, tl.int8, ALIGNED) + index, error, mask=mask)
         else:
             high = _f32_to_bf16(x)
-        tl.store(pointer + index, high, mask=mask)
+        tl.store(_pointer(row, 0, tl.uint16, ALIGNED) + index, high, mask=mask)
     else:
-        tl.store(address.to(tl.pointer_type(tl.float32)) + index, x, mask=mask)
+        tl.store(_pointer(row, 0, tl.float32, ALIGNED) + index, x, mask=mask)
 
 
 @triton.jit
-def _grads(row, index, mask, GRAD_BF16: tl.constexpr):
-    address = tl.load(row + 6)
+def _grads(row, index, mask, GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr):
     if GRAD_BF16:
-        bits = tl.load(address.to(tl.pointer_type(tl.uint16)) + index, mask=mask, other=0)
+        bits = tl.load(_pointer(row, 6, tl.uint16, ALIGNED) + index, mask=mask, other=0)
         return _bf16_to_f32(bits)
-    return tl.load(address.to(tl.pointer_type(tl.float32)) + index, mask=mask, other=0.0)
+    return tl.load(_pointer(row, 6, tl.float32, ALIGNED) + index, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -206,9 +214,12 @@ def _grouped_kernel(
     GRAD_BF16: tl.constexpr,
     COMPAND: tl.constexpr,
     ROOT4: tl.constexpr,
+    ALIGNED: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """Matrices: a tile of TILE groups of one parameter, each a row of 32 lanes."""
+    """Matrices: a tile of TILE groups of one parameter, each a row of 32 lanes. ALIGNED: every
+    row a multiple of 32 long (the groups are consecutive 32-element chunks) and every tensor
+    16-byte aligned, so the tile is contiguous in each tensor and moves in vectors."""
     pid = tl.program_id(0)
     starts = table_ptr + HEADER + count * FIELDS
     k = _param_of(starts, count, pid)
@@ -218,16 +229,22 @@ def _grouped_kernel(
     per_row = (length + 31) // 32
     group = (pid - tl.load(starts + k)) * TILE + tl.arange(0, TILE).to(tl.int64)
     in_param = group < rows * per_row
-    r = group // per_row
-    within = group - r * per_row
-    size = tl.minimum(length - within * 32, 32)
     lane = tl.arange(0, 32)[None, :]
+    if ALIGNED:
+        size = tl.full((TILE,), 32, tl.int64)
+        index = (group * 32)[:, None] + lane
+        code_start = group * 16
+    else:
+        r = group // per_row
+        within = group - r * per_row
+        size = tl.minimum(length - within * 32, 32)
+        index = (r * length + within * 32)[:, None] + lane
+        code_start = r * ((length + 1) // 2) + within * 16
     mask = in_param[:, None] & (lane < size[:, None])
-    index = (r * length + within * 32)[:, None] + lane
 
-    m_codes = tl.load(row + 2).to(tl.pointer_type(tl.int8))
+    m_codes = _pointer(row, 2, tl.int8, ALIGNED)
     m_scales = tl.load(row + 3).to(tl.pointer_type(tl.uint16))
-    r_codes = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    r_codes = _pointer(row, 4, tl.uint8, ALIGNED)
     r_scales = tl.load(row + 5).to(tl.pointer_type(tl.uint16))
     m_scale = tl.load(m_scales + group, mask=in_param, other=0)
     r_scale = tl.load(r_scales + group, mask=in_param, other=0)
@@ -238,22 +255,32 @@ def _grouped_kernel(
         m = tl.div_rn(c, -tl.abs(c) + 254.0) * m_factor
     else:
         m = c * _f32(table_ptr, 6) * m_factor
+    nibble = tl.arange(0, 16)[None, :]
+    half = ((size + 1) // 2)[:, None]
     if ROOT4:
-        half = ((size + 1) // 2)[:, None]
-        upper = lane >= half
-        byte = (r * ((length + 1) // 2) + within * 16)[:, None] + tl.where(upper, lane - half, lane)
-        packed = tl.load(r_codes + byte, mask=mask, other=0).to(tl.int32)
-        level = (tl.where(upper, packed >> 4, packed) & 0xF).to(tl.float32)
+        if ALIGNED:
+            # A whole group's 16 bytes: its first 16 codes in the low nibbles, the last 16 in
+            # the high ones.
+            packed = tl.load(
+                r_codes + code_start[:, None] + nibble, mask=in_param[:, None], other=0
+            ).to(tl.int32)
+            halves = tl.permute(tl.join(packed & 0xF, packed >> 4), (0, 2, 1))
+            level = tl.reshape(halves, (TILE, 32)).to(tl.float32)
+        else:
+            upper = lane >= half
+            byte = code_start[:, None] + tl.where(upper, lane - half, lane)
+            packed = tl.load(r_codes + byte, mask=mask, other=0).to(tl.int32)
+            level = (tl.where(upper, packed >> 4, packed) & 0xF).to(tl.float32)
         old_root = (level * level) * (_bf16_to_f32(r_scale) * _f32(table_ptr, 8))[:, None]
     else:
         level = tl.load(r_codes + index, mask=mask, other=0).to(tl.float32)
         old_root = level * (_bf16_to_f32(r_scale) * _f32(table_ptr, 7))[:, None]
     v = old_root * old_root
 
-    x = _weights(row, index, mask, WEIGHT_BF16, ERROR)
-    g = _grads(row, index, mask, GRAD_BF16)
+    x = _weights(row, index, mask, WEIGHT_BF16, ERROR, ALIGNED)
+    g = _grads(row, index, mask, GRAD_BF16, ALIGNED)
     x, m, v, root = _adamw(table_ptr, row, x, g, m, v)
-    _store_weights(row, index, mask, x, WEIGHT_BF16, ERROR)
+    _store_weights(row, index, mask, x, WEIGHT_BF16, ERROR, ALIGNED)
 
     # The groups' scales: their largest magnitudes (NaN above everything, as bits), rounded to
     # bfloat16, 0 below 2**-120; the codes are computed against the rounded scales.
@@ -285,13 +312,14 @@ def _grouped_kernel(
     code = tl.minimum(rounded, 15.0 if ROOT4 else 255.0).to(tl.int32)
     if ROOT4:
         # Byte k of a group: code k (low nibble) and code k + half (high), where k < half.
-        nibble = tl.arange(0, 16)[None, :]
-        low = tl.gather(code, nibble + tl.zeros_like(half), 1)
-        high = tl.gather(code, tl.minimum(nibble + half, 31), 1)
-        high = tl.where(nibble + half < size[:, None], high, 0)
-        start = (r * ((length + 1) // 2) + within * 16)[:, None]
+        if ALIGNED:
+            low, high = tl.split(tl.permute(tl.reshape(code, (TILE, 2, 16)), (0, 2, 1)))
+        else:
+            low = tl.gather(code, nibble + tl.zeros_like(half), 1)
+            high = tl.gather(code, tl.minimum(nibble + half, 31), 1)
+            high = tl.where(nibble + half < size[:, None], high, 0)
         tl.store(
-            r_codes + start + nibble,
+            r_codes + code_start[:, None] + nibble,
             (low | (high << 4)).to(tl.uint8),
             mask=in_param[:, None] & (nibble < half),
         )
@@ -306,9 +334,11 @@ def _flat_kernel(
     WEIGHT_BF16: tl.constexpr,
     ERROR: tl.constexpr,
     GRAD_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """Parameters of at most one dim: each moment a 24-bit value (bfloat16 and int8 error)."""
+    """Parameters of at most one dim: each moment a 24-bit value (bfloat16 and int8 error).
+    ALIGNED: every tensor 16-byte aligned."""
     pid = tl.program_id(0)
     starts = table_ptr + HEADER + count * FIELDS
     k = _param_of(starts, count, pid)
@@ -316,20 +346,20 @@ def _flat_kernel(
     numel = tl.load(row + 7) * tl.load(row + 8)
     index = (pid - tl.load(starts + k)) * TILE + tl.arange(0, TILE).to(tl.int64)
     mask = index < numel
-    m_high = tl.load(row + 2).to(tl.pointer_type(tl.uint16))
-    m_error = tl.load(row + 3).to(tl.pointer_type(tl.int8))
-    v_high = tl.load(row + 4).to(tl.pointer_type(tl.uint16))
-    v_error = tl.load(row + 5).to(tl.pointer_type(tl.int8))
+    m_high = _pointer(row, 2, tl.uint16, ALIGNED)
+    m_error = _pointer(row, 3, tl.int8, ALIGNED)
+    v_high = _pointer(row, 4, tl.uint16, ALIGNED)
+    v_error = _pointer(row, 5, tl.int8, ALIGNED)
     m = _join24(
         tl.load(m_high + index, mask=mask, other=0), tl.load(m_error + index, mask=mask, other=0)
     )
     v = _join24(
         tl.load(v_high + index, mask=mask, other=0), tl.load(v_error + index, mask=mask, other=0)
     )
-    x = _weights(row, index, mask, WEIGHT_BF16, ERROR)
-    g = _grads(row, index, mask, GRAD_BF16)
+    x = _weights(row, index, mask, WEIGHT_BF16, ERROR, ALIGNED)
+    g = _grads(row, index, mask, GRAD_BF16, ALIGNED)
     x, m, v, _root = _adamw(table_ptr, row, x, g, m, v)
-    _store_weights(row, index, mask, x, WEIGHT_BF16, ERROR)
+    _store_weights(row, index, mask, x, WEIGHT_BF16, ERROR, ALIGNED)
     high, error = _split24(m)
     tl.store(m_high + index, high, mask=mask)
     tl.store(m_error + index, error, mask=mask)
@@ -376,7 +406,7 @@ class TritonTable:
     any of its batches moves, as the C kernel's tables ([Note: a group moves whole or not at
     all] in ``compact_adamw.py``)."""
 
-    __slots__ = ("device", "fields", "grads", "grouped", "layout", "numels", "steps")
+    __slots__ = ("alignable", "device", "fields", "grads", "grouped", "layout", "numels", "steps")
 
     def __init__(
         self, params: Sequence[Param], keys: Sequence[str], grouped: bool, group: dict[str, Any]
@@ -406,8 +436,14 @@ class TritonTable:
         """The gradients' addresses, the one field that changes from step to step (a plan
         writes them before each run)."""
         self.steps = [p.state["step"] for p in params]
+        self.alignable = all(length % 32 == 0 for _, length in self.numels) or not grouped
+        """Whether the kernel's ALIGNED form may take the batch, as far as its shapes and
+        addresses other than the gradients' tell (:meth:`_aligned`)."""
+        self.alignable &= all(address % 16 == 0 for fields in self.fields for address in fields)
         if not interpreting():
-            self._launch(torch.int64, 1, warmup=True)
+            # Both forms, where the gradients' addresses decide between them at each step.
+            for aligned in {False, self.alignable}:
+                self._launch(torch.int64, 1, aligned, warmup=True)
 
     @staticmethod
     def of(
@@ -437,16 +473,23 @@ class TritonTable:
             return -(-rows * -(-length // 32) // TILE_GROUPS)
         return -(-rows * length // TILE_ELEMENTS)
 
-    def _launch(self, table: Any, programs: int, warmup: bool = False) -> None:
+    def _aligned(self) -> bool:
+        """Whether the kernel's ALIGNED form takes this step: rows of whole groups, and every
+        tensor, this step's gradients included, 16-byte aligned (views into a flat buffer,
+        such as FSDP2's gradient shards, need not be)."""
+        return self.alignable and all(address % 16 == 0 for address in self.grads)
+
+    def _launch(self, table: Any, programs: int, aligned: bool, warmup: bool = False) -> None:
         """Launch (or, with ``warmup``, compile) the kernel over ``programs`` tiles."""
         kernel = _grouped_kernel if self.grouped else _flat_kernel
         tile = TILE_GROUPS if self.grouped else TILE_ELEMENTS
         options = {} if interpreting() else {"enable_fp_fusion": False}
         args = (table, len(self.fields))
+        constants = {"TILE": tile, "ALIGNED": aligned, **self.layout}
         if warmup:
-            kernel.warmup(*args, TILE=tile, **self.layout, num_warps=4, grid=(1,), **options)
+            kernel.warmup(*args, **constants, num_warps=4, grid=(1,), **options)
         else:
-            kernel[(programs,)](*args, TILE=tile, **self.layout, num_warps=4, **options)
+            kernel[(programs,)](*args, **constants, num_warps=4, **options)
 
     def run(self, weights: list[torch.Tensor], group: dict[str, Any]) -> None:
         """Step the batch: one launch, then its step counters (host scalars) counted up."""
@@ -463,7 +506,7 @@ class TritonTable:
             host = torch.tensor(
                 table + starts, dtype=torch.int64, pin_memory=self.device.type == "cuda"
             )
-            self._launch(host.to(self.device, non_blocking=True), total)
+            self._launch(host.to(self.device, non_blocking=True), total, self._aligned())
         torch._foreach_add_(self.steps, 1.0)
         # Written through pointers: tell autograd the weights changed, as an in-place op does.
         torch.autograd.graph.increment_version(weights)

@@ -14,6 +14,11 @@ tensor (rows of 48), a scalar, rows longer than the kernel's span of 32 groups (
 elements) ending in a short span and a short group, and rows of whole spans."""
 
 
+WHOLE_ROWS = [(64, 96), (2, 2048), (3, 32), (0, 64), (4, 2, 16), (128,), (5,)]
+"""Rows of whole groups only (with an empty shard and vectors): the Triton kernel's aligned
+form."""
+
+
 def train(
     kernel: str,
     weight_dtype: torch.dtype,
@@ -23,13 +28,14 @@ def train(
     device: str = "cpu",
     variance_bits: int = 8,
     nonfinite: float | None = None,
+    shapes: list[tuple[int, ...]] = SHAPES,
 ) -> tuple[list[nn.Parameter], CompactAdamW]:
     """Six steps on two param groups, the learning rate warmed up at every step; with
     ``nonfinite`` (NaN, an infinity, or a value whose square overflows float32), every
     seventh element of the gradients of steps 1 and 3 takes it, and the values it meets
     become non-finite."""
     torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(s).to(device, weight_dtype)) for s in SHAPES]
+    params = [nn.Parameter(torch.randn(s).to(device, weight_dtype)) for s in shapes]
     optim = CompactAdamW(
         [{"params": params[:4]}, {"params": params[4:], "lr": 3e-3, "weight_decay": 0.0}],
         lr=1e-2,

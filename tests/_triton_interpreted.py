@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from _compact_runs import assert_same_run, nan_gradient_steps, train
+from _compact_runs import SHAPES, WHOLE_ROWS, assert_same_run, nan_gradient_steps, train
 from torch import nn
 
 from fused_optim_dist import OptimizerInBackward
@@ -33,14 +33,23 @@ NAN_PAYLOADS = (0x7FFFFFFF, 0xFFFFFFFF)
 weights])."""
 
 
-def run(kernel: str, layout: tuple, device: str = "cpu", nonfinite: float | None = None):
+def run(
+    kernel: str,
+    layout: tuple,
+    device: str = "cpu",
+    nonfinite: float | None = None,
+    shapes: list[tuple[int, ...]] = SHAPES,
+):
     weight_dtype, grad_dtype, correction, compand, bits = layout
     args = (kernel, weight_dtype, grad_dtype, correction, compand)
-    return train(*args, device=device, variance_bits=bits, nonfinite=nonfinite)
+    return train(*args, device=device, variance_bits=bits, nonfinite=nonfinite, shapes=shapes)
 
 
-def same_bits(layout: tuple, device: str = "cpu") -> None:
-    assert_same_run(run("triton", layout, device), run("eager", layout, device))
+def same_bits(layout: tuple, device: str = "cpu", shapes: list = SHAPES) -> None:
+    """Batches of short groups (the kernel's general form), or with ``WHOLE_ROWS`` its
+    aligned form (tensors 16-byte aligned, as torch allocates them)."""
+    ours = run("triton", layout, device, shapes=shapes)
+    assert_same_run(ours, run("eager", layout, device, shapes=shapes))
 
 
 def same_bits_where_values_turn_nan(layout: tuple, nonfinite: float, device: str = "cpu") -> None:
@@ -97,6 +106,10 @@ CASES: dict[str, Callable[[], None]] = {
             same_bits_where_values_turn_nan(layout, value)
         )
         for (name, layout), (kind, value) in zip(LAYOUTS.items(), NONFINITE.items(), strict=False)
+    },
+    **{
+        f"whole-rows[{name}]": lambda layout=layout: same_bits(layout, shapes=WHOLE_ROWS)
+        for name, layout in LAYOUTS.items()
     },
     "in-backward": in_backward_equals_after_backward,
     **{

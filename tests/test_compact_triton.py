@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _compact_runs import nan_gradient_steps
+from _compact_runs import WHOLE_ROWS, nan_gradient_steps
 from _triton_interpreted import (
     CASES,
     LAYOUTS,
@@ -54,23 +54,24 @@ def test_interpreted_same_bits_as_eager(interpreted, case):
 @pytest.mark.parametrize(
     "kernel,layout",
     [
-        ("_grouped_kernel", dict(WEIGHT_BF16=True, ERROR=True, GRAD_BF16=True, COMPAND=True)),
-        ("_flat_kernel", dict(WEIGHT_BF16=True, ERROR=True, GRAD_BF16=False)),
+        ("_grouped_kernel", dict(COMPAND=True, ROOT4=True, ALIGNED=False)),
+        ("_grouped_kernel", dict(COMPAND=False, ROOT4=False, ALIGNED=True)),
+        ("_flat_kernel", dict(ALIGNED=False)),
     ],
 )
 def test_compiles_for_hopper_as_written(kernel, layout):
     """Compiled for sm_90 (Triton compiles without a GPU): no FMA contraction, divisions and
     square roots correctly rounded (``div.rn``, ``sqrt.rn``; Triton's ``/`` would be
-    ``div.full``), no flush of subnormals to zero. What the interpreter cannot check."""
+    ``div.full``), no flush of subnormals to zero; the aligned form moves 16-byte vectors.
+    What the interpreter cannot check."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from fused_optim_dist import _compact_triton
 
     function = getattr(_compact_triton, kernel)
-    constants = {**layout, "TILE": 32}
-    if kernel == "_grouped_kernel":
-        constants["ROOT4"] = True
+    tile = 32 if kernel == "_grouped_kernel" else 1024
+    constants = dict(WEIGHT_BF16=True, ERROR=True, GRAD_BF16=True, **layout, TILE=tile)
     signature = {"table_ptr": "*i64", "count": "i32", **dict.fromkeys(constants, "constexpr")}
     source = ASTSource(
         fn=function,
@@ -82,6 +83,7 @@ def test_compiles_for_hopper_as_written(kernel, layout):
     assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
     for unwanted in ("fma.", "div.full", "div.approx", "sqrt.approx", ".ftz"):
         assert unwanted not in ptx, unwanted
+    assert ("ld.global.v4" in ptx and "st.global.v4" in ptx) == layout["ALIGNED"]
 
 
 def test_refuses_tensors_it_cannot_step():
@@ -106,6 +108,12 @@ def test_refused_where_triton_is_missing(monkeypatch):
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_same_bits_as_eager_on_cuda(layout):
     same_bits(layout, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_same_bits_as_eager_on_cuda_with_whole_rows(layout):
+    same_bits(layout, "cuda", WHOLE_ROWS)
 
 
 @pytest.mark.gpu
