@@ -195,6 +195,17 @@ class KernelPlan(Plan):
         return True
 
 
+def _in_group_order(batches: Sequence[tuple[list[int], Any, list[Param]]]) -> list[Param]:
+    """The parameters of a group's batches (each with their indices in the group), back in
+    the group's order."""
+    order = sorted(
+        (index, item)
+        for indices, _, batch in batches
+        for index, item in zip(indices, batch, strict=True)
+    )
+    return [item for _, item in order]
+
+
 class TritonPlan(Plan):
     """A group stepped by the Triton kernel: its batches' tables, each with its parameters'
     indices in the group; only the gradients' addresses are written at each step. See
@@ -209,12 +220,7 @@ class TritonPlan(Plan):
         tables: Sequence[tuple[list[int], TritonTable, list[Param]]],
         options: tuple[bool, int],
     ) -> None:
-        order = sorted(
-            (index, item)
-            for indices, _, batch in tables
-            for index, item in zip(indices, batch, strict=True)
-        )
-        super().__init__(params, state, [item for _, item in order], options)
+        super().__init__(params, state, _in_group_order(tables), options)
         self.tables = [(indices, table) for indices, table, _ in tables]
         self.weights = [[item.weight for item in batch] for _, _, batch in tables]
 
@@ -247,12 +253,7 @@ class FlatPlan(Plan):
         batches: Sequence[tuple[list[int], FlatBatch, list[Param]]],
         options: tuple[bool, int],
     ) -> None:
-        order = sorted(
-            (index, item)
-            for indices, _, batch in batches
-            for index, item in zip(indices, batch, strict=True)
-        )
-        super().__init__(params, state, [item for _, item in order], options)
+        super().__init__(params, state, _in_group_order(batches), options)
         self.batches = [(indices, batch) for indices, batch, _ in batches]
         if not all(batch.reusable for _, batch in self.batches):
             self.params = ()

@@ -34,8 +34,9 @@ value (bfloat16 and an int8 error, as the weights). Parameters sharded along ano
 
 The encodings' notes ([Note: 24-bit weights],
 [Note: 8-bit moments], [Note: 4-bit variance]) are in ``_compact_codes.py``, the update's
-([Note: layout-independent arithmetic]) in ``_compact_update.py``, and the C kernel's in
-``_compact_kernel.py`` and ``_compact_plan.py``.
+([Note: layout-independent arithmetic]) in ``_compact_update.py``, the C kernel's in
+``_compact_kernel.py`` and ``_compact_plan.py``, and the Triton kernel's in
+``_compact_triton.py``.
 
 [Note: state dtypes across load_state_dict]
 ``torch.optim.Optimizer.load_state_dict`` casts every state tensor except ``step`` to its
