@@ -639,6 +639,8 @@ class CompactAdamW(Optimizer):
         which = self.kernel
         if which == "auto":
             which = "c" if device.type == "cpu" else "triton" if device.type == "cuda" else None
+        elif which == "c" and device.type != "cpu":
+            return None  # "c" asks for the C kernel for CPU tensors only
         keys = _batch_keys(grouped, group, params[0].weight)
         if which == "c":
             available = _compact_kernel.kernel() is not None
