@@ -252,6 +252,27 @@ class BackwardNorms:
         self.finite: torch.Tensor | None = None
 
 
+def _partly_skipped(applied: bool) -> RuntimeError:
+    """The refusal of a step whose passes were not all finite or all not, with
+    ``skip_nonfinite``: ``applied``, after a finite pass's updates were made."""
+    if applied:
+        return RuntimeError(
+            "step(): with skip_nonfinite, one backward of this step had a non-finite "
+            "gradient and was skipped, where another's updates were applied in backward "
+            "and cannot be undone; a plain loop checking the step's gradients would skip "
+            "the whole step. Run every backward of a step but the last under "
+            "optim.accumulate() (the step is then checked as a whole), and restart from "
+            "the last checkpoint."
+        )
+    return RuntimeError(
+        "step(): with skip_nonfinite, a backward of this step had a non-finite gradient and "
+        "was skipped, and the gradients set by hand since are finite: a plain loop checking "
+        "the step's gradients would skip the whole step, here they would be applied. Nothing "
+        "of this step moved: set those gradients to None and call step() again to skip the "
+        "step as the plain loop does, or set gradients by hand only after finite backwards."
+    )
+
+
 class GradientProcessor:
     """Norm, non-finite guard and clipping of one ``OptimizerInBackward``, across steps.
 
@@ -500,7 +521,10 @@ class GradientProcessor:
         after four AdamW steps, an actor's and a critic's loss, the critic's NaN once).
         Whether a later pass will come, or find a non-finite value, is not known while the
         earlier one steps, so this is refused at ``step()``, after the fact; each pass's flag
-        is read back to the host here, one sync, only where several passes stepped. Passes
+        is read back to the host here, one sync, only where several passes stepped. Gradients
+        set by hand are the exception: ``step()`` knows them before it steps them, and
+        :meth:`refuse_mixed_before` refuses finite ones after a skipped backward before they
+        move. Passes
         all finite, or all not (every bucket skipped), end as the plain loop's (within a
         pass, see "skip_nonfinite skips bucket by bucket" in ``docs/differences.md``)."""
         if not self.skip_nonfinite or len(self._pass_norms) < 2:
@@ -508,14 +532,30 @@ class GradientProcessor:
         device = self._pass_norms[0].device
         finite = torch.isfinite(torch.stack([n.to(device) for n in self._pass_norms]))
         if 0 < int(finite.sum()) < len(self._pass_norms):
-            raise RuntimeError(
-                "step(): with skip_nonfinite, one backward of this step had a non-finite "
-                "gradient and was skipped, where another's updates were applied in backward "
-                "and cannot be undone; a plain loop checking the step's gradients would skip "
-                "the whole step. Run every backward of a step but the last under "
-                "optim.accumulate() (the step is then checked as a whole), and restart from "
-                "the last checkpoint."
-            )
+            raise _partly_skipped(applied=True)
+
+    def refuse_mixed_before(
+        self, params: Sequence[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
+        """At ``step()``, with ``skip_nonfinite``, before gradients set by hand since a
+        stepping pass of this step move (``grads``, the local tensors of those of
+        ``params``): raise if they and the step's earlier passes are not all finite or all
+        not finite. Both are known here, before this pass moves anything: a finite gradient
+        set by hand after a backward that was skipped would otherwise be stepped before
+        :meth:`refuse_partly_skipped` refused the step (see [Note: non-finite gradients in one
+        pass of several]). Collective: one all-reduce per mesh dimension of their squared
+        norm, and one host sync, only in such a step."""
+        if not self.skip_nonfinite or not self._pass_norms:
+            return
+        total: torch.Tensor | None = None
+        for key, share in _Shares(params).squares(grads):
+            total = _add(total, _all_reduce(share, key))
+        assert total is not None
+        norms = torch.stack([*(n.to(total.device) for n in self._pass_norms), total.sqrt()])
+        *earlier, finite = torch.isfinite(norms).tolist()
+        # Earlier passes of mixed finiteness are refused after this pass, at the end of step().
+        if len(set(earlier)) == 1 and earlier[0] != finite:
+            raise _partly_skipped(applied=earlier[0])
 
     def end_of_step(self) -> None:
         """``step()``, or ``zero_grad()`` dropping the step's gradients: the next stepping

@@ -798,6 +798,7 @@ class OptimizerInBackward(Optimizer):
                 return
             self._refuse_second_pass()
             self._check_first_backward()
+            self._gradients.refuse_mixed_before(ready, local_gradients(ready))
             step = self._new_pass(None)
             step.step_all(ready)
             step.finish()

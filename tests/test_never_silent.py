@@ -586,6 +586,35 @@ def test_nonfinite_in_one_pass_of_several_refused_at_step(nonfinite):
         optim.step()
 
 
+def test_finite_gradients_set_by_hand_after_a_skipped_backward_refused_before_they_move():
+    """``skip_nonfinite``, an actor's NaN loss (skipped in backward: nothing moved), then finite
+    gradients set by hand on the critic before ``step()``: the plain loop checking the step's
+    gradients skips the whole step; here ``step()`` stepped the critic before it refused the
+    step (the critic 1.0e-2 from its start, an error after it moved). Refused before they move
+    now; with them set to None, ``step()`` skips the step as the plain loop does, and the
+    next steps train as its. See [Note: non-finite gradients in one pass of several]."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    model, reference = _actor_and_critic()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, skip_nonfinite=True)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        for net in (model, reference):
+            scale = math.nan if step == 0 else 1.0
+            (net["actor"](x).square().mean() * scale).backward()
+            for p in net["critic"].parameters():
+                p.grad = torch.full_like(p, 0.5)
+        if torch.isfinite(torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf)):
+            plain.step()
+        plain.zero_grad()
+        if step == 0:
+            _refused_unmoved(model, "the gradients set by hand since are finite", optim.step)
+            for p in model["critic"].parameters():
+                p.grad = None
+        optim.step()
+        optim.zero_grad()
+    assert_match(model, reference)
+
+
 def test_a_skipped_batch_is_dropped_with_step_and_the_next_norm_is_its_own():
     """``skip_nonfinite`` and a NaN loss, the loop dropping the batch as a plain loop does,
     with ``zero_grad()`` and no ``step()``: refused, as the skip was made on the device and
