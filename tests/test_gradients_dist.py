@@ -506,6 +506,54 @@ def test_nonfinite_gradient_skips_the_bucket_on_every_rank(worlds):
     assert counts == [1, 1, 1, 1]
 
 
+def _hand_set_after_skipped_body() -> None:
+    """An actor and a critic, each its own FSDP2 root: the actor's NaN loss skipped in
+    backward, then finite gradients set by hand on the critic (DTensors) before ``step()``:
+    refused before they move, on every rank (their finiteness reduced across ranks first);
+    set to None, the step is skipped as the plain loop's, and training goes on equal."""
+    heads = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        heads.append(nn.ModuleDict({"actor": nn.Linear(6, 3), "critic": nn.Linear(6, 5)}))
+    model, reference = heads
+    for head in model.values():
+        fully_shard(head)
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, skip_nonfinite=True, **KWARGS
+    )
+    ref_optim = torch.optim.AdamW(reference.parameters(), **KWARGS)
+    for step in range(3):
+        x = torch.randn(6, 6, generator=torch.Generator().manual_seed(step))
+        scale = math.nan if step == 0 else 1.0
+        (model["actor"](rank_slice(x)).square().mean() * scale).backward()
+        if step > 0:
+            model["critic"](rank_slice(x)).square().mean().backward()
+        else:
+            for p in model["critic"].parameters():
+                p.grad = torch.full_like(p, 0.5)
+            before = [full(p).clone() for p in model.parameters()]
+            with pytest.raises(RuntimeError, match="the gradients set by hand since are finite"):
+                optim.step()
+            for p, q in zip(model.parameters(), before, strict=True):
+                assert torch.equal(full(p), q)
+            for p in model["critic"].parameters():
+                p.grad = None
+        optim.step()
+        optim.zero_grad()
+        if step > 0:  # the plain loop skips step 0 whole
+            reference["actor"](x).square().mean().backward()
+            reference["critic"](x).square().mean().backward()
+            ref_optim.step()
+            ref_optim.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(full(p), q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gradients_set_by_hand_after_a_skipped_backward_refused_unmoved(worlds, world_size):
+    worlds.run(world_size, _hand_set_after_skipped_body)
+
+
 # -- what step() steps: clipped and checked together -------------------------------------------
 
 POISON_STEP = 1
