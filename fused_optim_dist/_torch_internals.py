@@ -282,9 +282,14 @@ def dtensor_from_local(
     """``DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
     stride=stride)``, with ``local`` kept on its device: ``from_local`` moves a local tensor
     to the mesh's device type, but FSDP2's CPU offload keeps the shards of parameters and
-    gradients, and so torch.optim's state made from them, in host memory on a CUDA mesh. Built
-    as FSDP2 builds its sharded parameters (``_fsdp_common._from_local_no_grad``): the DTensor
-    constructor with a ``DTensorSpec``."""
+    gradients, and so torch.optim's state made from them, in host memory on a CUDA mesh. Such
+    a tensor is wrapped as FSDP2 wraps its sharded parameters
+    (``_fsdp_common._from_local_no_grad``: the DTensor constructor with a ``DTensorSpec``);
+    any other goes through ``from_local``."""
+    if local.device.type == mesh.device_type or local.is_meta:
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
