@@ -539,12 +539,13 @@ class GradientProcessor:
     ) -> None:
         """At ``step()``, with ``skip_nonfinite``, before gradients set by hand since a
         stepping pass of this step move (``grads``, the local tensors of those of
-        ``params``): raise if they and the step's earlier passes are not all finite or all
-        not finite. Both are known here, before this pass moves anything: a finite gradient
-        set by hand after a backward that was skipped would otherwise be stepped before
-        :meth:`refuse_partly_skipped` refused the step (see [Note: non-finite gradients in one
-        pass of several]). Collective: one all-reduce per mesh dimension of their squared
-        norm, and one host sync, only in such a step."""
+        ``params``): raise if every earlier pass was skipped (not finite) and they are
+        finite. Both are known here, before this pass moves anything: they would otherwise be
+        stepped before :meth:`refuse_partly_skipped` refused the step (see [Note: non-finite
+        gradients in one pass of several]). The other way round (an earlier pass applied,
+        these not finite: skipped on the device, nothing more moves) is left to that refusal,
+        whose message says what stands. Collective: one all-reduce per mesh dimension of their
+        squared norm, and one host sync, only in such a step."""
         if not self.skip_nonfinite or not self._pass_norms:
             return
         total: torch.Tensor | None = None
@@ -553,9 +554,8 @@ class GradientProcessor:
         assert total is not None
         norms = torch.stack([*(n.to(total.device) for n in self._pass_norms), total.sqrt()])
         *earlier, finite = torch.isfinite(norms).tolist()
-        # Earlier passes of mixed finiteness are refused after this pass, at the end of step().
-        if len(set(earlier)) == 1 and earlier[0] != finite:
-            raise _partly_skipped(applied=earlier[0])
+        if finite and not any(earlier):
+            raise _partly_skipped(applied=False)
 
     def end_of_step(self) -> None:
         """``step()``, or ``zero_grad()`` dropping the step's gradients: the next stepping
