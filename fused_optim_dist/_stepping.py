@@ -349,7 +349,7 @@ class _LocalViews:
         if refuse_shared:
             # Before anything is derived (Adam's lists replace the ``step`` values): see [Note:
             # state shared between parameters] in ``_sharing.py``.
-            refuse_shared_state([(view.param, view.entry) for view in self.params], describe)
+            refuse_shared_state([(view.param, view.entry) for view in self.params], describe, state)
         views = iter(self.params)
         per_batch = [[next(views) for _ in batch.params] for batch in batches]
         # Each batch's shards: the ``params`` list of the group handed to the wrapped step.

@@ -3058,13 +3058,18 @@ def test_state_dict_sharing_a_tensor_between_parameters_refused_at_load():
     counting.load_state_dict(counting.state_dict())
 
 
-def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving():
+@pytest.mark.parametrize("bucket_numel", [None, 1], ids=["one-bucket", "bucket-per-param"])
+def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving(bucket_numel):
     """The same sharing written into ``optim.state`` by hand between steps: refused when the
-    bucket holding both entries is derived again, in the next backward, nothing moved and no
-    update recorded (``state_dict()`` took the refused bucket for updates awaiting
-    ``step()`` and raised)."""
+    first bucket holding one of the entries is derived again, in the next backward, nothing
+    moved and no update recorded (``state_dict()`` took the refused bucket for updates
+    awaiting ``step()`` and raised). With a bucket per parameter the entries lie in different
+    buckets (4.3e-3 apart four steps later, no error, while only one bucket's entries were
+    compared)."""
     model, _ = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=bucket_numel
+    )
     for step in range(2):
         loss_fn(model, *_x(step)).backward()
         optim.step()

@@ -306,9 +306,16 @@ def _peak_body(use_spare: bool) -> int:
     return next(snap["Total"] for device, snap in peaks.items() if device.type == "cpu")
 
 
+def _lowest_peak(worlds, use_spare: bool, runs: int = 3) -> int:
+    """The lowest of ``runs`` peaks (each the higher rank's): one run's peak is sometimes
+    12-19 KiB above the others, with or without the spare parameter (measured: 351400 and
+    347244 bytes in most runs, 363884 and 370092 in some), as much as the effect below."""
+    return min(max(worlds.run(2, _peak_body, use_spare=use_spare)) for _ in range(runs))
+
+
 def test_unit_with_an_unused_parameter_closes_when_reduced(worlds):
-    used = max(worlds.run(2, _peak_body, use_spare=True))
-    unused = max(worlds.run(2, _peak_body, use_spare=False))
+    used = _lowest_peak(worlds, use_spare=True)
+    unused = _lowest_peak(worlds, use_spare=False)
     # Held until the end of backward, the sharded gradients of every unit but the last would
     # add N_BLOCKS - 1 units of (DIM * DIM + DIM) / 2 fp32 elements per rank (> 24 KiB).
     unit_grads = (DIM * DIM + DIM) * 4 // 2
