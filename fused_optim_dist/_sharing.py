@@ -35,11 +35,14 @@ steps after such a load, no error). Refused for the classes that keep all their 
 ``state[p]`` and update each of its tensors once per parameter (torch.optim's, this library's:
 ``keeps_state_per_parameter``): where it is loaded, before anything is loaded; and, put into
 two entries by hand between steps, when the views of a bucket holding one of them are
-derived, before that bucket moves: the first bucket stepped in the next backward holding such a
-tensor refuses it, whichever bucket holds the other entry (4.3e-3 apart four AdamW steps after
-one ``step`` tensor was put into every entry with ``bucket_numel=1``, no error, while only
-the entries of one bucket were compared). The check is made only when a bucket's views are
-derived (its state changed, or another set of its parameters is stepped), not at every step:
+derived, before that bucket moves: the first bucket stepped in the next backward whose entries
+were written refuses it, whichever bucket holds the other entry (4.3e-3 apart four AdamW steps
+after one ``step`` tensor was put into every entry with ``bucket_numel=1``, no error, while
+only the entries of one bucket were compared). A bucket stepped before it whose entries were
+not written (the one a tensor was taken from) is not looked at again, and has moved: the check
+is made only when a bucket's views are derived (its state changed, or another set of its
+parameters is stepped), not at every step, where it would cost as much as the step's own
+check of its views:
 the identities of every value of the state looked up among the bucket's at C level (about
 0.1 us per value on a 2-core VM: 0.3 ms for 1,000 AdamW entries), and a Python pass naming
 the two parameters only where one of the bucket's tensors is found twice. Another class may

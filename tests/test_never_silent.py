@@ -3028,6 +3028,25 @@ def _share_step(state: dict) -> None:
         entry["step"] = shared
 
 
+def test_state_tensor_taken_from_a_bucket_stepped_first_refused_at_the_written_one():
+    """One parameter's ``step`` tensor put into the entry of a parameter stepped later in
+    backward (a bucket per parameter): the bucket the tensor was taken from is not written and
+    moves; the written one refuses before it moves, so the loop does not go on silently."""
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    for step in range(2):
+        loss_fn(model, *_x(step)).backward()
+        optim.step()
+        optim.zero_grad()
+    params = list(model.parameters())  # backward steps the last ones first
+    optim.state[params[0]]["step"] = optim.state[params[-1]]["step"]
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="holds one tensor"):
+        loss_fn(model, *_x(2)).backward()
+    name = next(n for n, p in model.named_parameters() if p is params[0])
+    assert torch.equal(params[0].detach(), before[name]), "the written bucket moved"
+
+
 def test_state_dict_sharing_a_tensor_between_parameters_refused_at_load():
     """The plain AdamW advances a ``step`` tensor shared by every entry once per parameter,
     in parameter order; here in backward order (1.9e-2 apart four steps after such a load,
