@@ -56,7 +56,10 @@ from torch.optim import Optimizer
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
+from fused_optim_dist._kinds import keeps_state_per_parameter
 from fused_optim_dist._owners import Exchange, TensorSpec, assign_owners, chunk_rows
+from fused_optim_dist._protocol import describe
+from fused_optim_dist._sharing import SharedStateCheck
 from fused_optim_dist._stepping import Batch, BucketStepper
 from fused_optim_dist._torch_internals import dtensor_from_local
 
@@ -192,6 +195,10 @@ class WholeTensorStepper:
         # Steps full tensors (owners' gathered ones, and parameters whole on every rank).
         self._whole = BucketStepper(optimizer, local_shards=False)
         self._muon = type(optimizer) is torch.optim.Muon
+        # See [Note: state shared between parameters] in ``_sharing.py``.
+        self._refuse_shared = (
+            SharedStateCheck() if keeps_state_per_parameter(type(optimizer)) else None
+        )
         # The unit whose exchange is in flight, completed by the next step() or flush().
         self._pending: _InFlight | None = None
 
@@ -218,6 +225,8 @@ class WholeTensorStepper:
         """
         assert found_inf is None, "takes_found_inf() is False"
         self.flush()
+        if self._refuse_shared is not None:
+            self._refuse_shared([p for batch in batches for p in batch.params], state, describe)
         whole: list[Batch] = []
         by_dim: dict[int, tuple[list[DTensor], list[dict[str, Any]]]] = {}
         for group, params, grads in batches:

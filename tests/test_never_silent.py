@@ -3047,6 +3047,33 @@ def test_state_tensor_taken_from_a_bucket_stepped_first_refused_at_the_written_o
     assert torch.equal(params[0].detach(), before[name]), "the written bucket moved"
 
 
+@pytest.mark.parametrize(
+    ("cls", "key"), [(torch.optim.Muon, "momentum_buffer"), (torch.optim.Adafactor, "row_var")]
+)
+@pytest.mark.parametrize("bucket_numel", [None, 1], ids=["one-bucket", "bucket-per-param"])
+def test_whole_tensor_state_tensor_put_into_two_entries_refused(cls, key, bucket_numel):
+    """The same for the whole-tensor classes, whose steps derive no views: the plain Muon
+    updates a shared momentum twice per step in parameter order (2.0e-2 apart four steps
+    later with a bucket per parameter, Adafactor's row variance 1.8e-3, no error, before).
+    Refused before the written bucket moves (one bucket: before anything moves)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False))
+    optim = OptimizerInBackward(model.parameters(), cls, lr=1e-2, bucket_numel=bucket_numel)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        model(x).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+    first, last = model[0].weight, model[2].weight
+    optim.state[first][key] = optim.state[last][key]
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="holds one tensor"):
+        model(x).square().sum().backward()
+    assert torch.equal(first.detach(), before["0.weight"]), "the written bucket moved"
+    if bucket_numel is None:
+        _assert_unchanged(model, before)
+
+
 def test_state_dict_sharing_a_tensor_between_parameters_refused_at_load():
     """The plain AdamW advances a ``step`` tensor shared by every entry once per parameter,
     in parameter order; here in backward order (1.9e-2 apart four steps after such a load,
