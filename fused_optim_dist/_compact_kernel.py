@@ -35,10 +35,22 @@ import torch
 __all__ = ["FIELDS", "kernel", "takes", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("csrc") / "compact_adamw.c"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fPIC",
+    "-shared",
+)
 """``-ffp-contract=off``: GCC contracts ``a * b + c`` into an FMA by default, which rounds
 once where eager rounds twice. ``-fno-math-errno`` lets ``sqrtf`` and ``rintf`` be single
-instructions; it changes no value."""
+instructions; it changes no value. ``-fno-trapping-math``: without it GCC keeps a float
+comparison that could raise an exception flag behind a branch, and without AVX-512's mask
+registers it then leaves the loop with it scalar (the root's encoding, on an AVX2 CPU: the
+kernel took 3.84 ns per element, 2.56 with it, on a Zen 3 VM); no value changes, only when
+floating-point exception flags may be raised, which nothing reads."""
 
 FIELDS = 10
 """int64 fields per parameter in the table the kernel reads (``PARAM_FIELDS`` in the source);
