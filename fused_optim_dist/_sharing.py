@@ -42,17 +42,19 @@ only the entries of one bucket were compared). A bucket stepped before it whose 
 not written (the one a tensor was taken from) is not looked at again, and has moved: the check
 is made only when a bucket's views are derived (its state changed, or another set of its
 parameters is stepped), not at every step, where it would cost as much as the step's own
-check of its views:
-the identities of every value of the state looked up among the bucket's at C level (about
-0.1 us per value on a 2-core VM: 0.3 ms for 1,000 AdamW entries), and a Python pass naming
-the two parameters only where one of the bucket's tensors is found twice. Another class may
+check of its views. It looks the identities of every value of the state up among the
+bucket's at C level (about 0.1 us per value on a 2-core VM: 0.3 ms for 1,000 AdamW entries),
+and makes a Python pass naming the two parameters only where one of the bucket's tensors is
+found twice. Another class may
 share a tensor on purpose (a counter kept on the instance and put in every entry, which [Note:
 group and instance state] steps as plain): its buckets are not checked, and a tensor shared
 among its entries alone is no reason to refuse another class's bucket. The whole-tensor
 classes (torch's Muon and Adafactor, ``_whole_tensor.py``) derive no views: their buckets'
 entries are compared by identity with those of their last check (``SharedStateCheck``), and
 checked so when they changed (2.0e-2 and 1.8e-3 apart four steps after a Muon momentum or an
-Adafactor row variance was put into a second entry with ``bucket_numel=1``, no error, before).
+Adafactor row variance was put into a second entry with ``bucket_numel=1``, no error, before;
+on FSDP2 they are checked at the first two steps, where the state is created, and compared by
+identity after, measured).
 """
 
 from __future__ import annotations
@@ -197,7 +199,9 @@ def refuse_shared_state(
     _refuse_repeated(holders, {id(v) for v in values if isinstance(v, torch.Tensor)}, name)
 
 
-def _refuse_repeated(holders: Iterable[tuple[Any, Any]], ids: set[int], name: Callable) -> None:
+def _refuse_repeated(
+    holders: Iterable[tuple[Any, Any]], ids: set[int], name: Callable[[Any], str]
+) -> None:
     """Raise for the first tensor among ``ids`` found in the entries of two parameters of
     ``holders`` (pairs of a parameter and its entry; a parameter may come twice)."""
     holder: dict[int, tuple[Any, str]] = {}

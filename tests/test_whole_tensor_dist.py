@@ -356,6 +356,37 @@ def test_checkpoints_interchange_with_plain_muon(worlds, tmp_path):
     worlds.run(2, _interchange_body, path=str(tmp_path))
 
 
+def _shared_momentum_body() -> None:
+    """A Muon momentum put by hand into a second entry (on every rank) of FSDP2 units: the
+    unit holding the written entry refuses before it moves (the plain Muon would update the
+    tensor twice per step, in parameter order)."""
+    model, _ = make_models()
+    shard(model)
+    muon, adamw = _muon_adamw(model, MUON_CONFIGS[0])
+    for step in range(2):
+        x, y = _batch(step)
+        loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+        for optim in (muon, adamw):
+            optim.step()
+            optim.zero_grad()
+    # layers.0.up.weight is written, from layers.2.up.weight (the unit stepped before it).
+    names = {p: n for n, p in model.named_parameters()}
+    first, last = (
+        next(p for p in muon.param_groups[0]["params"] if names[p] == f"layers.{i}.up.weight")
+        for i in (0, 2)
+    )
+    muon.state[first]["momentum_buffer"] = muon.state[last]["momentum_buffer"]
+    before = full(first).detach().clone()
+    x, y = _batch(2)
+    with pytest.raises(ValueError, match="holds one tensor"):
+        loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+    assert torch.equal(full(first).detach(), before), "the written unit moved"
+
+
+def test_shared_momentum_refused_before_the_written_unit_moves(worlds):
+    worlds.run(2, _shared_momentum_body)
+
+
 def _refusal_body() -> None:
     mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
     weight = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
