@@ -429,7 +429,7 @@ class OptimizerInBackward(Optimizer):
             raise _ddp_error(ValueError)
 
     def _current_plan(self) -> BucketPlan:
-        """The bucket plan of the param groups as they are now; hooks on every trainable param.
+        """The bucket plan of the param groups as they are now; hooks on every param (frozen too).
 
         Rebuilt when a group was added or loaded, or a ``requires_grad`` flipped: see
         [Note: a plan is derived, never patched]. Costs one pass over the parameters.
@@ -444,17 +444,34 @@ class OptimizerInBackward(Optimizer):
         return plan
 
     def _hook_new(self, plan: BucketPlan) -> None:
-        """Hook the trainable parameters of ``plan`` not hooked yet, unless detached."""
-        new = [p for p in plan.trainable if p not in self._hooked]
-        if new and not self._detached:
-            self._check_not_driven_elsewhere(new)
+        """Hook the parameters of ``plan`` not hooked yet, frozen ones too, unless detached,
+        and claim the trainable ones.
+
+        Frozen ones are hooked so that one unfrozen later steps in the first backward that
+        gives it a gradient. Hooked only when the plan is rebuilt, at the first hooked gradient
+        of that backward, its own gradient, arriving before (an output head, the first in
+        backward order), was held to ``step()``; a backward retried after that one failed then
+        stepped it with both gradients before being refused at a parameter the failed one had
+        updated. A hook of a frozen parameter never runs: it gets no gradient."""
+        if self._detached:
+            return
+        claimed = [p for p in plan.trainable if _owner(p) is not self]
+        if claimed:
+            self._check_not_driven_elsewhere(claimed)
+            for param in claimed:
+                _OWNERS[param] = weakref.ref(self)
+        new = [
+            p
+            for p in (*plan.trainable, *plan.frozen)
+            if p not in self._hooked and (p.is_floating_point() or p.is_complex())
+        ]
+        if new:
             hook = _grad_ready_hook(self)
             for param in new:
                 handle = register_post_accumulate_grad_hook(param, hook)
                 self._hook_handles.append(handle)
                 self._hooked[param] = True
                 self._hook_ids[id(param)] = handle.id
-                _OWNERS[param] = weakref.ref(self)
 
     def _new_pass(self, backward_id: int | None, *, record: bool = True) -> BackwardPass:
         return BackwardPass(

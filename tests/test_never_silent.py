@@ -3126,3 +3126,51 @@ def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving(bucket_
         loss_fn(model, *_x(2)).backward()
     _assert_unchanged(model, before)
     assert_same_state_dict(optim.state_dict(), kept)
+
+
+# ---------------------------------------------------- parameters unfrozen after being added
+
+
+def _head_added_frozen_then_unfrozen() -> tuple[tuple[nn.Module, Optimizer], ...]:
+    """Ours (one bucket per parameter) and plain AdamW on the body, the head added as a param
+    group while frozen, then unfrozen."""
+    models = make_models()
+    loops = []
+    for model, cls in zip(models, (OptimizerInBackward, None), strict=True):
+        body = [p for n, p in model.named_parameters() if not n.startswith("head")]
+        model.head.requires_grad_(False)
+        if cls is None:
+            optim = torch.optim.AdamW(body, **ADAMW)
+        else:
+            optim = cls(body, torch.optim.AdamW, **ADAMW, bucket_numel=1)
+        optim.add_param_group({"params": list(model.head.parameters()), "lr": 1e-3})
+        model.head.requires_grad_(True)
+        loops.append((model, optim))
+    return tuple(loops)
+
+
+def test_head_unfrozen_after_its_group_was_added_steps_in_its_first_backward():
+    """The head's gradient is the first of a backward. Hooked only when the plan was rebuilt,
+    at the first hooked gradient (after the head's own), it was held to ``step()``; a backward
+    retried after that one failed then stepped the head with both gradients before it was
+    refused at a layer the failed one had updated (the head moved; found by the random-loop
+    test). Frozen parameters are hooked too now: the failed backward steps the head, the retry
+    is refused at it before anything moves, and a loop that does not fail trains as plain."""
+    (model, optim), _ = _head_added_frozen_then_unfrozen()  # optim held: hooks hold it weakly
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("bad batch")
+
+    handle = model.layers[0].register_full_backward_hook(boom)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        loss_fn(model, *_x(0)).backward()
+    handle.remove()
+    _refused_unmoved(
+        model, "already updated in an earlier backward", lambda: loss_fn(model, *_x(0)).backward()
+    )
+    assert optim._pending.holds(model.head.weight)
+
+    loops = _head_added_frozen_then_unfrozen()
+    for step in range(3):
+        _step_both(loops, step, zero=True)
+    assert_match(*(model for model, _ in loops))
