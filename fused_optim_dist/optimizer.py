@@ -445,14 +445,16 @@ class OptimizerInBackward(Optimizer):
 
     def _hook_new(self, plan: BucketPlan) -> None:
         """Hook the parameters of ``plan`` not hooked yet, frozen ones too, unless detached,
-        and claim the trainable ones.
+        and claim the trainable ones (see ``_check_not_driven_elsewhere``).
 
-        Frozen ones are hooked so that one unfrozen later steps in the first backward that
-        gives it a gradient. Hooked only when the plan is rebuilt, at the first hooked gradient
-        of that backward, its own gradient, arriving before (an output head, the first in
-        backward order), was held to ``step()``; a backward retried after that one failed then
-        stepped it with both gradients before being refused at a parameter the failed one had
-        updated. A hook of a frozen parameter never runs: it gets no gradient."""
+        A frozen parameter is hooked now so that, unfrozen later, its own gradient runs the
+        hook. Hooked only when it became trainable, it would be hooked by the plan's rebuild at
+        the backward's first hooked gradient, which may come after its own (an output head's
+        is the first of a backward): that gradient was held to ``step()``, and a backward
+        retried after that one failed stepped it with both gradients before being refused at a
+        parameter the failed one had updated. A frozen parameter's hook runs only where
+        autograd runs a leaf's hooks without a gradient (``BucketPlan.delivers_nothing``).
+        Parameters of other dtypes (integer) can neither require grad nor take a hook."""
         if self._detached:
             return
         claimed = [p for p in plan.trainable if _owner(p) is not self]

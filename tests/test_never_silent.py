@@ -3134,19 +3134,36 @@ def test_state_tensor_put_into_two_entries_by_hand_refused_before_moving(bucket_
 def _head_added_frozen_then_unfrozen() -> tuple[tuple[nn.Module, Optimizer], ...]:
     """Ours (one bucket per parameter) and plain AdamW on the body, the head added as a param
     group while frozen, then unfrozen."""
-    models = make_models()
-    loops = []
-    for model, cls in zip(models, (OptimizerInBackward, None), strict=True):
-        body = [p for n, p in model.named_parameters() if not n.startswith("head")]
+    ours_model, plain_model = make_models()
+    for model in (ours_model, plain_model):
         model.head.requires_grad_(False)
-        if cls is None:
-            optim = torch.optim.AdamW(body, **ADAMW)
-        else:
-            optim = cls(body, torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    body = lambda m: [p for n, p in m.named_parameters() if not n.startswith("head")]  # noqa: E731
+    loops = (
+        (
+            ours_model,
+            OptimizerInBackward(body(ours_model), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        ),
+        (plain_model, torch.optim.AdamW(body(plain_model), **ADAMW)),
+    )
+    for model, optim in loops:
         optim.add_param_group({"params": list(model.head.parameters()), "lr": 1e-3})
         model.head.requires_grad_(True)
-        loops.append((model, optim))
-    return tuple(loops)
+    return loops
+
+
+def _fail_in_layer_0(model: nn.Module) -> None:
+    """A backward raising in the first layer's backward hook (the head and the layers above
+    have their gradients by then)."""
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("bad batch")
+
+    handle = model.layers[0].register_full_backward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="bad batch"):
+            loss_fn(model, *_x(0)).backward()
+    finally:
+        handle.remove()
 
 
 def test_head_unfrozen_after_its_group_was_added_steps_in_its_first_backward():
@@ -3155,22 +3172,21 @@ def test_head_unfrozen_after_its_group_was_added_steps_in_its_first_backward():
     retried after that one failed then stepped the head with both gradients before it was
     refused at a layer the failed one had updated (the head moved; found by the random-loop
     test). Frozen parameters are hooked too now: the failed backward steps the head, the retry
-    is refused at it before anything moves, and a loop that does not fail trains as plain."""
-    (model, optim), _ = _head_added_frozen_then_unfrozen()  # optim held: hooks hold it weakly
-
-    def boom(*_: object) -> None:
-        raise RuntimeError("bad batch")
-
-    handle = model.layers[0].register_full_backward_hook(boom)
-    with pytest.raises(RuntimeError, match="bad batch"):
-        loss_fn(model, *_x(0)).backward()
-    handle.remove()
+    is refused at it before anything moves; ``step()`` after the failure steps the partial
+    gradients as the plain optimizer does, and a loop that does not fail trains as plain."""
+    (model, optim), _ = _head_added_frozen_then_unfrozen()
+    _fail_in_layer_0(model)
+    assert optim._pending.holds(model.head.weight)
     _refused_unmoved(
         model, "already updated in an earlier backward", lambda: loss_fn(model, *_x(0)).backward()
     )
-    assert optim._pending.holds(model.head.weight)
 
     loops = _head_added_frozen_then_unfrozen()
-    for step in range(3):
+    for model, optim in loops:
+        _fail_in_layer_0(model)
+        optim.step()
+        optim.zero_grad()
+    assert_match(*(model for model, _ in loops))
+    for step in range(1, 4):
         _step_both(loops, step, zero=True)
     assert_match(*(model for model, _ in loops))
