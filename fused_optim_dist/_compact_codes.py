@@ -131,7 +131,8 @@ class Groups:
     group of a row shorter where the row length is not a multiple of 32. See [Note: groups
     never cross a row] in ``compact_adamw.py``.
 
-    ``lengths``: each group's length (int32), or ``None`` when every row is a multiple of 32
+    ``packed``: whether the root codes are 4-bit, two to a byte. ``lengths``: each group's
+    length (int32), or ``None`` when every row is a multiple of 32
     elements long (the groups are then ``flat.view(-1, 32)``, without an index). ``slots``,
     for 4-bit codes packed by group (``packed``): where each element's code lies among the
     nibbles (two per byte, low first), or ``None`` where every group is whole (then the
@@ -139,10 +140,11 @@ class Groups:
     ones, without an index). See [Note: 4-bit variance].
     """
 
-    __slots__ = ("count", "lengths", "numel", "slots")
+    __slots__ = ("count", "lengths", "numel", "packed", "slots")
 
     def __init__(self, shapes: Sequence[torch.Size], packed: bool = False) -> None:
         self.numel = sum(math.prod(shape) for shape in shapes)
+        self.packed = packed
         rows = [(shape[0], math.prod(shape[1:])) for shape in shapes]
         self.lengths = self.slots = None
         self.count = self.numel // GROUP_SIZE

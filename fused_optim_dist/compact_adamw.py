@@ -696,7 +696,8 @@ class CompactAdamW(Optimizer):
         if grouped:
             shapes = [p.weight.shape for p in params]
             groups = Groups(shapes, group["variance_bits"] == 4).to(params[0].weight.device)
-        return FlatBatch(params, _batch_keys(grouped, group, params[0].weight), groups)
+        keys = _batch_keys(grouped, group, params[0].weight)
+        return FlatBatch(params, keys, groups, chunked=self.kernel != "compile")
 
     def _update_flat(self) -> FlatUpdate:
         """The flat update: eager, or compiled with ``kernel="compile"``."""

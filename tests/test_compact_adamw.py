@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
-from _compact_runs import nan_gradient_steps
+from _compact_runs import assert_same_run, nan_gradient_steps, train
 from torch import nn
 
-from fused_optim_dist import OptimizerInBackward, _kinds
+from fused_optim_dist import OptimizerInBackward, _compact_update, _kinds, compact_adamw
 from fused_optim_dist._compact_codes import (
     Groups,
     decode_momentum,
@@ -21,6 +21,7 @@ from fused_optim_dist._compact_codes import (
     join24,
     split24,
 )
+from fused_optim_dist._compact_update import chunks, update_flat
 from fused_optim_dist.compact_adamw import (
     GROUP_SIZE,
     CompactAdamW,
@@ -207,6 +208,53 @@ def test_same_result_whatever_is_stepped_with_it():
     # share a storage (torch 2.13), so state is never packed into views of one buffer.
     storages = [v.untyped_storage().data_ptr() for e in optim.state.values() for v in e.values()]
     assert len(set(storages)) == len(storages)
+
+
+@pytest.mark.parametrize("variance_bits", [8, 4])
+@pytest.mark.parametrize("chunk_numel", [100, 1000])
+def test_large_batches_updated_in_chunks_as_in_one_call(monkeypatch, variance_bits, chunk_numel):
+    """[Note: chunked updates]: a batch larger than ``CHUNK_NUMEL`` is updated in chunks of whole
+    rows, with the bits of one call. 100 elements: a chunk of one row where a row is longer
+    (rows of 1,100 and 2,048), or shorter than a parameter; 1,000: chunks across parameters.
+    Rows ending in short groups, an empty shard, vectors, differing step counts, 4-bit codes."""
+    args = (torch.bfloat16, torch.bfloat16, True, True)
+    whole = train("eager", *args, variance_bits=variance_bits)
+    calls = []
+
+    def counted(*update_args):
+        calls.append(update_args[0].numel())
+        return update_flat(*update_args)
+
+    monkeypatch.setattr(compact_adamw, "update_flat", counted)
+    monkeypatch.setattr(_compact_update, "CHUNK_NUMEL", chunk_numel)
+    chunked = train("eager", *args, variance_bits=variance_bits)
+    assert_same_run(chunked, whole)
+    assert len(calls) > 6 * 4  # two groups of a matrix batch and a vector batch, six steps
+    assert max(calls) <= max(chunk_numel, 2048)
+
+
+def test_chunks_hold_whole_rows_and_cover_the_batch(monkeypatch):
+    monkeypatch.setattr(_compact_update, "CHUNK_NUMEL", 256)
+    shapes = [torch.Size(s) for s in ((3, 100), (0, 64), (2, 300), (4, 2, 16), (9, 33))]
+    groups = Groups(shapes, packed=True)
+    cut = chunks(shapes, groups, torch.device("cpu"))
+    # Rows of 100, of 300 (one per chunk: longer than 256), then rows of 32 and 33 together.
+    assert [c.groups.numel for c in cut] == [200, 100, 300, 300, 128 + 3 * 33, 6 * 33]
+    assert [(c.elements.start, c.elements.stop) for c in cut][:3] == [
+        (0, 200),
+        (200, 300),
+        (300, 600),
+    ]
+    assert cut[-1].elements.stop == groups.numel
+    assert sum(c.groups.count for c in cut) == groups.count
+    assert cut[-1].scales.stop == groups.count
+    assert cut[-1].codes.stop == 3 * 50 + 2 * 150 + 4 * 16 + 9 * 17  # packed bytes per row
+    vectors = chunks([torch.Size((600,))], None, torch.device("cpu"))
+    assert [(c.elements.start, c.elements.stop) for c in vectors] == [
+        (0, 256),
+        (256, 512),
+        (512, 600),
+    ]
 
 
 @pytest.mark.parametrize("variance_bits", [8, 4])
