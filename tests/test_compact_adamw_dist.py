@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_optim_dist import OptimizerInBackward, checkpoint
+from fused_optim_dist import OptimizerInBackward, _compact_update, checkpoint
 from fused_optim_dist.compact_adamw import CompactAdamW, master_weight, to_adamw_state_dict
 
 IN, DIM, HIDDEN, OUT = 16, 64, 70, 5
@@ -105,12 +105,15 @@ def _moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> b
 # -- in backward == after backward ------------------------------------------------------------
 
 
-def _in_backward_body(micro_batches: int, variance_bits: int) -> None:
-    """Two param groups, an LR schedule, optionally accumulation over micro-batches."""
+def _in_backward_body(
+    micro_batches: int, variance_bits: int, kernels: tuple[str, str] = ("auto", "auto")
+) -> None:
+    """Two param groups, an LR schedule, optionally accumulation over micro-batches; ours and
+    the reference on ``kernels``."""
     model, reference = _models()
     kwargs = dict(KWARGS, variance_bits=variance_bits)
-    optim = OptimizerInBackward(_groups(model), CompactAdamW, **kwargs)
-    ref_optim = CompactAdamW(_groups(reference), **kwargs)
+    optim = OptimizerInBackward(_groups(model), CompactAdamW, kernel=kernels[0], **kwargs)
+    ref_optim = CompactAdamW(_groups(reference), kernel=kernels[1], **kwargs)
     schedulers = [LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (optim, ref_optim)]
     initial = _full_state(reference, ref_optim)
     for step in range(STEPS):
@@ -141,6 +144,21 @@ def test_in_backward_equals_after_backward(worlds, world_size, micro_batches, va
     worlds.run(
         world_size, _in_backward_body, micro_batches=micro_batches, variance_bits=variance_bits
     )
+
+
+def _eager_in_chunks_body() -> None:
+    """Ours on the eager path in chunks of 16 elements ([Note: chunked updates]), the
+    reference on the C kernel: the eager path's bits, with no chunks."""
+    saved = _compact_update.CHUNK_NUMEL
+    _compact_update.CHUNK_NUMEL = 16
+    try:
+        _in_backward_body(micro_batches=2, variance_bits=4, kernels=("eager", "c"))
+    finally:
+        _compact_update.CHUNK_NUMEL = saved
+
+
+def test_in_backward_eager_in_chunks_equals_the_kernel_after_backward(worlds):
+    worlds.run(3, _eager_in_chunks_body)
 
 
 def _nonfinite_body() -> None:
