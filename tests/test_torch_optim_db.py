@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -178,6 +179,46 @@ def test_accumulated_and_clipped_as_the_plain_loop(
         assert min(expected) > MAX_GRAD_NORM  # every step clipped
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, atol=PLAIN_ATOL, rtol=0, msg=f"{impl} {name}")
+
+
+def _skipping_nonfinite(model: nn.Module, optim: torch.optim.Optimizer, plain: bool) -> None:
+    """A NaN gradient in one layer's weight at step 2; the plain loop drops that step (checks
+    the gradients, then ``step()`` or not), ours is given ``skip_nonfinite``."""
+    for step in range(STEPS):
+        handle = None
+        if step == 2:
+            handle = model[2].weight.register_hook(lambda grad: torch.full_like(grad, math.nan))
+        _loss(model, step).backward()
+        if handle is not None:
+            handle.remove()
+        if not plain or all(p.grad.isfinite().all() for p in model.parameters()):
+            optim.step()
+        optim.zero_grad()
+
+
+@pytest.mark.parametrize(("info", "given"), RUNNABLE)
+def test_nonfinite_step_skipped_as_the_plain_loop_drops_it(
+    info: OptimizerInfo, given: OptimizerInput
+):
+    """``skip_nonfinite`` (one bucket: the whole step; fused Adam, AdamW and SGD skip on the
+    device through ``found_inf``): the parameters and the class's step counts end as the
+    plain loop's that does not call ``step()`` on a non-finite batch."""
+    cls = info.optim_cls
+    for impl in _implementations(info):
+        if impl.get("differentiable"):
+            continue
+        kwargs: dict[str, Any] = {**given.kwargs, **impl}
+        reference, model = _model(cls), _model(cls)
+        plain = cls(reference.parameters(), **copy.deepcopy(kwargs))
+        options = InBackwardOptions(skip_nonfinite=True)
+        ours = OptimizerInBackward(
+            model.parameters(), cls, options=options, **copy.deepcopy(kwargs)
+        )
+        _skipping_nonfinite(reference, plain, plain=True)
+        _skipping_nonfinite(model, ours, plain=False)
+        assert ours.nonfinite_steps == 1, impl
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q), (impl, name, (p - q).abs().max().item())
 
 
 SHARDED = [
