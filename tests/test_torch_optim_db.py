@@ -200,9 +200,10 @@ def _skipping_nonfinite(model: nn.Module, optim: torch.optim.Optimizer, plain: b
 def test_nonfinite_step_skipped_as_the_plain_loop_drops_it(
     info: OptimizerInfo, given: OptimizerInput
 ):
-    """``skip_nonfinite`` (one bucket: the whole step; fused Adam, AdamW and SGD skip on the
-    device through ``found_inf``): the parameters and the class's step counts end as the
-    plain loop's that does not call ``step()`` on a non-finite batch."""
+    """``skip_nonfinite`` (one bucket: the whole step; fused Adam and AdamW, and momentum-free
+    SGD, skip on the device through ``found_inf``): the parameters end as the plain loop's
+    that does not call ``step()`` on a non-finite batch (a step count taken would change
+    Adam's bias corrections)."""
     cls = info.optim_cls
     for impl in _implementations(info):
         if impl.get("differentiable"):
