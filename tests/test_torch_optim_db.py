@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -89,6 +90,36 @@ def _values(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+Pair = tuple[nn.Module, torch.optim.Optimizer]
+
+
+def _pairs(
+    info: OptimizerInfo, kwargs: dict[str, Any], options: InBackwardOptions
+) -> tuple[Pair, Pair]:
+    """Identical models, one with the plain optimizer and one with ours."""
+    cls = info.optim_cls
+    reference, model = _model(cls), _model(cls)
+    plain = cls(reference.parameters(), **copy.deepcopy(kwargs))
+    ours = OptimizerInBackward(model.parameters(), cls, options=options, **copy.deepcopy(kwargs))
+    return (reference, plain), (model, ours)
+
+
+def _stepping_runs(
+    info: OptimizerInfo, given: OptimizerInput, options: InBackwardOptions
+) -> Iterator[tuple[dict[str, bool], Pair, Pair]]:
+    """For each implementation but ``differentiable``: it, and the plain and our pair."""
+    for impl in _implementations(info):
+        if not impl.get("differentiable"):
+            yield impl, *_pairs(info, {**given.kwargs, **impl}, options)
+
+
+def _assert_same(
+    model: nn.Module, reference: nn.Module, impl: dict[str, bool], atol: float
+) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=f"{impl} {name}")
+
+
 # With differentiable=True the bucket whose update raised is counted as updated (a bucket that
 # raises part-way may have moved some of its parameters), and the optimizer says so when it is
 # collected: expected here, where nothing moved.
@@ -103,23 +134,15 @@ def test_equal_to_the_plain_optimizer_or_refused(info: OptimizerInfo, given: Opt
             OptimizerInBackward(model.parameters(), cls, options=options, **given.kwargs)
         return
     start = _values(_model(cls))
-    for impl in _implementations(info):
-        kwargs: dict[str, Any] = {**given.kwargs, **impl}
-        reference, model = _model(cls), _model(cls)
-        plain = cls(reference.parameters(), **copy.deepcopy(kwargs))
-        ours = OptimizerInBackward(
-            model.parameters(), cls, options=options, **copy.deepcopy(kwargs)
-        )
-        if impl.get("differentiable"):
-            for net, optim in ((reference, plain), (model, ours)):
-                with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-                    _train(net, optim)
-                assert all(map(torch.equal, _values(net), start)), (impl, "moved")
-            continue
+    if "differentiable" in info.supported_impls:
+        for net, optim in _pairs(info, {**given.kwargs, "differentiable": True}, options):
+            with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+                _train(net, optim)
+            assert all(map(torch.equal, _values(net), start)), "moved"
+    for impl, (reference, plain), (model, ours) in _stepping_runs(info, given, options):
         _train(reference, plain)
         _train(model, ours)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            assert torch.equal(p, q), (impl, name, (p - q).abs().max().item())
+        _assert_same(model, reference, impl, atol=0.0)
         assert not all(map(torch.equal, _values(model), start)), (impl, "nothing moved")
 
 
@@ -161,24 +184,14 @@ def test_accumulated_and_clipped_as_the_plain_loop(
     every micro-batch accumulated and stepped at ``step()`` (all gradients known there: the
     global coefficient too). Clipping that steps several buckets in backward differs by
     design (docs/differences.md)."""
-    cls = info.optim_cls
     bucket_numel = BUCKET_NUMEL if every_micro_batch else None
     options = InBackwardOptions(max_grad_norm=MAX_GRAD_NORM, bucket_numel=bucket_numel)
-    for impl in _implementations(info):
-        if impl.get("differentiable"):
-            continue
-        kwargs: dict[str, Any] = {**given.kwargs, **impl}
-        reference, model = _model(cls), _model(cls)
-        plain = cls(reference.parameters(), **copy.deepcopy(kwargs))
-        ours = OptimizerInBackward(
-            model.parameters(), cls, options=options, **copy.deepcopy(kwargs)
-        )
+    for impl, (reference, plain), (model, ours) in _stepping_runs(info, given, options):
         expected = _clipped_accumulating(reference, plain, False, every_micro_batch)
         norms = _clipped_accumulating(model, ours, True, every_micro_batch)
         torch.testing.assert_close(norms, expected, rtol=1e-5, atol=0, msg=str(impl))
         assert min(expected) > MAX_GRAD_NORM  # every step clipped
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p, q, atol=PLAIN_ATOL, rtol=0, msg=f"{impl} {name}")
+        _assert_same(model, reference, impl, atol=PLAIN_ATOL)
 
 
 def _skipping_nonfinite(model: nn.Module, optim: torch.optim.Optimizer, plain: bool) -> None:
@@ -204,22 +217,12 @@ def test_nonfinite_step_skipped_as_the_plain_loop_drops_it(
     SGD, skip on the device through ``found_inf``): the parameters end as the plain loop's
     that does not call ``step()`` on a non-finite batch (a step count taken would change
     Adam's bias corrections)."""
-    cls = info.optim_cls
-    for impl in _implementations(info):
-        if impl.get("differentiable"):
-            continue
-        kwargs: dict[str, Any] = {**given.kwargs, **impl}
-        reference, model = _model(cls), _model(cls)
-        plain = cls(reference.parameters(), **copy.deepcopy(kwargs))
-        options = InBackwardOptions(skip_nonfinite=True)
-        ours = OptimizerInBackward(
-            model.parameters(), cls, options=options, **copy.deepcopy(kwargs)
-        )
+    options = InBackwardOptions(skip_nonfinite=True)
+    for impl, (reference, plain), (model, ours) in _stepping_runs(info, given, options):
         _skipping_nonfinite(reference, plain, plain=True)
         _skipping_nonfinite(model, ours, plain=False)
         assert ours.nonfinite_steps == 1, impl
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            assert torch.equal(p, q), (impl, name, (p - q).abs().max().item())
+        _assert_same(model, reference, impl, atol=0.0)
 
 
 SHARDED = [
