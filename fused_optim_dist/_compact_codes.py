@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
@@ -98,6 +99,20 @@ HALF_BF16_BIT = 0x8000  # float32 bits: half of the lowest bit a bfloat16 keeps
 HALF_ERROR_BIT = 0x80  # half of the lowest bit the error keeps (bit 8 of the float32)
 ERROR_BITS = ~0xFF  # the float32 bits the pair keeps: all but the lowest 8
 QUIET_BIT = 0x40  # a bfloat16 NaN's quiet bit: set, the upper half of any NaN is a NaN
+
+
+Length = TypeVar("Length", int, torch.Tensor)
+
+
+def row_groups(length: Length) -> Length:
+    """Quantization groups in a row of ``length`` elements (the last one short unless 32
+    divides it): the row's scales. ``length`` may be a tensor of row lengths."""
+    return -(-length // GROUP_SIZE)
+
+
+def packed_row_bytes(length: int) -> int:
+    """Bytes of a row of ``length`` 4-bit codes, two to a byte. See [Note: 4-bit variance]."""
+    return -(-length // 2)
 
 
 def join24(high: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
@@ -154,11 +169,11 @@ class Groups:
         # with a handful of ops whatever the number of parameters.
         counts = torch.tensor([count for count, _ in rows])
         row_lengths = torch.tensor([length for _, length in rows]).repeat_interleave(counts)
-        row_groups = -(-row_lengths // GROUP_SIZE)
+        groups_of_row = row_groups(row_lengths)
         row_rest = row_lengths % GROUP_SIZE
-        lengths = torch.full((int(row_groups.sum()),), GROUP_SIZE, dtype=torch.int32)
+        lengths = torch.full((int(groups_of_row.sum()),), GROUP_SIZE, dtype=torch.int32)
         short = row_rest > 0
-        lengths[(row_groups.cumsum(0) - 1)[short]] = row_rest[short].to(torch.int32)
+        lengths[(groups_of_row.cumsum(0) - 1)[short]] = row_rest[short].to(torch.int32)
         self.lengths = lengths
         self.count = self.lengths.numel()
         if packed:

@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 import torch
 
 from fused_optim_dist._compact_codes import (
-    GROUP_SIZE,
     Groups,
     decode_momentum,
     decode_root,
@@ -38,6 +37,8 @@ from fused_optim_dist._compact_codes import (
     encode_root,
     error_bits,
     join24,
+    packed_row_bytes,
+    row_groups,
     split24,
     sqrt_rn,
 )
@@ -314,10 +315,11 @@ class Chunk(NamedTuple):
     Only the eager path, only on the CPU (``chunked`` of :class:`FlatBatch`). The compiled
     path fuses its ops into a few loops with few temporaries, and each of its calls costs
     Dynamo's guards and Inductor's wrappers (about 0.7 ms with cold caches): on a 1B Llama's
-    shards at 8 ranks (17 units, 122M elements) its step took 1.5-1.8 s in chunks of 2**18
-    and 1.3-1.4 s in one call per batch. On CUDA an op on a chunk would cost its launch,
-    microseconds, more than its arithmetic (chunking there is not measured). Nor are fake
-    tensors chunked: the memory estimator simulates a GPU's step with them.
+    shards at 8 ranks (17 units, 122M elements) its step took 1.49-1.83 s in chunks of
+    2**18 and 1.27-1.45 s in one call per batch (alternated in one process). On CUDA an op
+    on a chunk would cost its launch, microseconds, more than its arithmetic (chunking there
+    is not measured). Nor are fake tensors chunked: the memory estimator simulates a GPU's
+    step with them.
     """
 
     elements: slice
@@ -398,7 +400,7 @@ def chunks(
     offsets = (0, 0, 0)  # elements, groups, root code bytes
     for run in runs:
         sizes = [
-            (rows * length, rows * -(-length // GROUP_SIZE), rows * -(-length // 2))
+            (rows * length, rows * row_groups(length), rows * packed_row_bytes(length))
             for rows, length in run
         ]
         elements, scales, code_bytes = (sum(column) for column in zip(*sizes, strict=True))

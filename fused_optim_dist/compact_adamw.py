@@ -70,6 +70,8 @@ from fused_optim_dist._compact_codes import (
     encode_momentum,
     encode_root,
     join24,
+    packed_row_bytes,
+    row_groups,
     split24,
     sqrt_rn,
 )
@@ -128,7 +130,7 @@ def _root_code_shape(weight_shape: torch.Size, bits: int) -> tuple[int, ...]:
     weight's with 8 bits, rows of packed bytes with 4."""
     if bits == 8:
         return tuple(weight_shape)
-    return weight_shape[0], -(-math.prod(weight_shape[1:]) // 2)
+    return weight_shape[0], packed_row_bytes(math.prod(weight_shape[1:]))
 
 
 def _new_state(
@@ -139,7 +141,7 @@ def _new_state(
     if weight.dtype == torch.bfloat16 and correction:
         state["weight_error"] = torch.zeros_like(weight, dtype=torch.int8)
     if weight.dim() >= 2:
-        scales = (weight.shape[0], -(-math.prod(weight.shape[1:]) // GROUP_SIZE))
+        scales = (weight.shape[0], row_groups(math.prod(weight.shape[1:])))
         root_code = _root_code_shape(weight.shape, variance_bits)
         state["exp_avg_code"] = torch.zeros_like(weight, dtype=torch.int8)
         state["exp_avg_scale"] = weight.new_zeros(scales, dtype=torch.bfloat16)
@@ -162,7 +164,7 @@ def _check_shapes(param: torch.Tensor, entry: dict[str, Any]) -> None:
     codes: tuple[tuple[int, ...], ...] = ()
     scales = None
     if len(shape) >= 2:
-        scales = (shape[0], -(-math.prod(shape[1:]) // GROUP_SIZE))
+        scales = (shape[0], row_groups(math.prod(shape[1:])))
         codes = (_root_code_shape(shape, 8), _root_code_shape(shape, 4))
     for key, value in entry.items():
         if key == "step" or not isinstance(value, torch.Tensor):

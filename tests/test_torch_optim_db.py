@@ -44,12 +44,15 @@ CASES = [
     for info in optim_db
     for given in info.optim_inputs_func(device="cpu")
 ]
-RUNNABLE = [
-    case
-    for case in CASES
-    if not (case.values[0].step_requires_closure or case.values[0].only_supports_sparse_grads)
-]
-"""The configurations ours runs (LBFGS and SparseAdam are refused)."""
+
+
+def _refused(info: OptimizerInfo) -> bool:
+    """LBFGS (a closure re-evaluating the loss) and SparseAdam (sparse gradients)."""
+    return info.step_requires_closure or info.only_supports_sparse_grads
+
+
+RUNNABLE = [case for case in CASES if not _refused(case.values[0])]
+"""The configurations ours runs."""
 
 
 def _implementations(info: OptimizerInfo) -> list[dict[str, bool]]:
@@ -113,11 +116,12 @@ def _stepping_runs(
             yield impl, *_pairs(info, {**given.kwargs, **impl}, options)
 
 
-def _assert_same(
-    model: nn.Module, reference: nn.Module, impl: dict[str, bool], atol: float
-) -> None:
+def _assert_same(model: nn.Module, reference: nn.Module, what: object, atol: float) -> None:
+    """Every parameter of ``model`` (gathered, if sharded) within ``atol`` of ``reference``'s."""
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=f"{impl} {name}")
+        torch.testing.assert_close(
+            full(p).detach(), q.detach(), atol=atol, rtol=0, msg=f"{what} {name}"
+        )
 
 
 # With differentiable=True the bucket whose update raised is counted as updated (a bucket that
@@ -128,7 +132,7 @@ def _assert_same(
 def test_equal_to_the_plain_optimizer_or_refused(info: OptimizerInfo, given: OptimizerInput):
     cls = info.optim_cls
     options = InBackwardOptions(bucket_numel=BUCKET_NUMEL)
-    if info.step_requires_closure or info.only_supports_sparse_grads:
+    if _refused(info):
         model = _model(cls)
         with pytest.raises(ValueError, match=cls.__name__):
             OptimizerInBackward(model.parameters(), cls, options=options, **given.kwargs)
@@ -228,7 +232,7 @@ def test_nonfinite_step_skipped_as_the_plain_loop_drops_it(
 SHARDED = [
     pytest.param(info.optim_cls.__name__, id=info.optim_cls.__name__)
     for info in optim_db
-    if not (info.step_requires_closure or info.only_supports_sparse_grads)
+    if not _refused(info)
 ]
 
 
@@ -260,12 +264,7 @@ def _sharded_body(name: str) -> None:
             for optim in (ours, plain):
                 optim.step()
                 optim.zero_grad()
-        for (param_name, p), q in zip(
-            model.named_parameters(), reference.parameters(), strict=True
-        ):
-            torch.testing.assert_close(
-                full(p).detach(), q.detach(), atol=PLAIN_ATOL, rtol=0, msg=f"{kwargs} {param_name}"
-            )
+        _assert_same(model, reference, kwargs, atol=PLAIN_ATOL)
 
 
 @pytest.mark.parametrize("name", SHARDED)
