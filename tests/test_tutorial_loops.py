@@ -1,0 +1,184 @@
+"""Loops copied from tutorials and reference scripts, plain first, then ours swapped in.
+
+Each loop is written for plain ``torch.optim`` and run unchanged with ``OptimizerInBackward`` on
+an identical model and data, with one bucket per parameter (``bucket_numel=1``), so that every
+parameter is stepped in backward on its own, the hardest case for ordering. The parameters (and
+buffers: spectral normalisation's power-iteration vectors) must end equal to the plain run's.
+
+* A WGAN-GP critic (Gulrajani et al.): a gradient penalty from ``torch.autograd.grad(...,
+  create_graph=True)`` on interpolated inputs, then one backward through the double-backward
+  graph, with spectral or weight normalisation (``torch.nn.utils.parametrizations``) and
+  StyleGAN2's lazy R1 penalty (a second critic step every few iterations); the generator's
+  step with the critic frozen.
+* LR schedulers stepped per iteration that also write other group values (``OneCycleLR`` and
+  ``CyclicLR`` cycle Adam's ``betas`` or SGD's ``momentum``), with a fractional epoch
+  (``CosineAnnealingWarmRestarts.step(epoch + i / iters)``), a warmup from almost zero chained
+  into a decay, and ``ReduceLROnPlateau`` fed a metric, over two param groups.
+
+With FSDP2 the plain optimizer's WGAN-GP loop itself fails in the critic's backward (the
+unsharded weights the penalty's double backward reads were freed), so it runs on a plain module
+only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from _toy import PLAIN_ATOL
+from torch import nn
+from torch.nn.utils import parametrizations
+from torch.optim import Optimizer
+from torch.optim import lr_scheduler as schedulers
+
+from fused_optim_dist import OptimizerInBackward
+
+MakeOptim = Callable[[object, type[Optimizer], dict], Optimizer]
+
+
+def _plain(params: object, cls: type[Optimizer], kwargs: dict) -> Optimizer:
+    return cls(params, **kwargs)
+
+
+def _ours(params: object, cls: type[Optimizer], kwargs: dict) -> Optimizer:
+    return OptimizerInBackward(params, cls, bucket_numel=1, **kwargs)
+
+
+def _assert_equal(ours: nn.Module, plain: nn.Module) -> None:
+    for (name, value), reference in zip(
+        ours.state_dict().items(), plain.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(value, reference, atol=PLAIN_ATOL, rtol=0, msg=name)
+
+
+def _linear(fan_in: int, fan_out: int, norm: str) -> nn.Module:
+    layer = nn.Linear(fan_in, fan_out)
+    if norm == "spectral":
+        return parametrizations.spectral_norm(layer)
+    if norm == "weight":
+        return parametrizations.weight_norm(layer)
+    return layer
+
+
+def _wgan_gp(make_optim: MakeOptim, norm: str, lazy_r1: bool) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    critic = nn.Sequential(
+        _linear(8, 16, norm), nn.LeakyReLU(0.2), _linear(16, 16, norm), nn.LeakyReLU(0.2),
+        _linear(16, 1, norm),
+    )  # fmt: skip
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    betas = dict(lr=1e-3, betas=(0.5, 0.9))
+    optim_c = make_optim(critic.parameters(), torch.optim.Adam, betas)
+    optim_g = make_optim(generator.parameters(), torch.optim.Adam, betas)
+    data = torch.Generator().manual_seed(1)
+    for step in range(6):
+        real = torch.randn(16, 8, generator=data) + 1
+        z = torch.randn(16, 4, generator=data)
+        fake = generator(z)
+
+        optim_c.zero_grad()
+        mix = torch.rand(16, 1, generator=data)
+        between = (mix * real + (1 - mix) * fake.detach()).requires_grad_(True)
+        (slope,) = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
+        penalty = 10 * ((slope.norm(2, dim=1) - 1) ** 2).mean()
+        (critic(fake.detach()).mean() - critic(real).mean() + penalty).backward()
+        optim_c.step()
+        if lazy_r1 and step % 3 == 0:
+            optim_c.zero_grad()
+            real.requires_grad_(True)
+            (slope,) = torch.autograd.grad(critic(real).sum(), real, create_graph=True)
+            (5 * slope.square().sum(1).mean()).backward()
+            optim_c.step()
+
+        critic.requires_grad_(False)
+        optim_g.zero_grad()
+        (-critic(generator(z)).mean()).backward()
+        optim_g.step()
+        critic.requires_grad_(True)
+    return critic, generator
+
+
+@pytest.mark.parametrize("lazy_r1", [False, True], ids=["penalty", "lazy-r1"])
+@pytest.mark.parametrize("norm", ["plain", "spectral", "weight"])
+def test_wgan_gp_equal_plain(norm: str, lazy_r1: bool):
+    for ours, plain in zip(
+        _wgan_gp(_ours, norm, lazy_r1), _wgan_gp(_plain, norm, lazy_r1), strict=True
+    ):
+        _assert_equal(ours, plain)
+
+
+SCHEDULES = {
+    "one-cycle-adam-betas": (
+        torch.optim.Adam,
+        dict(lr=1e-3),
+        lambda o: schedulers.OneCycleLR(o, max_lr=1e-2, total_steps=15),
+    ),
+    "one-cycle-nesterov-momentum": (
+        torch.optim.SGD,
+        dict(lr=1e-3, momentum=0.9, nesterov=True),
+        lambda o: schedulers.OneCycleLR(o, max_lr=1e-2, total_steps=15),
+    ),
+    "cyclic-momentum": (
+        torch.optim.SGD,
+        dict(lr=1e-3, momentum=0.9),
+        lambda o: schedulers.CyclicLR(o, 1e-4, 1e-2, step_size_up=3),
+    ),
+    "warm-restarts-fractional-epoch": (
+        torch.optim.AdamW,
+        dict(lr=1e-2),
+        lambda o: schedulers.CosineAnnealingWarmRestarts(o, T_0=2),
+    ),
+    "warmup-from-almost-zero-then-cosine": (
+        torch.optim.AdamW,
+        dict(lr=1e-2),
+        lambda o: schedulers.SequentialLR(
+            o,
+            [
+                schedulers.LinearLR(o, start_factor=1e-8, total_iters=4),
+                schedulers.CosineAnnealingLR(o, 10),
+            ],
+            milestones=[4],
+        ),
+    ),
+    "plateau": (
+        torch.optim.NAdam,
+        dict(lr=1e-2),
+        lambda o: schedulers.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    ),
+}
+
+
+def _scheduled(make_optim: MakeOptim, name: str) -> nn.Module:
+    cls, kwargs, make_scheduler = SCHEDULES[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    groups = [
+        {"params": model[0].parameters()},
+        {"params": [*model[2].parameters(), *model[4].parameters()], "lr": 2 * kwargs["lr"]},
+    ]
+    optim = make_optim(groups, cls, kwargs)
+    scheduler = make_scheduler(optim)
+    data = torch.Generator().manual_seed(1)
+    iters = 3
+    for epoch in range(5):
+        for i in range(iters):
+            x, y = torch.randn(8, 8, generator=data), torch.randn(8, 1, generator=data)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            if isinstance(scheduler, schedulers.ReduceLROnPlateau):
+                scheduler.step(round(loss.item(), 1))
+            elif isinstance(scheduler, schedulers.CosineAnnealingWarmRestarts):
+                scheduler.step(epoch + i / iters)
+            else:
+                scheduler.step()
+    return model
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_schedulers_stepped_per_iteration_equal_plain(name: str):
+    _assert_equal(_scheduled(_ours, name), _scheduled(_plain, name))
