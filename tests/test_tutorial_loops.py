@@ -15,6 +15,9 @@ buffers: spectral normalisation's power-iteration vectors) must end equal to the
   (``CosineAnnealingWarmRestarts.step(epoch + i / iters)``), a warmup from almost zero chained
   into a decay, and ``ReduceLROnPlateau`` fed a metric, over two param groups.
 
+The WGAN-GP loop runs with torch's Adam and with ``CompactAdamW``, and ``OneCycleLR`` cycles
+``CompactAdamW``'s betas too: each stepped in backward against the same class stepped plainly.
+
 With FSDP2 the plain optimizer's WGAN-GP loop itself fails in the critic's backward (the
 unsharded weights the penalty's double backward reads were freed), so it runs on a plain module
 only.
@@ -33,6 +36,7 @@ from torch.optim import Optimizer
 from torch.optim import lr_scheduler as schedulers
 
 from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist.compact_adamw import CompactAdamW
 
 MakeOptim = Callable[[object, type[Optimizer], dict], Optimizer]
 
@@ -61,7 +65,9 @@ def _linear(fan_in: int, fan_out: int, norm: str) -> nn.Module:
     return layer
 
 
-def _wgan_gp(make_optim: MakeOptim, norm: str, lazy_r1: bool) -> tuple[nn.Module, nn.Module]:
+def _wgan_gp(
+    make_optim: MakeOptim, cls: type[Optimizer], norm: str, lazy_r1: bool
+) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     critic = nn.Sequential(
         _linear(8, 16, norm), nn.LeakyReLU(0.2), _linear(16, 16, norm), nn.LeakyReLU(0.2),
@@ -69,8 +75,8 @@ def _wgan_gp(make_optim: MakeOptim, norm: str, lazy_r1: bool) -> tuple[nn.Module
     )  # fmt: skip
     generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
     betas = dict(lr=1e-3, betas=(0.5, 0.9))
-    optim_c = make_optim(critic.parameters(), torch.optim.Adam, betas)
-    optim_g = make_optim(generator.parameters(), torch.optim.Adam, betas)
+    optim_c = make_optim(critic.parameters(), cls, betas)
+    optim_g = make_optim(generator.parameters(), cls, betas)
     data = torch.Generator().manual_seed(1)
     for step in range(6):
         real = torch.randn(16, 8, generator=data) + 1
@@ -101,9 +107,10 @@ def _wgan_gp(make_optim: MakeOptim, norm: str, lazy_r1: bool) -> tuple[nn.Module
 
 @pytest.mark.parametrize("lazy_r1", [False, True], ids=["penalty", "lazy-r1"])
 @pytest.mark.parametrize("norm", ["plain", "spectral", "weight"])
-def test_wgan_gp_equal_plain(norm: str, lazy_r1: bool):
+@pytest.mark.parametrize("cls", [torch.optim.Adam, CompactAdamW], ids=lambda c: c.__name__)
+def test_wgan_gp_equal_plain(cls: type[Optimizer], norm: str, lazy_r1: bool):
     for ours, plain in zip(
-        _wgan_gp(_ours, norm, lazy_r1), _wgan_gp(_plain, norm, lazy_r1), strict=True
+        _wgan_gp(_ours, cls, norm, lazy_r1), _wgan_gp(_plain, cls, norm, lazy_r1), strict=True
     ):
         _assert_equal(ours, plain)
 
@@ -117,6 +124,11 @@ SCHEDULES = {
     "one-cycle-nesterov-momentum": (
         torch.optim.SGD,
         dict(lr=1e-3, momentum=0.9, nesterov=True),
+        lambda o: schedulers.OneCycleLR(o, max_lr=1e-2, total_steps=15),
+    ),
+    "one-cycle-compact-adamw-betas": (
+        CompactAdamW,
+        dict(lr=1e-3),
         lambda o: schedulers.OneCycleLR(o, max_lr=1e-2, total_steps=15),
     ),
     "cyclic-momentum": (
