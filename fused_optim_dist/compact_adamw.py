@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -491,8 +491,10 @@ class CompactAdamW(Optimizer):
                 if f"{key}_error" in entry and entry[key].dtype != torch.bfloat16:
                     entry[key] = entry[key].to(torch.bfloat16)
 
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step every parameter holding a gradient; state is created at its first step.
+        ``closure``, as torch.optim's AdamW takes it, is called first, with gradients enabled,
+        and its value returned.
 
         The parameters of a param group are stepped together, one batch per kind (matrices,
         vectors), dtype and device, each by the C kernel or in one pass of whole-tensor ops. A
@@ -500,8 +502,10 @@ class CompactAdamW(Optimizer):
         plans] in ``_compact_plan.py``): the C kernel's table, which runs no torch op, or the
         flat update's kept views; the rest under ``no_grad``.
         """
+        loss = None
         if closure is not None:
-            raise TypeError("CompactAdamW.step takes no closure")
+            with torch.enable_grad():
+                loss = closure()
         self._check_groups(enumerate(self.param_groups), self.state)
         for group in self.param_groups:
             plan = self._plans.get(id(group["params"]))
@@ -511,6 +515,7 @@ class CompactAdamW(Optimizer):
                 continue
             with torch.no_grad():
                 self._step_group(group)
+        return loss
 
     def _check_groups(
         self,

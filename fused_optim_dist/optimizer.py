@@ -727,9 +727,17 @@ class OptimizerInBackward(Optimizer):
             finally:
                 instance.param_groups, instance.state = [], defaultdict(dict)
 
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Commit the updates made in backward, and step the parameters that still hold a
         gradient (usually none).
+
+        ``closure``, as torch.optim's classes take it (PyTorch Lightning passes one at every
+        step: the training step, ``zero_grad()`` and the backward), is called first, with
+        gradients enabled, and its value returned: its backward steps the parameters as any
+        backward does, and ``step()`` then commits them. This is what the plain classes that
+        evaluate a closure once do (SGD, Adam, AdamW, ...): call it, then update from the
+        gradients it left. Classes that evaluate it several times (LBFGS) are refused when
+        built.
 
         In the usual loop every gradient was consumed during backward; ``step()`` then ends the
         step: the updates are committed (see [Note: the step protocol]: until then a second
@@ -745,7 +753,6 @@ class OptimizerInBackward(Optimizer):
         history as they were; any other step at lr 0 is an ordinary step.
 
         Raises:
-            TypeError: if a closure is passed.
             RuntimeError: if ``torch.amp.GradScaler`` called it (the gradients were stepped
                 scaled, in backward); if a parameter holding a gradient was already updated in
                 backward since the last ``step()``; if, since the updates made in backward,
@@ -757,11 +764,15 @@ class OptimizerInBackward(Optimizer):
                 optimizer and none of its parameters is registered on a live module: it was
                 built on parameters that ``fully_shard`` replaced, so nothing would ever train.
         """
+        loss = None
         if closure is not None:
-            raise TypeError(
-                "OptimizerInBackward.step() takes no closure: parameters are stepped during "
-                "backward, so call loss.backward() yourself before step()"
-            )
+            with torch.enable_grad():
+                loss = closure()
+        self._commit_step()
+        return loss
+
+    def _commit_step(self) -> None:
+        """:meth:`step` after its closure: the checks, the gradients still held, the commit."""
         self._refuse_grad_scaler()
         if self._pending:
             # See [Note: freed gradients]: the loop dropped gradients the plain optimizer

@@ -21,6 +21,7 @@ from _toy import (
 from torch import nn
 
 from fused_optim_dist import OptimizerInBackward, in_backward
+from fused_optim_dist.compact_adamw import CompactAdamW
 
 STEPS = 3
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
@@ -113,13 +114,45 @@ def test_refuses_bad_parameter_lists():
     assert len(optim.param_groups) == 1
 
 
-def test_refuses_closure_and_steps_nothing_without_backward():
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (torch.optim.AdamW, dict(ADAMW, max_grad_norm=0.5)),  # one bucket: clipped exactly
+        (CompactAdamW, dict(lr=1e-2, bucket_numel=1)),
+    ],
+    ids=["AdamW-clipped", "CompactAdamW-buckets"],
+)
+def test_step_with_a_closure_equal_plain(cls, kwargs):
+    """``step(closure)``, as torch.optim takes it and PyTorch Lightning calls it at every step
+    (the closure zeroes, runs the forward and the backward; ``step`` is called under
+    ``no_grad``): the closure's backward steps in backward, ``step`` returns its loss."""
+    model, reference = make_models()
+    plain_kwargs = {k: v for k, v in kwargs.items() if k not in ("max_grad_norm", "bucket_numel")}
+    optim = OptimizerInBackward(model.parameters(), cls, **kwargs)
+    plain = cls(reference.parameters(), **plain_kwargs)
+    for step in range(4):
+        losses = []
+        for net, opt in ((model, optim), (reference, plain)):
+
+            def closure(net=net, opt=opt, step=step):
+                opt.zero_grad()
+                loss = loss_fn(net, *batch(step))
+                loss.backward()
+                if opt is plain and "max_grad_norm" in kwargs:
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), kwargs["max_grad_norm"])
+                return loss
+
+            with torch.no_grad():
+                losses.append(opt.step(closure))
+        assert losses[0].item() == losses[1].item()
+    assert_match(model, reference, atol=PLAIN_ATOL)
+
+
+def test_step_with_no_gradient_steps_nothing():
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(TypeError, match="takes no closure"):
-        optim.step(lambda: loss_fn(model, *batch(0)))
-    optim.step()  # no gradient: nothing to do, as for the plain optimizer
+    assert optim.step() is None  # no gradient: nothing to do, as for the plain optimizer
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert not optim.state

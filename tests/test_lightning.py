@@ -1,0 +1,140 @@
+"""PyTorch Lightning's automatic optimization stepping in backward, against plain optimizers.
+
+Lightning calls ``optimizer.step(closure)`` at every step, the closure running the training
+step, ``zero_grad()`` and the backward. ``OptimizerInBackward.step`` calls it first, as
+torch.optim's classes do, so ``configure_optimizers`` returns ours unchanged. Every run is
+compared with the same ``Trainer.fit`` on the plain optimizer, parameter by parameter (1e-6),
+each parameter a bucket of its own where nothing is clipped. What Lightning does outside a step
+is refused as in any loop (docs/frameworks.md): ``accumulate_grad_batches`` at the second
+micro-batch and ``gradient_clip_val`` at its read of the freed gradients; ``max_grad_norm`` on
+the optimizer clips as ``gradient_clip_val`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from _toy import PLAIN_ATOL
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, TensorDataset
+
+from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist.compact_adamw import CompactAdamW
+
+lightning = pytest.importorskip("lightning")
+
+MakeOptim = Callable[[nn.Module], Optimizer]
+
+
+class Regressor(lightning.LightningModule):
+    def __init__(self, make_optim: MakeOptim, one_cycle: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1)
+        )
+        self.make_optim, self.one_cycle = make_optim, one_cycle
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        optim = self.make_optim(self)
+        if not self.one_cycle:
+            return optim
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=1e-2, total_steps=16)
+        return {"optimizer": optim, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _fit(make_optim: MakeOptim, root: Path, one_cycle: bool = False, **trainer_kwargs) -> nn.Module:
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
+    module = Regressor(make_optim, one_cycle)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
+        trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
+    return module.net
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+def _assert_equal(ours: nn.Module, plain: nn.Module) -> None:
+    for (name, param), reference in zip(ours.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(param, reference, atol=PLAIN_ATOL, rtol=0, msg=name)
+
+
+CASES = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), False, "32-true"),
+    "adamw-one-cycle-per-step": (torch.optim.AdamW, dict(lr=1e-2), True, "32-true"),
+    "sgd-bf16-mixed": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9), False, "bf16-mixed"),
+    "compact-adamw": (CompactAdamW, dict(lr=1e-2), False, "32-true"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_automatic_optimization_equal_plain(tmp_path: Path, case: str):
+    cls, kwargs, one_cycle, precision = CASES[case]
+    ours = _fit(
+        lambda m: OptimizerInBackward(m.parameters(), cls, bucket_numel=1, **kwargs),
+        tmp_path / "ours",
+        one_cycle,
+        precision=precision,
+    )
+    plain = _fit(
+        lambda m: cls(m.parameters(), **kwargs), tmp_path / "plain", one_cycle, precision=precision
+    )
+    _assert_equal(ours, plain)
+
+
+def test_max_grad_norm_clips_as_gradient_clip_val(tmp_path: Path):
+    def clipped(module: nn.Module) -> Optimizer:
+        return OptimizerInBackward(
+            module.parameters(), torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05
+        )
+
+    ours = _fit(clipped, tmp_path / "ours")
+    plain = _fit(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        tmp_path / "plain",
+        gradient_clip_val=0.05,
+    )
+    _assert_equal(ours, plain)
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "match"),
+    [
+        (dict(accumulate_grad_batches=2), r"already updated in an earlier backward.*accumulate"),
+        (dict(gradient_clip_val=0.05), r"max_grad_norm="),
+    ],
+    ids=["accumulate_grad_batches", "gradient_clip_val"],
+)
+def test_what_lightning_does_outside_a_step_is_refused(tmp_path: Path, trainer_kwargs, match):
+    make = lambda m: OptimizerInBackward(m.parameters(), torch.optim.AdamW, lr=1e-2)  # noqa: E731
+    with pytest.raises(RuntimeError, match=match):
+        _fit(make, tmp_path, **trainer_kwargs)
