@@ -7,7 +7,10 @@ compared with the same ``Trainer.fit`` on the plain optimizer, parameter by para
 each parameter a bucket of its own where nothing is clipped. What Lightning does outside a step
 is refused as in any loop (docs/frameworks.md): ``accumulate_grad_batches`` at the second
 micro-batch and ``gradient_clip_val`` at its read of the freed gradients; ``max_grad_norm`` on
-the optimizer clips as ``gradient_clip_val`` does.
+the optimizer clips as ``gradient_clip_val`` does. With the ``InBackward`` callback
+(``fused_optim_dist.integrations.lightning``) ``accumulate_grad_batches`` is exact, windows
+that end inside an epoch and at its end alike, and ``gradient_clip_val`` is refused before
+anything moves.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from fused_optim_dist import OptimizerInBackward
 from fused_optim_dist.compact_adamw import CompactAdamW
 
 lightning = pytest.importorskip("lightning")
+from fused_optim_dist.integrations.lightning import InBackward  # noqa: E402
 
 MakeOptim = Callable[[nn.Module], Optimizer]
 
@@ -138,3 +142,36 @@ def test_what_lightning_does_outside_a_step_is_refused(tmp_path: Path, trainer_k
     make = lambda m: OptimizerInBackward(m.parameters(), torch.optim.AdamW, lr=1e-2)  # noqa: E731
     with pytest.raises(RuntimeError, match=match):
         _fit(make, tmp_path, **trainer_kwargs)
+
+
+@pytest.mark.parametrize("window", [2, 3], ids=["windows-in-the-epoch", "a-window-ends-the-epoch"])
+def test_accumulate_grad_batches_exact_with_the_callback(tmp_path: Path, window: int):
+    """8 batches an epoch: windows of 2 end inside it; of 3, the epoch's last two batches are a
+    window Lightning ends early."""
+    ours = _fit(
+        lambda m: OptimizerInBackward(m.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=1),
+        tmp_path / "ours",
+        accumulate_grad_batches=window,
+        callbacks=[InBackward()],
+    )
+    plain = _fit(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        tmp_path / "plain",
+        accumulate_grad_batches=window,
+    )
+    _assert_equal(ours, plain)
+
+
+def test_gradient_clip_val_refused_by_the_callback_before_anything_moves(tmp_path: Path):
+    initial: list[torch.Tensor] = []
+    modules: list[nn.Module] = []
+
+    def make(module: nn.Module) -> Optimizer:
+        modules.append(module)
+        initial.extend(p.detach().clone() for p in module.parameters())
+        return OptimizerInBackward(module.parameters(), torch.optim.AdamW, lr=1e-2)
+
+    with pytest.raises(ValueError, match=r"max_grad_norm=.*leave gradient_clip_val unset"):
+        _fit(make, tmp_path, gradient_clip_val=0.05, callbacks=[InBackward()])
+    for param, before in zip(modules[0].parameters(), initial, strict=True):
+        assert torch.equal(param, before)
