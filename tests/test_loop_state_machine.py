@@ -204,6 +204,31 @@ class LoopMachine(RuleBasedStateMachine):
         self.step += 1
 
     @rule()
+    def train_with_closure(self) -> None:
+        """``step(closure)`` as torch's documentation writes it (the closure zeroes the
+        gradients, runs the forward and the backward; PyTorch Lightning calls it so), against
+        the plain loop written out: the same parameters, and the closure's loss returned."""
+        ours_model, plain_model = self.models
+
+        def closure() -> torch.Tensor:
+            self.ours.zero_grad()
+            loss = self._loss(ours_model, self.step)
+            loss.backward()
+            return loss
+
+        with torch.no_grad():
+            loss = self.ours.step(closure)
+        self.ours.zero_grad()
+        self.plain.zero_grad()
+        plain_loss = self._loss(plain_model, self.step)
+        plain_loss.backward()
+        self._step(self.plain)
+        self.plain.zero_grad()
+        torch.testing.assert_close(loss.detach(), plain_loss.detach())
+        self.pending = False
+        self.step += 1
+
+    @rule()
     def accumulate(self) -> None:
         ours_model, plain_model = self.models
         with self.ours.accumulate():
