@@ -25,9 +25,14 @@ from fused_optim_dist import OptimizerInBackward
 DIM = 16
 
 # Blocks run by other tests end to end rather than verbatim: the Trainer and accelerate
-# snippets need a Hugging Face model, arguments and data (tests/test_trainer.py and
-# tests/test_accelerate.py run those loops).
-NOT_VERBATIM = ("in_backward_trainer(Trainer)", "Accelerator(gradient_accumulation_steps")
+# snippets need a Hugging Face model, arguments and data, the Lightning one a data loader and a
+# single-process fit (tests/test_trainer.py, tests/test_accelerate.py and
+# tests/test_lightning.py run those loops).
+NOT_VERBATIM = (
+    "in_backward_trainer(Trainer)",
+    "Accelerator(gradient_accumulation_steps",
+    "callbacks=[InBackward()]",
+)
 
 
 class _Model(nn.Module):
