@@ -11,13 +11,16 @@ Everything else in the package uses public APIs. What this module relies on, for
   group is one FSDP unit: its gradients are reduce-scattered together into one flat buffer, and
   ``foreach_reduce`` (``_fsdp_collectives.py``) then calls each sharded parameter's
   post-accumulate-grad hooks, one after the other.
-* ``DistributedDataParallel`` keeps no registry of its instances, so finding one built before
-  the optimizer means scanning the garbage collector's objects; this is done once per
-  optimizer, and only for plain-tensor parameters in a multi-process job. One built later
-  (Hugging Face's Trainer and accelerate wrap the model after the optimizer is built) assigns
-  ``self.module = module`` in its ``__init__``, which runs the global module registration hooks
-  (``torch.nn.modules.module.register_module_module_registration_hook``): ``watch_ddp``
-  installs one that keeps every such instance in a weak set.
+* ``DistributedDataParallel`` and FSDP1's ``FullyShardedDataParallel`` keep no registry of
+  their instances, so finding one built before the optimizer means scanning the garbage
+  collector's objects; this is done once per optimizer, and only for plain-tensor parameters
+  in a multi-process job. One built later (Hugging Face's Trainer and accelerate wrap the
+  model after the optimizer is built) assigns its wrapped module (``self.module = module``,
+  ``self._fsdp_wrapped_module = module``) in its ``__init__``, which runs the global module
+  registration hooks (``torch.nn.modules.module.register_module_module_registration_hook``):
+  ``watch_wrappers`` installs one that keeps every such instance in a weak set. FSDP1's
+  ``parameters()`` are its ``FlatParameter`` (``use_orig_params=False``) or the original
+  ``nn.Parameter`` objects, each rank's flat slice of them (``use_orig_params=True``).
 * A backward that runs inside another one (reentrant activation checkpointing:
   ``CheckpointFunction.backward`` calls ``torch.autograd.backward``) runs while the outer graph
   task executes a Python autograd Function's node, whose Python frame is
@@ -162,8 +165,6 @@ __all__ = [
     "FSDPUnit",
     "before_teardown",
     "current_backward_id",
-    "ddp_modules_holding",
-    "ddp_wrapped",
     "drop_grads",
     "enclosing_backward",
     "flatten",
@@ -184,7 +185,9 @@ __all__ = [
     "storages",
     "traced",
     "wait_for_checkpoint_staging",
-    "watch_ddp",
+    "watch_wrappers",
+    "wrapped_by",
+    "wrappers_holding",
 ]
 
 
@@ -466,30 +469,44 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return _flatten_dense_tensors(tensors)
 
 
-_DDP_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_DDP_WATCH: list[RemovableHandle] = []
+_WRAPPERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_WRAPPERS_WATCH: list[RemovableHandle] = []
 
 
-def _note_ddp(module: nn.Module, _name: str, _submodule: nn.Module) -> None:
-    if issubclass(type(module), nn.parallel.DistributedDataParallel):
-        _DDP_MODULES.add(module)
+@functools.cache
+def _wrapper_classes() -> tuple[type[nn.Module], ...]:
+    """The data-parallel wrappers whose gradient collectives run outside the post-accumulate-grad
+    hooks: ``DistributedDataParallel`` and FSDP1's ``FullyShardedDataParallel``."""
+    if not dist.is_available():
+        return ()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return (nn.parallel.DistributedDataParallel, FullyShardedDataParallel)
 
 
-def watch_ddp() -> None:
-    """From now on, note every ``DistributedDataParallel`` built (once per process)."""
-    if not _DDP_WATCH:
+def _note_wrapper(module: nn.Module, _name: str, _submodule: nn.Module) -> None:
+    if issubclass(type(module), _wrapper_classes()):
+        _WRAPPERS.add(module)
+
+
+def watch_wrappers() -> None:
+    """From now on, note every DDP or FSDP1 module built (once per process)."""
+    if not _WRAPPERS_WATCH:
         from torch.nn.modules.module import register_module_module_registration_hook
 
-        _DDP_WATCH.append(register_module_module_registration_hook(_note_ddp))
+        _WRAPPERS_WATCH.append(register_module_module_registration_hook(_note_wrapper))
 
 
-def ddp_wrapped(params: Sequence[torch.Tensor]) -> bool:
-    """Whether a ``DistributedDataParallel`` built since :func:`watch_ddp` trains any of
-    ``params``. Costs nothing while none exists."""
-    if not _DDP_MODULES:
-        return False
+def wrapped_by(params: Sequence[torch.Tensor]) -> nn.Module | None:
+    """A DDP or FSDP1 module built since :func:`watch_wrappers` that trains any of ``params``
+    (None if none does). Costs nothing while none exists."""
+    if not _WRAPPERS:
+        return None
     wanted = {id(p) for p in params}
-    return any(id(p) in wanted for module in list(_DDP_MODULES) for p in module.parameters())
+    for module in list(_WRAPPERS):
+        if any(id(p) in wanted for p in module.parameters()):
+            return module
+    return None
 
 
 _TEARDOWN: list[Callable[[bool], None]] = []
@@ -549,20 +566,20 @@ def global_step_pre_hooks() -> bool:
     return not all(map(observes_only, _global_optimizer_pre_hooks.values()))
 
 
-def ddp_modules_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:
-    """Return the live ``DistributedDataParallel`` modules that train any of ``params``."""
+def wrappers_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:
+    """Return the live DDP and FSDP1 modules that train any of ``params``."""
     if not (dist.is_available() and dist.is_initialized()):
         return []
     wanted = {id(p) for p in params if not hasattr(p, "device_mesh")}
     if not wanted:
         return []
-    ddp_cls = nn.parallel.DistributedDataParallel
+    classes = _wrapper_classes()
     # type(), not isinstance(): isinstance reads __class__, which raises ReferenceError on a
     # dead weakref.proxy (torch.compile leaves some in the heap).
     return [
         obj
         for obj in gc.get_objects()
-        if issubclass(type(obj), ddp_cls) and any(id(p) in wanted for p in obj.parameters())
+        if issubclass(type(obj), classes) and any(id(p) in wanted for p in obj.parameters())
     ]
 
 

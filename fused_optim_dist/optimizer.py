@@ -38,8 +38,6 @@ from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     OPTIMIZER_HOOKS,
     current_backward_id,
-    ddp_modules_holding,
-    ddp_wrapped,
     drop_grads,
     enclosing_backward,
     fsdp_sync_off,
@@ -49,7 +47,9 @@ from fused_optim_dist._torch_internals import (
     read_grads,
     read_requires_grad,
     register_post_accumulate_grad_hook,
-    watch_ddp,
+    watch_wrappers,
+    wrapped_by,
+    wrappers_holding,
 )
 from fused_optim_dist._validation import check_param_groups, resolve_optimizer_class
 from fused_optim_dist._whole_tensor import WholeTensorStepper
@@ -101,14 +101,27 @@ def _freed_refusal(optimizer: OptimizerInBackward) -> Refusal:
     return refuse
 
 
-def _ddp_error(kind: type[Exception] = RuntimeError) -> Exception:
+def _wrapper_error(module: nn.Module, kind: type[Exception] = RuntimeError) -> Exception:
+    """DDP and FSDP1 reduce gradients outside the post-accumulate-grad hooks this optimizer
+    steps in; FSDP2 (``fully_shard``) and ``replicate`` reduce them before calling those hooks."""
+    if issubclass(type(module), nn.parallel.DistributedDataParallel):
+        return kind(
+            "these parameters are trained by DistributedDataParallel, whose gradient all-reduce "
+            "runs after the post-accumulate-grad hooks, so stepping in backward would use "
+            "unreduced gradients (and DDP's own step after backward would update them twice). "
+            "Shard the model with fully_shard, or for data parallel use replicate from "
+            "torch.distributed._composable.replicate_with_fsdp (FSDP2's all-reduce twin), "
+            "before building the optimizer."
+        )
     return kind(
-        "these parameters are trained by DistributedDataParallel, whose gradient all-reduce "
-        "runs after the post-accumulate-grad hooks, so stepping in backward would use "
-        "unreduced gradients (and DDP's own step after backward would update them twice). "
-        "Shard the model with fully_shard, or for data parallel use replicate from "
-        "torch.distributed._composable.replicate_with_fsdp (FSDP2's all-reduce twin), "
-        "before building the optimizer."
+        "these parameters are trained by FullyShardedDataParallel (FSDP1), which reduces "
+        "gradients outside the post-accumulate-grad hooks this optimizer steps in: with "
+        "use_orig_params=False the hooks see each unit's unreduced, unsharded gradient, and "
+        "with use_orig_params=True no hook runs in backward and each rank holds flat slices of "
+        "the parameters, which max_grad_norm and skip_nonfinite would measure as whole local "
+        "tensors. Shard the model with fully_shard (FSDP2; accelerate and Hugging Face's "
+        "Trainer: fsdp_version 2) before building the optimizer, or keep the plain optimizer "
+        "with FSDP1."
     )
 
 
@@ -316,8 +329,8 @@ class OptimizerInBackward(Optimizer):
         ValueError: for an empty parameter list, a parameter listed twice, two parameters
             over one memory (see [Note: parameters sharing memory]), no trainable parameter,
             an optimizer that needs a closure or sparse gradients, parameters trained by
-            ``DistributedDataParallel`` or already driven by another live
-            ``OptimizerInBackward``.
+            ``DistributedDataParallel`` or FSDP1's ``FullyShardedDataParallel``, or already
+            driven by another live ``OptimizerInBackward``.
         TypeError: for an option given both ways, or a keyword both we and the class take.
     """
 
@@ -333,7 +346,7 @@ class OptimizerInBackward(Optimizer):
         options: InBackwardOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        watch_ddp()
+        watch_wrappers()
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
         params = list(params)
@@ -425,8 +438,9 @@ class OptimizerInBackward(Optimizer):
                     "by another live OptimizerInBackward; call .detach() on that one first (its "
                     "state is kept) or pass disjoint parameters"
                 )
-        if ddp_modules_holding(trainable):
-            raise _ddp_error(ValueError)
+        wrappers = wrappers_holding(trainable)
+        if wrappers:
+            raise _wrapper_error(wrappers[0], ValueError)
 
     def _current_plan(self) -> BucketPlan:
         """The bucket plan of the param groups as they are now; hooks on every param (frozen too).
@@ -993,8 +1007,9 @@ class OptimizerInBackward(Optimizer):
         # Before the first bucket: a class's step sees one bucket's groups at a time.
         self._stepper.check_groups(self.param_groups, self.state)
         plan = self._current_plan()
-        if plan.plain_trainable and ddp_wrapped(plan.plain_trainable):
-            raise _ddp_error()
+        wrapper = wrapped_by(plan.plain_trainable) if plan.plain_trainable else None
+        if wrapper is not None:
+            raise _wrapper_error(wrapper)
         if not self._detached:
             ids = self._hook_ids
             later = [p for p in plan.trainable if hooked_after(p, ids[id(p)])]

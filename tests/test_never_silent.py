@@ -1395,7 +1395,7 @@ def test_load_state_dict_hooks_run_as_plain():
     assert seen == ["pre", "post"]
 
 
-# ------------------------------------------------------------------ 9. DDP at any time
+# ------------------------------------------------------------------ 9. DDP and FSDP1 at any time
 
 
 def _ddp_late_body() -> None:
@@ -1408,6 +1408,38 @@ def _ddp_late_body() -> None:
         ddp(torch.randn(3, 4)).sum().backward()
     _assert_unchanged(model, before)
     del optim, ddp
+
+
+def _fsdp1_body(use_orig_params: bool) -> None:
+    """FSDP1 reduces gradients outside the post-accumulate-grad hooks: with
+    ``use_orig_params=False`` the FlatParameter's hook fired on the unsharded, unreduced
+    gradient (the parameters moved, then FSDP1's reduce-scatter raised at the freed gradient);
+    with ``use_orig_params=True`` no hook fires and ``step()`` stepped each rank's flat slices,
+    clipped by their local norm (1.9e-3 apart from ``FSDP.clip_grad_norm_`` after four AdamW
+    steps, no error). Refused at construction, or, wrapped after the optimizer was built (as
+    Trainer and accelerate wrap), at the first ``step()``, before anything moves."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    def wrap(module: nn.Module) -> nn.Module:
+        return FullyShardedDataParallel(
+            module, device_id=torch.device("cpu"), use_orig_params=use_orig_params
+        )
+
+    torch.manual_seed(0)
+    fsdp1 = wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    with pytest.raises(ValueError, match="FSDP1.*fully_shard"):
+        OptimizerInBackward(fsdp1.parameters(), torch.optim.AdamW, max_grad_norm=1.0)
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, max_grad_norm=1.0)
+    fsdp1 = wrap(model)
+    before = _snapshot(fsdp1)
+    fsdp1(torch.randn(3, 4)).sum().backward()
+    # use_orig_params=False: FSDP1 replaced the parameters, so none reached the optimizer.
+    with pytest.raises(RuntimeError, match="FSDP1.*fully_shard" if use_orig_params else "live"):
+        optim.step()
+    _assert_unchanged(fsdp1, before)
+    del optim, fsdp1, model
 
 
 def _replicate_body() -> None:
@@ -2155,6 +2187,8 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _global_clip_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
+    worlds.run(2, _fsdp1_body, use_orig_params=True)
+    worlds.run(3, _fsdp1_body, use_orig_params=False)
     worlds.run(2, _replicate_body)
     worlds.run(3, _replicate_body)
     worlds.run(2, _grad_cache_body)
