@@ -10,12 +10,15 @@ micro-batch and ``gradient_clip_val`` at its read of the freed gradients; ``max_
 the optimizer clips as ``gradient_clip_val`` does. With the ``InBackward`` callback
 (``fused_optim_dist.integrations.lightning``) ``accumulate_grad_batches`` is exact, windows
 that end inside an epoch and at its end alike, and ``gradient_clip_val`` is refused before
-anything moves.
+anything moves. Through ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``)
+on 2 and 3 gloo ranks: the same, and a fit saved by ``ModelCheckpoint`` (DCP) and resumed ends
+on every rank's shards where the uninterrupted plain fit does.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -179,3 +182,104 @@ def test_gradient_clip_val_refused_by_the_callback_before_anything_moves(tmp_pat
         _fit(make, tmp_path, gradient_clip_val=0.05, callbacks=[InBackward()])
     for param, before in zip(modules[0].parameters(), initial, strict=True):
         assert torch.equal(param, before)
+
+
+# ------------------------------------- FSDP2 through Lightning's ModelParallelStrategy, 2-3 ranks
+
+
+class ShardedRegressor(Regressor):
+    """The same model, sharded by ``fully_shard`` in ``configure_model`` (what
+    ``ModelParallelStrategy`` asks for): each ``Linear`` a unit of its own and the root, or the
+    root alone (one unit: one bucket, so ``max_grad_norm`` is ``gradient_clip_val`` exactly)."""
+
+    def __init__(self, make_optim: MakeOptim, units: bool) -> None:
+        super().__init__(make_optim, one_cycle=True)
+        self.units = units
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        if self.units:
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+def _fit_sharded(
+    make_optim: MakeOptim,
+    root: Path,
+    units: bool,
+    epochs: int,
+    checkpoint: bool = False,
+    ckpt_path: Path | None = None,
+    **trainer_kwargs,
+) -> dict[str, torch.Tensor]:
+    """``Trainer.fit`` on the world the test runs in: Lightning finds the ranks started
+    (``LOCAL_RANK`` set) and the process group made, and joins them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    world_size = os.environ["WORLD_SIZE"]
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
+    module = ShardedRegressor(make_optim, units)
+    saves = [ModelCheckpoint(dirpath=root, save_top_k=-1)] if checkpoint else []
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=int(world_size),
+        strategy=ModelParallelStrategy(data_parallel_size=int(world_size), tensor_parallel_size=1),
+        max_epochs=epochs,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=2,
+        callbacks=saves + trainer_kwargs.pop("callbacks", []),
+        **trainer_kwargs,
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=ckpt_path)
+    finally:
+        # Lightning's environment removes WORLD_SIZE when the fit ends; the ranks live on.
+        os.environ["WORLD_SIZE"] = world_size
+    return module.net.state_dict()
+
+
+def _model_parallel_body(root: str, units: bool) -> None:
+    """Four epochs of accumulated windows of 2 under a per-step ``OneCycleLR`` on the plain
+    optimizer, against ours with the callback trained two epochs, saved by ``ModelCheckpoint``
+    (Lightning's distributed checkpoint: DCP), and resumed for two more: every rank's shards
+    bit for bit. One unit: ``max_grad_norm=0.1`` against ``gradient_clip_val=0.1``."""
+    clip = None if units else 0.1
+    plain = _fit_sharded(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        Path(root) / "plain",
+        units,
+        epochs=4,
+        gradient_clip_val=clip,
+    )
+
+    def ours(module: nn.Module) -> Optimizer:
+        return OptimizerInBackward(
+            module.parameters(), torch.optim.AdamW, lr=1e-2, max_grad_norm=clip
+        )
+
+    saved = Path(root) / "ours"
+    _fit_sharded(ours, saved, units, epochs=2, checkpoint=True, callbacks=[InBackward()])
+    (last,) = [p for p in saved.iterdir() if p.name.startswith("epoch=1-")]
+    resumed = _fit_sharded(ours, saved, units, epochs=4, ckpt_path=last, callbacks=[InBackward()])
+    assert_same_state_dict(resumed, plain)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "units"),
+    [(2, True), (3, True), (2, False)],
+    ids=["units", "odd-world", "one-unit-clipped"],
+)
+def test_model_parallel_strategy_fsdp2_equal_plain_and_resumes(worlds, tmp_path, world_size, units):
+    worlds.run(world_size, _model_parallel_body, root=str(tmp_path), units=units)
