@@ -283,3 +283,42 @@ def _model_parallel_body(root: str, units: bool) -> None:
 )
 def test_model_parallel_strategy_fsdp2_equal_plain_and_resumes(worlds, tmp_path, world_size, units):
     worlds.run(world_size, _model_parallel_body, root=str(tmp_path), units=units)
+
+
+def _ddp_strategy_body() -> None:
+    """Lightning's DDP strategy wraps the model in ``DistributedDataParallel`` before
+    ``configure_optimizers``: refused there, with nothing moved."""
+    initial: list[torch.Tensor] = []
+
+    def make(module: nn.Module) -> Optimizer:
+        initial.extend(p.detach().clone() for p in module.parameters())
+        return OptimizerInBackward(module.parameters(), torch.optim.AdamW, lr=1e-2)
+
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+    module = Regressor(make, one_cycle=False)
+    world_size = os.environ["WORLD_SIZE"]
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=int(world_size),
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        refused = pytest.raises(ValueError, match=r"DistributedDataParallel.*fully_shard")
+        with refused, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+    finally:
+        os.environ["WORLD_SIZE"] = world_size
+    assert initial
+    for param, before in zip(module.net.parameters(), initial, strict=True):
+        assert torch.equal(param, before)
+
+
+def test_ddp_strategy_refused_before_anything_moves(worlds):
+    worlds.run(2, _ddp_strategy_body)

@@ -1427,7 +1427,7 @@ def _fsdp1_body(use_orig_params: bool) -> None:
 
     torch.manual_seed(0)
     fsdp1 = wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
-    with pytest.raises(ValueError, match="FSDP1.*fully_shard"):
+    with pytest.raises(ValueError, match=r"FSDP1.*fully_shard"):
         OptimizerInBackward(fsdp1.parameters(), torch.optim.AdamW, max_grad_norm=1.0)
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -1436,7 +1436,7 @@ def _fsdp1_body(use_orig_params: bool) -> None:
     before = _snapshot(fsdp1)
     fsdp1(torch.randn(3, 4)).sum().backward()
     # use_orig_params=False: FSDP1 replaced the parameters, so none reached the optimizer.
-    with pytest.raises(RuntimeError, match="FSDP1.*fully_shard" if use_orig_params else "live"):
+    with pytest.raises(RuntimeError, match=r"FSDP1.*fully_shard" if use_orig_params else "live"):
         optim.step()
     _assert_unchanged(fsdp1, before)
     del optim, fsdp1, model
