@@ -1154,14 +1154,14 @@ def test_trainer_auto_find_batch_size_after_updates_in_backward_is_refused(tmp_p
 # ---------------------------------------------------------------------------------- 2 ranks
 
 
-def _fsdp2_parity_body(out: str, fsdp_config: dict, clip: float) -> float:
+def _fsdp2_parity_body(out: str, fsdp_config: dict, clip: float, **overrides: Any) -> float:
     """Trainer on FSDP2, with an evaluation every two steps: its forward under ``no_grad``
     leaves the root unit unsharded, so the model exposes FSDP2's unsharded parameters until
     the next backward (the check that the optimizer holds every trainable parameter refused
     them as outside it)."""
     kwargs = dict(
         gradient_accumulation_steps=2, max_grad_norm=clip, fsdp=True, fsdp_config=fsdp_config,
-        one_unit=fsdp_config == ONE_UNIT, eval_strategy="steps", eval_steps=2,
+        one_unit=fsdp_config == ONE_UNIT, eval_strategy="steps", eval_steps=2, **overrides,
     )  # fmt: skip
     plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
     ours = _train(in_backward_trainer(transformers.Trainer), Path(out) / "ours", **kwargs)
@@ -1170,12 +1170,21 @@ def _fsdp2_parity_body(out: str, fsdp_config: dict, clip: float) -> float:
     return _assert_parity(ours, plain)
 
 
-@pytest.mark.parametrize(
-    ("fsdp_config", "clip"), [(ONE_UNIT, CLIP), (PER_LAYER, 0.0)], ids=["one-unit-clip", "units"]
+REENTRANT_CHECKPOINTING = dict(
+    gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}
 )
-def test_trainer_fsdp2_matches_plain(worlds, tmp_path, fsdp_config, clip):
+"""Each decoder layer's forward run again inside the backward, by a backward nested in the
+checkpoint Function's (see [Note: one backward, one BackwardPass] in ``_engine.py``)."""
+
+
+@pytest.mark.parametrize(
+    ("fsdp_config", "clip", "overrides"),
+    [(ONE_UNIT, CLIP, {}), (PER_LAYER, 0.0, {}), (PER_LAYER, 0.0, REENTRANT_CHECKPOINTING)],
+    ids=["one-unit-clip", "units", "units-reentrant-checkpointing"],
+)
+def test_trainer_fsdp2_matches_plain(worlds, tmp_path, fsdp_config, clip, overrides):
     differences = worlds.run(
-        2, _fsdp2_parity_body, out=str(tmp_path), fsdp_config=fsdp_config, clip=clip
+        2, _fsdp2_parity_body, out=str(tmp_path), fsdp_config=fsdp_config, clip=clip, **overrides
     )
     print(f"FSDP2 {fsdp_config}, clip={clip}: max parameter difference {max(differences):.2e}")
 
