@@ -128,13 +128,22 @@ def test_max_grad_norm_clips_as_gradient_clip_val(tmp_path: Path):
     assert_same_state_dict(ours.state_dict(), plain.state_dict())
 
 
+def _loss_scaling() -> dict:
+    """``precision="16-mixed"`` as on a GPU: on the CPU Lightning runs ``"bf16-mixed"``, with
+    no scaler, so the plugin is given its scaler."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+
+
 @pytest.mark.parametrize(
     ("trainer_kwargs", "match"),
     [
         (dict(accumulate_grad_batches=2), r"already updated in an earlier backward.*accumulate"),
         (dict(gradient_clip_val=0.05), r"max_grad_norm="),
+        (_loss_scaling(), r"GradScaler.unscale_ cannot unscale"),
     ],
-    ids=["accumulate_grad_batches", "gradient_clip_val"],
+    ids=["accumulate_grad_batches", "gradient_clip_val", "16-mixed"],
 )
 def test_what_lightning_does_outside_a_step_is_refused(tmp_path: Path, trainer_kwargs, match):
     make = lambda m: OptimizerInBackward(m.parameters(), torch.optim.AdamW, lr=1e-2)  # noqa: E731
@@ -169,7 +178,17 @@ def test_accumulate_grad_batches_exact_with_the_callback(
     assert_same_state_dict(ours.state_dict(), plain.state_dict())
 
 
-def test_gradient_clip_val_refused_by_the_callback_before_anything_moves(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "match"),
+    [
+        (dict(gradient_clip_val=0.05), r"max_grad_norm=.*leave gradient_clip_val unset"),
+        (_loss_scaling(), r"GradScaler.*bf16-mixed.*skip_nonfinite=True"),
+    ],
+    ids=["gradient_clip_val", "16-mixed"],
+)
+def test_refused_by_the_callback_before_anything_moves(tmp_path: Path, trainer_kwargs, match):
+    """Without the callback both are refused after the first backward moved: the clip's read
+    of the freed gradients, and the scaler's ``unscale_``."""
     initial: list[torch.Tensor] = []
     modules: list[nn.Module] = []
 
@@ -178,8 +197,8 @@ def test_gradient_clip_val_refused_by_the_callback_before_anything_moves(tmp_pat
         initial.extend(p.detach().clone() for p in module.parameters())
         return OptimizerInBackward(module.parameters(), torch.optim.AdamW, lr=1e-2)
 
-    with pytest.raises(ValueError, match=r"max_grad_norm=.*leave gradient_clip_val unset"):
-        _fit(make, tmp_path, gradient_clip_val=0.05, callbacks=[InBackward()])
+    with pytest.raises(ValueError, match=match):
+        _fit(make, tmp_path, callbacks=[InBackward()], **trainer_kwargs)
     for param, before in zip(modules[0].parameters(), initial, strict=True):
         assert torch.equal(param, before)
 

@@ -1,10 +1,10 @@
-"""PyTorch Lightning with ``OptimizerInBackward``: ``accumulate_grad_batches``, and clipping
-refused before anything moves.
+"""PyTorch Lightning with ``OptimizerInBackward``: ``accumulate_grad_batches``, and clipping and
+loss scaling refused before anything moves.
 
 ``configure_optimizers`` returns ``OptimizerInBackward`` unchanged: Lightning's automatic
 optimization calls ``optimizer.step(closure)``, which runs the closure's backward (stepping the
-parameters in it) and commits. Two Trainer options act outside ``step()``; the callback here
-makes the first exact and refuses the second at the start of ``fit``::
+parameters in it) and commits. Three Trainer options act outside ``step()``; the callback here
+makes the first exact and refuses the other two at the start of ``fit``::
 
     from fused_optim_dist.integrations.lightning import InBackward
 
@@ -20,6 +20,11 @@ makes the first exact and refuses the second at the start of ``fit``::
   callback refuses it in ``on_fit_start``, before any step: set ``max_grad_norm=`` (Lightning's
   default ``gradient_clip_algorithm="norm"``) or ``clip_grad_value=`` (``"value"``) on the
   optimizer instead.
+* ``precision="16-mixed"`` (on GPUs; on the CPU Lightning runs ``"bf16-mixed"`` instead) scales
+  the loss with a ``GradScaler``, which unscales and checks the gradients after the closure:
+  its ``unscale_`` raises, after the first backward stepped scaled gradients. The callback
+  refuses an enabled scaler in ``on_fit_start``, naming ``"bf16-mixed"`` and
+  ``skip_nonfinite=True``.
 
 Which micro-batch ends a window is Lightning's to decide (every ``accumulate_grad_batches``-th
 batch, and the epoch's last). The callback accumulates every batch but the
@@ -47,14 +52,26 @@ def _in_backward(trainer: lightning.Trainer) -> list[OptimizerInBackward]:
 
 class InBackward(lightning.Callback):
     """Run Lightning's accumulation micro-batches under ``optim.accumulate()`` and refuse
-    ``gradient_clip_val`` for ``OptimizerInBackward`` (see the module's docstring)."""
+    ``gradient_clip_val`` and loss scaling for ``OptimizerInBackward`` (see the module's
+    docstring)."""
 
     def __init__(self) -> None:
         self._accumulating = False
         self._contexts = contextlib.ExitStack()
 
     def on_fit_start(self, trainer: lightning.Trainer, pl_module: Any) -> None:
-        if _in_backward(trainer) and trainer.gradient_clip_val:
+        if not _in_backward(trainer):
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            raise ValueError(
+                "Trainer(precision='16-mixed') scales the loss with a torch.amp.GradScaler, "
+                "which unscales the gradients and checks them for inf/NaN after the backward, "
+                "but OptimizerInBackward steps and frees them during it: use "
+                "precision='bf16-mixed' (no loss scaling) and skip_nonfinite=True on "
+                "OptimizerInBackward to skip non-finite steps"
+            )
+        if trainer.gradient_clip_val:
             raise ValueError(
                 "Trainer(gradient_clip_val=...) clips gradients after the backward, but "
                 "OptimizerInBackward steps and frees them during it: set "
