@@ -22,6 +22,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -201,6 +202,80 @@ def test_refused_by_the_callback_before_anything_moves(tmp_path: Path, trainer_k
         _fit(make, tmp_path, callbacks=[InBackward()], **trainer_kwargs)
     for param, before in zip(modules[0].parameters(), initial, strict=True):
         assert torch.equal(param, before)
+
+
+class GAN(lightning.LightningModule):
+    """Lightning's GAN tutorial in manual optimization: each network's step inside
+    ``toggle_optimizer`` (which freezes the parameters of the other optimizer), or, without
+    it, the generator's loss also reaching the discriminator's parameters."""
+
+    def __init__(self, make_optim: MakeOptim, toggle: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.d = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+        self.make_optim, self.toggle = make_optim, toggle
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return [self.make_optim(self.g), self.make_optim(self.d)]
+
+    def _step(self, optim: Any, loss: Callable[[], torch.Tensor]) -> None:
+        if self.toggle:
+            self.toggle_optimizer(optim)
+        self.manual_backward(loss())
+        optim.step()
+        optim.zero_grad()
+        if self.toggle:
+            self.untoggle_optimizer(optim)
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> None:
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(len(real), 4, generator=torch.Generator().manual_seed(index))
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        self._step(opt_g, lambda: bce(self.d(self.g(z)), ones))
+        self._step(opt_d, lambda: bce(self.d(real), ones) + bce(self.d(self.g(z).detach()), zeros))
+
+
+def _fit_gan(make_optim: MakeOptim, root: Path, toggle: bool) -> GAN:
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    module = GAN(make_optim, toggle)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(TensorDataset(x), batch_size=8))
+    return module
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, CompactAdamW])
+def test_manual_optimization_gan_equal_plain(tmp_path: Path, cls: type[Optimizer]):
+    kwargs = dict(lr=2e-3, betas=(0.5, 0.999))
+    ours = _fit_gan(
+        lambda net: OptimizerInBackward(net.parameters(), cls, bucket_numel=1, **kwargs),
+        tmp_path / "ours",
+        toggle=True,
+    )
+    plain = _fit_gan(lambda net: cls(net.parameters(), **kwargs), tmp_path / "plain", True)
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
+
+
+def test_manual_optimization_gan_without_toggle_refused(tmp_path: Path):
+    """The generator's backward steps the discriminator's parameters in backward, where the
+    plain optimizer adds that gradient to the discriminator's own: refused at the second."""
+    make = lambda net: OptimizerInBackward(net.parameters(), torch.optim.Adam, lr=2e-3)  # noqa: E731
+    with pytest.raises(RuntimeError, match="already updated in an earlier backward"):
+        _fit_gan(make, tmp_path, toggle=False)
 
 
 # ------------------------------------- FSDP2 through Lightning's ModelParallelStrategy, 2-3 ranks
