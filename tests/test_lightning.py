@@ -344,39 +344,55 @@ def _fit_sharded(
     return module.net.state_dict()
 
 
-def _model_parallel_body(root: str, units: bool) -> None:
+def _model_parallel_body(root: str, units: bool, cls: type[Optimizer], precision: str) -> None:
     """Four epochs of accumulated windows of 2 under a per-step ``OneCycleLR`` on the plain
     optimizer, against ours with the callback trained two epochs, saved by ``ModelCheckpoint``
     (Lightning's distributed checkpoint: DCP), and resumed for two more: every rank's shards
     bit for bit. One unit: ``max_grad_norm=0.1`` against ``gradient_clip_val=0.1``."""
     clip = None if units else 0.1
     plain = _fit_sharded(
-        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        lambda m: cls(m.parameters(), lr=1e-2),
         Path(root) / "plain",
         units,
         epochs=4,
         gradient_clip_val=clip,
+        precision=precision,
     )
 
     def ours(module: nn.Module) -> Optimizer:
-        return OptimizerInBackward(
-            module.parameters(), torch.optim.AdamW, lr=1e-2, max_grad_norm=clip
-        )
+        return OptimizerInBackward(module.parameters(), cls, lr=1e-2, max_grad_norm=clip)
 
     saved = Path(root) / "ours"
-    _fit_sharded(ours, saved, units, epochs=2, checkpoint=True, callbacks=[InBackward()])
+    callbacks = [InBackward()]
+    _fit_sharded(ours, saved, units, 2, True, callbacks=callbacks, precision=precision)
     (last,) = [p for p in saved.iterdir() if p.name.startswith("epoch=1-")]
-    resumed = _fit_sharded(ours, saved, units, epochs=4, ckpt_path=last, callbacks=[InBackward()])
+    resumed = _fit_sharded(
+        ours, saved, units, 4, ckpt_path=last, callbacks=callbacks, precision=precision
+    )
     assert_same_state_dict(resumed, plain)
 
 
 @pytest.mark.parametrize(
-    ("world_size", "units"),
-    [(2, True), (3, True), (2, False)],
-    ids=["units", "odd-world", "one-unit-clipped"],
+    ("world_size", "units", "cls", "precision"),
+    [
+        (2, True, torch.optim.AdamW, "32-true"),
+        (3, True, torch.optim.AdamW, "32-true"),
+        (2, False, torch.optim.AdamW, "32-true"),
+        (3, True, CompactAdamW, "bf16-true"),
+    ],
+    ids=["units", "odd-world", "one-unit-clipped", "compact-adamw-bf16"],
 )
-def test_model_parallel_strategy_fsdp2_equal_plain_and_resumes(worlds, tmp_path, world_size, units):
-    worlds.run(world_size, _model_parallel_body, root=str(tmp_path), units=units)
+def test_model_parallel_strategy_fsdp2_equal_plain_and_resumes(
+    worlds, tmp_path, world_size, units, cls, precision
+):
+    worlds.run(
+        world_size,
+        _model_parallel_body,
+        root=str(tmp_path),
+        units=units,
+        cls=cls,
+        precision=precision,
+    )
 
 
 def _ddp_strategy_body() -> None:
