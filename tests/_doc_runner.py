@@ -25,13 +25,14 @@ from fused_optim_dist import OptimizerInBackward
 DIM = 16
 
 # Blocks run by other tests end to end rather than verbatim: the Trainer and accelerate
-# snippets need a Hugging Face model, arguments and data, the Lightning one a data loader and a
-# single-process fit (tests/test_trainer.py, tests/test_accelerate.py and
-# tests/test_lightning.py run those loops).
+# snippets need a Hugging Face model, arguments and data, the Lightning and Fabric ones a data
+# loader and a single-process fit (tests/test_trainer.py, tests/test_accelerate.py,
+# tests/test_lightning.py and tests/test_fabric.py run those loops).
 NOT_VERBATIM = (
     "in_backward_trainer(Trainer)",
     "Accelerator(gradient_accumulation_steps",
     "callbacks=[InBackward()]",
+    "InBackwardFabric(accelerator",
 )
 
 

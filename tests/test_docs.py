@@ -1,8 +1,8 @@
 """Every Python block of the README and of docs/ runs, on 2 gloo ranks, so no snippet rots.
 
 The blocks run verbatim in one torchrun job (``tests/_doc_runner.py`` gives each the names its
-text refers to); the Trainer, accelerate and Lightning snippets are run end to end by their
-own tests."""
+text refers to); the Trainer, accelerate, Lightning and Fabric snippets are run end to end by
+their own tests."""
 
 from __future__ import annotations
 
@@ -37,5 +37,5 @@ def test_every_python_block_runs(tmp_path: Path):
     report = (tmp_path / "result_0.txt").read_text() if (tmp_path / "result_0.txt").exists() else ""
     assert proc.returncode == 0, report + proc.stdout[-3000:] + proc.stderr[-3000:]
     ran = int(report.split()[1])
-    # All but the three framework snippets (Trainer, accelerate, Lightning) ran verbatim.
-    assert ran == blocks - 3, report
+    # All but the four framework snippets (Trainer, accelerate, Lightning, Fabric) ran verbatim.
+    assert ran == blocks - 4, report
