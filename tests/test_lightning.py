@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from _toy import assert_same_state_dict
+from _toy import assert_same_state_dict, holds_gradient
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
@@ -320,6 +320,7 @@ def _fit_sharded(
     x, y = torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
     module = ShardedRegressor(make_optim, units)
     saves = [ModelCheckpoint(dirpath=root, save_top_k=-1)] if checkpoint else []
+    probe = StepProbe()
     trainer = lightning.Trainer(
         accelerator="cpu",
         devices=int(world_size),
@@ -331,9 +332,10 @@ def _fit_sharded(
         enable_progress_bar=False,
         enable_model_summary=False,
         accumulate_grad_batches=2,
-        callbacks=saves + trainer_kwargs.pop("callbacks", []),
+        callbacks=[*saves, probe, *trainer_kwargs.pop("callbacks", [])],
         **trainer_kwargs,
     )
+    steps_before = 0 if ckpt_path is None else int(Path(ckpt_path).name.split("step=")[1][:-5])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -341,7 +343,23 @@ def _fit_sharded(
     finally:
         # Lightning's environment removes WORLD_SIZE when the fit ends; the ranks live on.
         os.environ["WORLD_SIZE"] = world_size
+    if any(isinstance(o, OptimizerInBackward) for o in trainer.optimizers):
+        # Every window's last backward stepped the optimizer (no gradient left for step()).
+        assert probe.stepped == trainer.global_step - steps_before, (
+            probe.stepped,
+            trainer.global_step,
+        )
     return module.net.state_dict()
+
+
+class StepProbe(lightning.Callback):
+    """Counts the backwards after which no parameter holds a gradient to step."""
+
+    def __init__(self) -> None:
+        self.stepped = 0
+
+    def on_after_backward(self, trainer: lightning.Trainer, pl_module: Any) -> None:
+        self.stepped += not any(map(holds_gradient, pl_module.parameters()))
 
 
 def _model_parallel_body(root: str, units: bool, cls: type[Optimizer], precision: str) -> None:
