@@ -12,7 +12,6 @@ FSDP2's ``set_requires_gradient_sync(False)``.
 from __future__ import annotations
 
 import gc
-import logging
 import math
 import os
 import warnings
@@ -30,20 +29,12 @@ from fused_optim_dist.training import in_backward_of
 
 lightning = pytest.importorskip("lightning")
 from lightning.fabric import Fabric  # noqa: E402
+from test_lightning import _quiet_lightning  # noqa: E402, F401 (an autouse fixture)
 
 from fused_optim_dist.integrations.fabric import InBackwardFabric  # noqa: E402
 
 MakeOptim = Callable[[nn.Module], Optimizer]
 BATCHES = 8
-
-
-@pytest.fixture(autouse=True)
-def _quiet_fabric():
-    logger = logging.getLogger("lightning.fabric")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
 
 
 def _net() -> nn.Module:

@@ -61,10 +61,10 @@ class Regressor(lightning.LightningModule):
         return {"optimizer": optim, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _fit(make_optim: MakeOptim, root: Path, one_cycle: bool = False, **trainer_kwargs) -> nn.Module:
-    data = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
-    module = Regressor(make_optim, one_cycle)
+def _fit_one_process(
+    module: lightning.LightningModule, root: Path, *tensors: torch.Tensor, **trainer_kwargs
+) -> None:
+    """Two epochs of batches of 8 of ``tensors`` on one CPU process."""
     trainer = lightning.Trainer(
         accelerator="cpu",
         devices=1,
@@ -78,17 +78,28 @@ def _fit(make_optim: MakeOptim, root: Path, one_cycle: bool = False, **trainer_k
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
-        trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
+        trainer.fit(module, DataLoader(TensorDataset(*tensors), batch_size=8))
+
+
+def _fit(make_optim: MakeOptim, root: Path, one_cycle: bool = False, **trainer_kwargs) -> nn.Module:
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
+    module = Regressor(make_optim, one_cycle)
+    _fit_one_process(module, root, x, y, **trainer_kwargs)
     return module.net
 
 
 @pytest.fixture(autouse=True)
 def _quiet_lightning():
-    logger = logging.getLogger("lightning.pytorch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """Lightning's and Fabric's info messages (GPU available, tips) off: each logger has a
+    level of its own."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     yield
-    logger.setLevel(level)
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(level)
 
 
 CASES = {
@@ -242,19 +253,7 @@ class GAN(lightning.LightningModule):
 def _fit_gan(make_optim: MakeOptim, root: Path, toggle: bool) -> GAN:
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     module = GAN(make_optim, toggle)
-    trainer = lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, DataLoader(TensorDataset(x), batch_size=8))
+    _fit_one_process(module, root, x)
     return module
 
 

@@ -60,6 +60,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.optim import Optimizer
 
+from fused_optim_dist.integrations._loss_scaling import refuse_loss_scaling
 from fused_optim_dist.optimizer import OptimizerInBackward
 from fused_optim_dist.training import clip_grad_norm_, in_backward_of
 
@@ -87,15 +88,7 @@ class InBackwardFabric(Fabric):
         found = [o for o in map(in_backward_of, optimizers) if o is not None]
         if not found:
             return
-        scaler = getattr(self._precision, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
-            raise ValueError(
-                "Fabric(precision='16-mixed') scales the loss with a torch.amp.GradScaler, "
-                "which unscales the gradients and checks them for inf/NaN after the backward, "
-                "but OptimizerInBackward steps and frees them during it: use "
-                "precision='bf16-mixed' (no loss scaling) and skip_nonfinite=True on "
-                "OptimizerInBackward to skip non-finite steps"
-            )
+        refuse_loss_scaling(self._precision, "Fabric")
         self._in_backward.extend(o for o in found if o not in self._in_backward)
 
     @contextlib.contextmanager

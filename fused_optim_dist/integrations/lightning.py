@@ -43,6 +43,7 @@ from typing import Any
 
 import lightning
 
+from fused_optim_dist.integrations._loss_scaling import refuse_loss_scaling
 from fused_optim_dist.optimizer import OptimizerInBackward
 
 
@@ -62,15 +63,7 @@ class InBackward(lightning.Callback):
     def on_fit_start(self, trainer: lightning.Trainer, pl_module: Any) -> None:
         if not _in_backward(trainer):
             return
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
-            raise ValueError(
-                "Trainer(precision='16-mixed') scales the loss with a torch.amp.GradScaler, "
-                "which unscales the gradients and checks them for inf/NaN after the backward, "
-                "but OptimizerInBackward steps and frees them during it: use "
-                "precision='bf16-mixed' (no loss scaling) and skip_nonfinite=True on "
-                "OptimizerInBackward to skip non-finite steps"
-            )
+        refuse_loss_scaling(trainer.precision_plugin, "Trainer")
         if trainer.gradient_clip_val:
             raise ValueError(
                 "Trainer(gradient_clip_val=...) clips gradients after the backward, but "
