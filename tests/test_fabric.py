@@ -11,7 +11,6 @@ FSDP2's ``set_requires_gradient_sync(False)``.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import warnings
@@ -31,7 +30,7 @@ lightning = pytest.importorskip("lightning")
 from lightning.fabric import Fabric  # noqa: E402
 from test_lightning import _quiet_lightning  # noqa: E402, F401 (an autouse fixture)
 
-from fused_optim_dist.integrations.fabric import InBackwardFabric  # noqa: E402
+from fused_optim_dist.integrations.fabric import InBackwardFabric, _sync_fsdp2  # noqa: E402
 
 MakeOptim = Callable[[nn.Module], Optimizer]
 BATCHES = 8
@@ -203,10 +202,6 @@ def _sharded_body(window: int, max_norm: float | None) -> None:
                     fully_shard(layer, mesh=mesh["data_parallel"])
         return fully_shard(module, mesh=mesh["data_parallel"])
 
-    # Collect the models of earlier bodies: a plain Fabric run leaves its FSDP2 model with its
-    # gradient sync off ([Note: Fabric leaves FSDP2's sync off] in the integration), and while
-    # it lives every backward of the process is a micro-batch to an in-backward optimizer.
-    gc.collect()
     world_size = os.environ["WORLD_SIZE"]
     rank = int(os.environ["RANK"])
     clip = {} if max_norm is None else {"max_norm": max_norm}
@@ -231,6 +226,11 @@ def _sharded_body(window: int, max_norm: float | None) -> None:
         if fabric_cls is InBackwardFabric:
             # Its model is left with FSDP2's sync on, as no_backward_sync found it.
             assert not fsdp_sync_off()
+        else:
+            # Plain Fabric left it off ([Note: Fabric leaves FSDP2's sync off]): turned on, or
+            # while the model lives every backward of this rank's process (later tests' too)
+            # would be a micro-batch to an in-backward optimizer.
+            _sync_fsdp2(model)
         results.append((model.module.state_dict(), norms))
     (ours, ours_norms), (plain, plain_norms) = results
     assert_same_state_dict(ours, plain)
