@@ -133,6 +133,8 @@ def test_clip_gradients_equal_plain(ours_kwargs: dict, clip: dict):
     assert ours_norms == plain_norms, (ours_norms, plain_norms)
     if "max_norm" in clip:  # every step clipped
         assert min(map(float, plain_norms)) > clip["max_norm"], plain_norms
+    unclipped, _ = _fit(Fabric, _plain(), 2)
+    assert not torch.equal(unclipped[0].weight, plain[0].weight), "the clipping changed nothing"
 
 
 def test_non_finite_norm_raised_as_plain_with_skip_nonfinite():
@@ -244,3 +246,31 @@ def _sharded_body(window: int, max_norm: float | None) -> None:
 )
 def test_model_parallel_strategy_fsdp2_equal_plain(worlds, world_size, window, max_norm):
     worlds.run(world_size, _sharded_body, window=window, max_norm=max_norm)
+
+
+def _ddp_body() -> None:
+    """Fabric's DDP strategy, the optimizer built on the wrapped model or set up with it."""
+    world_size = os.environ["WORLD_SIZE"]
+    fabric = InBackwardFabric(accelerator="cpu", devices=int(world_size), strategy="ddp")
+    try:
+        fabric.launch()
+        for together, refusal in ((False, ValueError), (True, RuntimeError)):
+            net = _net()
+            before = [p.detach().clone() for p in net.parameters()]
+            with pytest.raises(refusal, match=r"DistributedDataParallel.*fully_shard"):
+                if together:
+                    model, optim = fabric.setup(net, _ours()(net))
+                else:
+                    model = fabric.setup(net)
+                    optim = fabric.setup_optimizers(_ours()(model))
+                x, y = _batches()[0]
+                fabric.backward(nn.functional.mse_loss(model(x), y))
+                optim.step()
+            for param, initial in zip(net.parameters(), before, strict=True):
+                assert torch.equal(param, initial)
+    finally:
+        os.environ["WORLD_SIZE"] = world_size
+
+
+def test_ddp_strategy_refused_before_anything_moves(worlds):
+    worlds.run(2, _ddp_body)

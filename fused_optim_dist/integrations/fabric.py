@@ -43,7 +43,8 @@ changes only those two::
   in-backward optimizer is set up, before anything moves.
 
 Fabric's DDP strategy wraps the model in ``DistributedDataParallel``, which this library
-refuses (at the first backward, before any update). FSDP2 runs through
+refuses before any update: when the optimizer is built on the wrapped model, or at the first
+backward when ``fabric.setup(model, optim)`` wraps it after. FSDP2 runs through
 ``ModelParallelStrategy``: the optimizer is built on the sharded parameters, after
 ``fabric.setup(model)``.
 """
