@@ -157,6 +157,10 @@ def _sync_fsdp2(module: nn.Module) -> None:
     [Note: FSDP2's micro-batches] in ``optimizer.py``): a model left so, even one no longer
     trained, would make every later backward of the process a micro-batch, stepped only at
     ``step()`` (equal, but holding every gradient, and with no norm for ``clip_gradients``).
+    The flag is put back here rather than read differently there: when a backward's first
+    gradient arrives, a model no longer trained cannot be told from one whose units that
+    backward has not reached yet (a head outside ``fully_shard`` gets its gradient before any
+    unit of the body).
     """
     from torch.distributed.fsdp import FSDPModule
 
