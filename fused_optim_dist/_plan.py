@@ -35,7 +35,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fused_optim_dist._sharing import refuse_shared_memory
+from fused_optim_dist._sharing import (
+    refuse_registered_overlap,
+    refuse_shared_memory,
+    registrations,
+)
 from fused_optim_dist._torch_internals import (
     FSDPUnit,
     fsdp_reduced_params,
@@ -103,6 +107,8 @@ class BucketPlan:
         self._in_units = frozenset(id(p) for unit in self.units for p in unit.params)
         self._requires_grad = self._read_requires_grad()
         refuse_shared_memory(param_groups, self._all_params, self._requires_grad)
+        self._registrations = registrations()
+        refuse_registered_overlap(param_groups, self._all_params, self._requires_grad)
         # The plain parameters that have a storage, and their storages (held: never a
         # recycled object), for is_current, which reads them without storages()'s DTensor
         # lookup. DTensors are left out: FSDP2 replaces their local tensors itself.
@@ -153,6 +159,15 @@ class BucketPlan:
         return self._read_requires_grad() == self._requires_grad and all(
             map(operator.is_, map(torch.Tensor.untyped_storage, self._plain), self._storages)
         )
+
+    def refuse_registered_since(self, param_groups: Sequence[dict[str, Any]]) -> None:
+        """Raise if a tensor registered on a module since the last check shares memory with a
+        trainable plain parameter (the groups are those the plan is current for). See [Note: a
+        module's tensor over a trained parameter's memory] in ``_sharing.py``."""
+        count = registrations()
+        if count != self._registrations:
+            refuse_registered_overlap(param_groups, self._all_params, self._requires_grad)
+            self._registrations = count
 
     def _read_requires_grad(self) -> list[bool]:
         """Each parameter's ``requires_grad`` as autograd sees it: in a unit that is unsharded,

@@ -26,6 +26,25 @@ accepted. A DTensor is compared by its local tensor: FSDP2 gives every sharded p
 own storage, so its parameters never share; tensor-parallel ones distributed from one tensor
 may (a ``.data`` tie made later between DTensors is not watched).
 
+[Note: a module's tensor over a trained parameter's memory]
+A frozen copy of a weight made through ``.data`` (``nn.Parameter(w.data, requires_grad=False)``,
+``register_buffer("reference", w.data)``, or a view of it) and left out of the optimizer (built,
+as usual, on the parameters that require grad) shares the trained parameter's memory. The plain
+loop's backward reads it before ``step()`` updates that memory; here the parameter's bucket may
+be stepped before a node reading the copy has run, which then reads the updated values (2.1e-2
+apart after four AdamW steps with ``bucket_numel=1``, no error). ``.data`` shares no version
+counter, so autograd cannot refuse the read. No public API says which tensors a forward reads,
+but every tensor registered on a module as a parameter or a buffer is seen by torch's global
+registration hooks (``torch.nn.modules.module.register_module_parameter_registration_hook`` and
+its buffer twin), installed when this module is imported, that is with the library, before a
+model is usually built: each is noted, weakly, and a plan refuses one it does not hold that
+shares a byte with one of its trainable plain parameters, when it is built and, if tensors
+were registered since, at the next backward or ``step()`` (a count compared there), before
+anything moves. Not seen: a tensor registered before this library was imported, one kept as a
+plain attribute or a local of the forward (docs/differences.md), and a registered tensor given
+the memory through ``.data =`` after the plan checked it. DTensors are not compared: FSDP2's
+forward reads unsharded copies, never the shards the update writes.
+
 [Note: state shared between parameters]
 A state dict converted by hand can hold one tensor in several parameters' entries (a single
 ``step = torch.tensor(100.)`` for all of them). The plain step advances such a counter once per
@@ -59,6 +78,8 @@ identity after, measured).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
@@ -66,11 +87,24 @@ from operator import itemgetter
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from fused_optim_dist._state_identity import StateEntries
-from fused_optim_dist._torch_internals import local_tensor, storages
+from fused_optim_dist._torch_internals import holds_values, local_tensor, storages
 
-__all__ = ["SharedStateCheck", "SharedStateError", "refuse_shared_memory", "refuse_shared_state"]
+__all__ = [
+    "SharedStateCheck",
+    "SharedStateError",
+    "refuse_registered_overlap",
+    "refuse_shared_memory",
+    "refuse_shared_state",
+    "registrations",
+]
 
 
 class SharedStateError(ValueError):
@@ -149,13 +183,7 @@ def refuse_shared_memory(
     pair = _overlapping_pair(params, trainable)
     if pair is None:
         return
-    places = [(i, j) for i, group in enumerate(param_groups) for j in range(len(group["params"]))]
-    names = []
-    for index, position in (places[k] for k in pair):
-        group = param_groups[index]
-        name = group["param_names"][position] if "param_names" in group else None
-        where = f"{name!r}" if name else f"parameter {position} of param group {index}"
-        names.append(f"{where} (shape {tuple(group['params'][position].shape)})")
+    names = [_param_name(param_groups, k) for k in pair]
     raise ValueError(
         f"{names[0]} and {names[1]} share memory (one weight given to two nn.Parameters, e.g. "
         "experts copied from one weight without .clone(), or a weight tied through .data). The "
@@ -164,6 +192,95 @@ def refuse_shared_memory(
         "reads the memory in between, so the result would differ. Clone the tensors to train "
         "them apart, or tie them as one nn.Parameter (module.weight = other.weight)."
     )
+
+
+def _param_name(param_groups: Sequence[dict[str, Any]], k: int) -> str:
+    """The ``k``-th parameter of ``param_groups`` (counted over the groups in order), named for
+    an error: by its name where the groups have them, else by its place; with its shape."""
+    for index, group in enumerate(param_groups):
+        if k < len(group["params"]):
+            name = group["param_names"][k] if "param_names" in group else None
+            where = f"{name!r}" if name else f"parameter {k} of param group {index}"
+            return f"{where} (shape {tuple(group['params'][k].shape)})"
+        k -= len(group["params"])
+    raise IndexError(k)
+
+
+_REGISTERED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[nn.Module], str, str]] = {}
+"""Each tensor registered on a module since this module was imported, by id: the tensor and
+the module (weakly), its name there and its kind. See [Note: a module's tensor over a trained
+parameter's memory]."""
+_COUNT = [0]
+"""Registrations noted so far."""
+
+
+def _noter(kind: str) -> Callable[[nn.Module, str, object], None]:
+    def note(module: nn.Module, name: str, tensor: object) -> None:
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor):
+            key = id(tensor)
+            # Dropped with the tensor: the callback, given the dead reference, calls
+            # _REGISTERED.pop(key, reference).
+            forget = functools.partial(_REGISTERED.pop, key)
+            _REGISTERED[key] = (weakref.ref(tensor, forget), weakref.ref(module), name, kind)
+            _COUNT[0] += 1
+
+    return note
+
+
+register_module_parameter_registration_hook(_noter("parameter"))
+register_module_buffer_registration_hook(_noter("buffer"))
+
+
+def registrations() -> int:
+    """How many tensors have been registered on modules so far (a count that only grows)."""
+    return _COUNT[0]
+
+
+def refuse_registered_overlap(
+    param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor], trainable: list[bool]
+) -> None:
+    """Raise if a tensor registered on a module, not one of ``params`` (the groups' parameters,
+    in order), shares a byte with a trainable plain one of them. See [Note: a module's tensor
+    over a trained parameter's memory].
+
+    Costs a storage lookup per registered tensor, and nothing while no trainable parameter is a
+    plain tensor (every one in an FSDP2 unit).
+
+    Raises:
+        ValueError: naming the registered tensor, its module and the parameter.
+    """
+    by_storage: dict[int, list[int]] = {}
+    for k, (param, flag) in enumerate(zip(params, trainable, strict=True)):
+        if flag and not isinstance(param, DTensor) and holds_values(param) and param.numel():
+            by_storage.setdefault(param.untyped_storage().data_ptr(), []).append(k)
+    if not by_storage:
+        return
+    mine = set(map(id, params))
+    # A copy made in C: a tensor collected while a Python loop built one would change the dict.
+    for key, (tensor_ref, module_ref, name, kind) in _REGISTERED.copy().items():
+        tensor = tensor_ref()
+        if key in mine or tensor is None or not holds_values(tensor) or not tensor.numel():
+            continue
+        for k in by_storage.get(tensor.untyped_storage().data_ptr(), ()):
+            param = params[k]
+            spans = _bytes(tensor), _bytes(param)
+            if spans[0][0] >= spans[1][1] or spans[1][0] >= spans[0][1]:
+                continue
+            if not _share_a_byte(tensor, param, *spans):
+                continue
+            module = module_ref()
+            owner = f" of {type(module).__name__}" if module is not None else ""
+            raise ValueError(
+                f"{kind} {name!r}{owner} (shape {tuple(tensor.shape)}) shares memory with "
+                f"{_param_name(param_groups, k)}, which this optimizer trains, and is not in "
+                "the optimizer itself (a copy made through .data, or a view of it). The plain "
+                "loop's backward reads it before step() updates that memory; "
+                "OptimizerInBackward updates the parameter in backward, and a node run after "
+                "that would read the updated values (.data shares no version counter: autograd "
+                "cannot tell), so the result would differ. Keep a frozen copy with .clone(), or "
+                "read the parameter itself in the forward (.detach() there, which autograd "
+                "checks)."
+            )
 
 
 def refuse_shared_state(

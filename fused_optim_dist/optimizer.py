@@ -450,6 +450,7 @@ class OptimizerInBackward(Optimizer):
         """
         plan = self._plan
         if plan is not None and plan.is_current(self.param_groups):
+            plan.refuse_registered_since(self.param_groups)
             return plan
         plan = self._plan = BucketPlan(self.param_groups, self.options.plain_bucket_numel)
         # History of buckets this plan no longer has must not be predicted to come.

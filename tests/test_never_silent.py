@@ -2991,12 +2991,14 @@ def test_parameters_sharing_memory_refused_at_construction(how):
     with pytest.raises(ValueError, match="share memory"):
         OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=1)
     model.layers[0].up.weight.requires_grad_(True)
-    third = model.layers[2].up.weight
-    optim = OptimizerInBackward(
-        [p for p in model.parameters() if p is not third], torch.optim.AdamW, **ADAMW
-    )
+    first, third = model.layers[0].up.weight, model.layers[2].up.weight
+    # One left out: a module's tensor over the memory trained (see the frozen-copy test).
+    with pytest.raises(ValueError, match=r"parameter 'weight' of Linear .* not in the optimizer"):
+        OptimizerInBackward([p for p in model.parameters() if p is not third], torch.optim.AdamW)
+    others = [p for p in model.parameters() if p is not first and p is not third]
+    optim = OptimizerInBackward(others, torch.optim.AdamW, **ADAMW)
     with pytest.raises(ValueError, match=r"parameter 0 of param group 1 .*share memory"):
-        optim.add_param_group({"params": [third]})
+        optim.add_param_group({"params": [first, third]})
     assert len(optim.param_groups) == 1
 
 
@@ -3019,6 +3021,88 @@ def test_parameters_tied_through_data_after_construction_refused_before_moving()
         loss_fn(models[0], *_x(1)).backward()
     _assert_unchanged(models[0], before)
     with pytest.raises(ValueError, match="share memory"):
+        optims[0].step()
+    _assert_unchanged(models[0], before)
+
+
+IN = 8
+
+
+class _ReadsAFrozenCopy(nn.Module):
+    """A layer between ``a`` and ``c`` multiplies by a copy of ``c.weight`` kept on the module
+    (``how``): its backward node runs after ``c``'s gradient, so after ``c``'s bucket stepped
+    with ``bucket_numel=1``, and reads the copy for ``a``'s gradient."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.c = nn.Linear(IN, IN), nn.Linear(IN, IN)
+        self.transposed = how == "transposed view"
+        if how == "clone":
+            self.register_buffer("copy", self.c.weight.detach().clone())
+        elif how == "frozen parameter":
+            self.copy = nn.Parameter(self.c.weight.data, requires_grad=False)
+        else:
+            copy = self.c.weight.data.T if self.transposed else self.c.weight.data
+            self.register_buffer("copy", copy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(h @ self.copy if self.transposed else h @ self.copy.T)
+        return self.c(h)
+
+
+def _frozen_copy_loop(model: nn.Module, optim: Optimizer, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, IN, generator=g), torch.randn(16, IN, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("how", ["frozen parameter", "buffer", "transposed view"])
+def test_frozen_copy_through_data_refused_at_construction(how):
+    """A frozen copy of a weight made through ``.data`` (or a view of it), registered on a
+    module and left out of the optimizer: the plain loop's backward reads it before
+    ``step()``, ours after the weight's update in backward. Before, 2.1e-2 apart after four
+    AdamW steps, no error (``bucket_numel=1``); now refused when the optimizer is built,
+    naming the copy and the parameter. A ``.clone()``, what the refusal says, trains as
+    plain."""
+    model = _ReadsAFrozenCopy(how)
+    with pytest.raises(ValueError, match=r"'copy' of _ReadsAFrozenCopy .* not in the optimizer"):
+        OptimizerInBackward(_trainable(model), torch.optim.AdamW, **ADAMW, bucket_numel=1)
+    models = _ReadsAFrozenCopy("clone"), _ReadsAFrozenCopy("clone")
+    optims = (
+        OptimizerInBackward(_trainable(models[0]), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(_trainable(models[1]), **ADAMW),
+    )
+    for model, optim in zip(models, optims, strict=True):
+        _frozen_copy_loop(model, optim, range(4))
+    assert_match(*models, atol=0)
+
+
+def test_frozen_copy_registered_after_construction_refused_before_moving():
+    """Registered after the optimizer was built: refused at the next backward, nothing moved,
+    and at ``step()`` again."""
+    models = _ReadsAFrozenCopy("clone"), _ReadsAFrozenCopy("clone")
+    optims = (
+        OptimizerInBackward(_trainable(models[0]), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(_trainable(models[1]), **ADAMW),
+    )
+    for model, optim in zip(models, optims, strict=True):
+        _frozen_copy_loop(model, optim, range(2))
+        model.copy = model.c.weight.data  # the buffer now over the weight's memory
+    _frozen_copy_loop(models[1], optims[1], range(2, 3))  # the plain loop trains on
+    before = _snapshot(models[0])
+    with pytest.raises(ValueError, match=r"'copy' of _ReadsAFrozenCopy .* not in the optimizer"):
+        _frozen_copy_loop(models[0], optims[0], range(2, 3))
+    _assert_unchanged(models[0], before)
+    with pytest.raises(ValueError, match="not in the optimizer"):
         optims[0].step()
     _assert_unchanged(models[0], before)
 
