@@ -3065,6 +3065,17 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _cloned_copy_loops() -> tuple[tuple[nn.Module, nn.Module], tuple[Optimizer, Optimizer]]:
+    """Two models keeping a ``.clone()`` of the weight, ours (``bucket_numel=1``) and plain
+    AdamW on their trainable parameters."""
+    models = _ReadsAFrozenCopy("clone"), _ReadsAFrozenCopy("clone")
+    optims = (
+        OptimizerInBackward(_trainable(models[0]), torch.optim.AdamW, **ADAMW, bucket_numel=1),
+        torch.optim.AdamW(_trainable(models[1]), **ADAMW),
+    )
+    return models, optims
+
+
 @pytest.mark.parametrize("how", ["frozen parameter", "buffer", "transposed view"])
 def test_frozen_copy_through_data_refused_at_construction(how):
     """A frozen copy of a weight made through ``.data`` (or a view of it), registered on a
@@ -3076,11 +3087,7 @@ def test_frozen_copy_through_data_refused_at_construction(how):
     model = _ReadsAFrozenCopy(how)
     with pytest.raises(ValueError, match=r"'copy' of _ReadsAFrozenCopy .* not in the optimizer"):
         OptimizerInBackward(_trainable(model), torch.optim.AdamW, **ADAMW, bucket_numel=1)
-    models = _ReadsAFrozenCopy("clone"), _ReadsAFrozenCopy("clone")
-    optims = (
-        OptimizerInBackward(_trainable(models[0]), torch.optim.AdamW, **ADAMW, bucket_numel=1),
-        torch.optim.AdamW(_trainable(models[1]), **ADAMW),
-    )
+    models, optims = _cloned_copy_loops()
     for model, optim in zip(models, optims, strict=True):
         _frozen_copy_loop(model, optim, range(4))
     assert_match(*models, atol=0)
@@ -3089,11 +3096,7 @@ def test_frozen_copy_through_data_refused_at_construction(how):
 def test_frozen_copy_registered_after_construction_refused_before_moving():
     """Registered after the optimizer was built: refused at the next backward, nothing moved,
     and at ``step()`` again."""
-    models = _ReadsAFrozenCopy("clone"), _ReadsAFrozenCopy("clone")
-    optims = (
-        OptimizerInBackward(_trainable(models[0]), torch.optim.AdamW, **ADAMW, bucket_numel=1),
-        torch.optim.AdamW(_trainable(models[1]), **ADAMW),
-    )
+    models, optims = _cloned_copy_loops()
     for model, optim in zip(models, optims, strict=True):
         _frozen_copy_loop(model, optim, range(2))
         model.copy = model.c.weight.data  # the buffer now over the weight's memory
