@@ -231,6 +231,11 @@ register_module_parameter_registration_hook(_noter("parameter"))
 register_module_buffer_registration_hook(_noter("buffer"))
 
 
+def _address(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    """Where ``tensor``'s storage is: two live storages of a device never share an address."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 def registrations() -> int:
     """How many tensors have been registered on modules so far (a count that only grows)."""
     return _COUNT[0]
@@ -249,10 +254,10 @@ def refuse_registered_overlap(
     Raises:
         ValueError: naming the registered tensor, its module and the parameter.
     """
-    by_storage: dict[int, list[int]] = {}
+    by_storage: dict[tuple[torch.device, int], list[int]] = {}  # by device and address
     for k, (param, flag) in enumerate(zip(params, trainable, strict=True)):
         if flag and not isinstance(param, DTensor) and holds_values(param) and param.numel():
-            by_storage.setdefault(param.untyped_storage().data_ptr(), []).append(k)
+            by_storage.setdefault(_address(param), []).append(k)
     if not by_storage:
         return
     mine = set(map(id, params))
@@ -261,12 +266,15 @@ def refuse_registered_overlap(
         tensor = tensor_ref()
         if key in mine or tensor is None or not holds_values(tensor) or not tensor.numel():
             continue
-        for k in by_storage.get(tensor.untyped_storage().data_ptr(), ()):
+        for k in by_storage.get(_address(tensor), ()):
             param = params[k]
             spans = _bytes(tensor), _bytes(param)
             if spans[0][0] >= spans[1][1] or spans[1][0] >= spans[0][1]:
                 continue
-            if not _share_a_byte(tensor, param, *spans):
+            # Two contiguous ranges that overlap share a byte: no byte map (of the weight's
+            # size) to make for the usual copy.
+            contiguous = tensor.is_contiguous() and param.is_contiguous()
+            if not contiguous and not _share_a_byte(tensor, param, *spans):
                 continue
             module = module_ref()
             owner = f" of {type(module).__name__}" if module is not None else ""

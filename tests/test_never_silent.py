@@ -3093,6 +3093,19 @@ def test_frozen_copy_through_data_refused_at_construction(how):
     assert_match(*models, atol=0)
 
 
+def test_registered_tensor_over_other_bytes_of_the_memory_accepted():
+    """A registered view of the trained parameter's storage that shares no byte with it (the
+    other columns of one matrix) is accepted; one that does (a column of it) is refused."""
+    matrix = torch.randn(8, 8)
+    module = nn.Module()
+    module.weight = nn.Parameter(matrix[:, 0::2])
+    module.register_buffer("other_columns", matrix[:, 1::2])
+    OptimizerInBackward([module.weight], torch.optim.AdamW).detach()
+    module.register_buffer("first_column", matrix[:, 0])
+    with pytest.raises(ValueError, match="buffer 'first_column' of Module"):
+        OptimizerInBackward([module.weight], torch.optim.AdamW)
+
+
 def test_frozen_copy_registered_after_construction_refused_before_moving():
     """Registered after the optimizer was built: refused at the next backward, nothing moved,
     and at ``step()`` again."""
