@@ -555,6 +555,46 @@ def test_trl_sft_trainer(tmp_path):
     print(f"SFTTrainer: {_assert_parity(ours, plain):.2e}")
 
 
+def _peft_llama(**lora: Any) -> Callable[[], nn.Module]:
+    """A builder of the tiny Llama wrapped by PEFT with adapters of ``lora``
+    (``peft.LoraConfig``'s arguments) on the attention's and the MLP's projections: the base
+    weights frozen, the adapters trained."""
+    import peft
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, **lora
+        )
+        return peft.get_peft_model(tiny_llama(), config)
+
+    return build
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "gate_proj"]
+LORA_RUNS = {
+    "lora-ga2-clip": ({}, dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)),
+    "dora-clip": ({"use_dora": True}, dict(max_grad_norm=CLIP)),
+    "lora-head-saved-ga2": ({"modules_to_save": ["lm_head"]}, dict(gradient_accumulation_steps=2)),
+}
+"""PEFT runs: the adapters' arguments and Trainer's. ``use_dora``: DoRA's magnitude vectors and
+a weight norm computed in the forward; ``modules_to_save``: a trained copy of the head beside
+the frozen original."""
+
+
+@pytest.mark.parametrize("run", LORA_RUNS)
+def test_trainer_with_peft_adapters_matches_plain(tmp_path, run):
+    """LoRA fine-tuning through PEFT (the optimizer built on the adapters, the base frozen):
+    bit for bit with the plain Trainer, every step clipped where ``max_grad_norm`` is set."""
+    lora, overrides = LORA_RUNS[run]
+    kwargs = dict(model_fn=_peft_llama(**lora), **overrides)
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    assert _assert_parity(ours, plain) == 0
+    if overrides.get("max_grad_norm"):
+        assert min(plain["norms"]) > CLIP, plain["norms"]
+
+
 def test_given_optimizer_must_be_in_backward_and_clip_as_the_arguments(tmp_path):
     model = tiny_llama()
     args = _args(tmp_path, max_grad_norm=1.0)
@@ -1187,6 +1227,24 @@ def test_trainer_fsdp2_matches_plain(worlds, tmp_path, fsdp_config, clip, overri
         2, _fsdp2_parity_body, out=str(tmp_path), fsdp_config=fsdp_config, clip=clip, **overrides
     )
     print(f"FSDP2 {fsdp_config}, clip={clip}: max parameter difference {max(differences):.2e}")
+
+
+def _fsdp2_peft_body(out: str) -> float:
+    """LoRA adapters on FSDP2, one unit per decoder layer (frozen and trained parameters in
+    each unit), accumulation 2. (Clipped, several units are clipped per bucket: see
+    docs/gradients.md.)"""
+    kwargs = dict(
+        gradient_accumulation_steps=2, max_grad_norm=0.0, fsdp=True, fsdp_config=PER_LAYER,
+        model_fn=_peft_llama(),
+    )  # fmt: skip
+    plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), Path(out) / "ours", **kwargs)
+    return _assert_parity(ours, plain)
+
+
+def test_trainer_fsdp2_with_peft_adapters_matches_plain(worlds, tmp_path):
+    differences = worlds.run(2, _fsdp2_peft_body, out=str(tmp_path))
+    print(f"FSDP2 with LoRA: max parameter difference {max(differences):.2e}")
 
 
 def _fsdp2_resume_body(out: str) -> dict[str, float]:
