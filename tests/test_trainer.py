@@ -9,6 +9,7 @@ there the test is that a resumed run equals the uninterrupted one, clipping hist
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -525,22 +526,25 @@ def _word_tokenizer() -> Any:
     )
 
 
-def _train_sft(trainer_cls: type, out: Path) -> dict:
+def _train_trl(
+    trainer_cls: type, out: Path, config: str, rows: dict, model: nn.Module, **kwargs: Any
+) -> dict:
+    """Train ``model`` with a TRL trainer class (``trl.<config>`` its arguments) on ``rows``,
+    accumulation 2 and clipped; its parameters, norms and probe."""
     import datasets
     import trl
-    from _frameworks import EXAMPLES, token_ids
 
     with accelerate_on_cpu():
         probe = StepProbe()
-        rows = {"input_ids": [token_ids(i).tolist() for i in range(EXAMPLES)]}
-        kwargs = _args(out, gradient_accumulation_steps=2, max_grad_norm=CLIP).to_dict()
-        kwargs.pop("push_to_hub_token", None)
+        args = _args(out, gradient_accumulation_steps=2, max_grad_norm=CLIP).to_dict()
+        args.pop("push_to_hub_token", None)
         trainer = trainer_cls(
-            model=tiny_llama(),
-            args=trl.SFTConfig(**{k: v for k, v in kwargs.items() if not k.startswith("_")}),
+            model=model,
+            args=getattr(trl, config)(**{k: v for k, v in args.items() if not k.startswith("_")}),
             train_dataset=datasets.Dataset.from_dict(rows),
             processing_class=_word_tokenizer(),
             callbacks=[probe],
+            **kwargs,
         )
         trainer.train()
         norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
@@ -548,11 +552,58 @@ def _train_sft(trainer_cls: type, out: Path) -> dict:
         return {"params": params, "norms": norms, "in_backward": probe.in_backward}
 
 
+def _train_sft(trainer_cls: type, out: Path) -> dict:
+    from _frameworks import EXAMPLES, token_ids
+
+    rows = {"input_ids": [token_ids(i).tolist() for i in range(EXAMPLES)]}
+    return _train_trl(trainer_cls, out, "SFTConfig", rows, tiny_llama())
+
+
 def test_trl_sft_trainer(tmp_path):
     trl = pytest.importorskip("trl")
     plain = _train_sft(trl.SFTTrainer, tmp_path / "plain")
     ours = _train_sft(in_backward_trainer(trl.SFTTrainer), tmp_path / "ours")
     print(f"SFTTrainer: {_assert_parity(ours, plain):.2e}")
+
+
+def _words(seed: int, count: int) -> str:
+    """``count`` words of the tokenizer's vocabulary, drawn with ``seed``."""
+    from _frameworks import VOCAB
+
+    drawn = torch.randint(2, VOCAB, (count,), generator=torch.Generator().manual_seed(seed))
+    return " ".join(f"w{int(i)}" for i in drawn)
+
+
+def _train_dpo(trainer_cls: type, out: Path, lora: bool) -> dict:
+    """DPO on 16 preference pairs: against a frozen copy of the initial model, or, with LoRA
+    adapters, against the model with its adapters disabled (TRL's reference under PEFT)."""
+    import peft
+
+    rows = {
+        "prompt": [_words(i, 4) for i in range(16)],
+        "chosen": [_words(100 + i, 3) for i in range(16)],
+        "rejected": [_words(200 + i, 3) for i in range(16)],
+    }
+    torch.manual_seed(0)
+    model = tiny_llama()
+    reference = None if lora else copy.deepcopy(model)
+    if lora:
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        model = peft.get_peft_model(model, config)
+    return _train_trl(trainer_cls, out, "DPOConfig", rows, model, ref_model=reference)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["reference-copy", "lora"])
+def test_trl_dpo_trainer(tmp_path, lora):
+    """TRL's DPOTrainer (two forwards a step: the policy's and the reference's, which is a
+    frozen copy or the same model with its adapters disabled): bit for bit."""
+    import trl
+
+    plain = _train_dpo(trl.DPOTrainer, tmp_path / "plain", lora)
+    ours = _train_dpo(in_backward_trainer(trl.DPOTrainer), tmp_path / "ours", lora)
+    assert _assert_parity(ours, plain) == 0
+    if not lora:
+        assert min(plain["norms"]) > CLIP, plain["norms"]
 
 
 def _peft_llama(**lora: Any) -> Callable[[], nn.Module]:
