@@ -1280,17 +1280,22 @@ def test_trainer_fsdp2_matches_plain(worlds, tmp_path, fsdp_config, clip, overri
     print(f"FSDP2 {fsdp_config}, clip={clip}: max parameter difference {max(differences):.2e}")
 
 
+def _parity_with_plain(out: Path, **kwargs: Any) -> float:
+    """The plain Trainer and ours trained alike (``_train``'s ``kwargs``): equal; the largest
+    difference."""
+    plain = _train(transformers.Trainer, out / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), out / "ours", **kwargs)
+    return _assert_parity(ours, plain)
+
+
 def _fsdp2_peft_body(out: str) -> float:
     """LoRA adapters on FSDP2, one unit per decoder layer (frozen and trained parameters in
     each unit), accumulation 2. (Clipped, several units are clipped per bucket: see
     docs/gradients.md.)"""
-    kwargs = dict(
-        gradient_accumulation_steps=2, max_grad_norm=0.0, fsdp=True, fsdp_config=PER_LAYER,
-        model_fn=_peft_llama(),
+    return _parity_with_plain(
+        Path(out), gradient_accumulation_steps=2, max_grad_norm=0.0, fsdp=True,
+        fsdp_config=PER_LAYER, model_fn=_peft_llama(),
     )  # fmt: skip
-    plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
-    ours = _train(in_backward_trainer(transformers.Trainer), Path(out) / "ours", **kwargs)
-    return _assert_parity(ours, plain)
 
 
 def test_trainer_fsdp2_with_peft_adapters_matches_plain(worlds, tmp_path):
@@ -1349,10 +1354,7 @@ def _native_fsdp2_body(out: str) -> float:
             path, distributed_config=DistributedConfig(fsdp_size=2)
         )
 
-    kwargs = dict(gradient_accumulation_steps=2, model_fn=load)
-    plain = _train(transformers.Trainer, Path(out) / "plain", **kwargs)
-    ours = _train(in_backward_trainer(transformers.Trainer), Path(out) / "ours", **kwargs)
-    return _assert_parity(ours, plain)
+    return _parity_with_plain(Path(out), gradient_accumulation_steps=2, model_fn=load)
 
 
 def test_trainer_on_transformers_fsdp2_matches_plain(worlds, tmp_path):
