@@ -108,7 +108,12 @@ class BucketPlan:
         self._requires_grad = self._read_requires_grad()
         refuse_shared_memory(param_groups, self._all_params, self._requires_grad)
         self._registrations = registrations()
-        refuse_registered_overlap(param_groups, self._all_params, self._requires_grad)
+        # What a forward reads directly: trainable parameters outside FSDP2 units.
+        self._read_directly = [
+            flag and id(p) not in self._in_units
+            for p, flag in zip(self._all_params, self._requires_grad, strict=True)
+        ]
+        refuse_registered_overlap(param_groups, self._all_params, self._read_directly)
         # The plain parameters that have a storage, and their storages (held: never a
         # recycled object), for is_current, which reads them without storages()'s DTensor
         # lookup. DTensors are left out: FSDP2 replaces their local tensors itself.
@@ -166,7 +171,7 @@ class BucketPlan:
         module's tensor over a trained parameter's memory] in ``_sharing.py``."""
         count = registrations()
         if count != self._registrations:
-            refuse_registered_overlap(param_groups, self._all_params, self._requires_grad)
+            refuse_registered_overlap(param_groups, self._all_params, self._read_directly)
             self._registrations = count
 
     def _read_requires_grad(self) -> list[bool]:

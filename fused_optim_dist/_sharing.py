@@ -42,8 +42,9 @@ shares a byte with one of its trainable plain parameters, when it is built and, 
 were registered since, at the next backward or ``step()`` (a count compared there), before
 anything moves. Not seen: a tensor registered before this library was imported, one kept as a
 plain attribute or a local of the forward (docs/differences.md), and a registered tensor given
-the memory through ``.data =`` after the plan checked it. DTensors are not compared: FSDP2's
-forward reads unsharded copies, never the shards the update writes.
+the memory through ``.data =`` after the plan checked it. Parameters in FSDP2 units are not
+compared (their forward reads unsharded copies, never the shards the update writes); other
+DTensors (tensor parallel) are, by their local tensors.
 
 [Note: state shared between parameters]
 A state dict converted by hand can hold one tensor in several parameters' entries (a single
@@ -88,7 +89,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_parameter_registration_hook,
@@ -216,7 +216,7 @@ _COUNT = [0]
 
 def _noter(kind: str) -> Callable[[nn.Module, str, object], None]:
     def note(module: nn.Module, name: str, tensor: object) -> None:
-        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor):
+        if isinstance(tensor, torch.Tensor):
             key = id(tensor)
             # Dropped with the tensor: the callback, given the dead reference, calls
             # _REGISTERED.pop(key, reference).
@@ -242,32 +242,37 @@ def registrations() -> int:
 
 
 def refuse_registered_overlap(
-    param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor], trainable: list[bool]
+    param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor], checked: list[bool]
 ) -> None:
     """Raise if a tensor registered on a module, not one of ``params`` (the groups' parameters,
-    in order), shares a byte with a trainable plain one of them. See [Note: a module's tensor
-    over a trained parameter's memory].
+    in order), shares a byte with one of them that ``checked`` marks (the trainable ones a
+    forward reads directly: outside FSDP2 units). DTensors are compared by their local tensors.
+    See [Note: a module's tensor over a trained parameter's memory].
 
-    Costs a storage lookup per registered tensor, and nothing while no trainable parameter is a
-    plain tensor (every one in an FSDP2 unit).
+    Costs a storage lookup per registered tensor, and nothing while no parameter is marked
+    (every trainable one in an FSDP2 unit).
 
     Raises:
         ValueError: naming the registered tensor, its module and the parameter.
     """
     by_storage: dict[tuple[torch.device, int], list[int]] = {}  # by device and address
-    for k, (param, flag) in enumerate(zip(params, trainable, strict=True)):
-        if flag and not isinstance(param, DTensor) and holds_values(param) and param.numel():
-            by_storage.setdefault(_address(param), []).append(k)
+    for k, (param, flag) in enumerate(zip(params, checked, strict=True)):
+        local = local_tensor(param)
+        if flag and holds_values(local) and local.numel():
+            by_storage.setdefault(_address(local), []).append(k)
     if not by_storage:
         return
     mine = set(map(id, params))
     # A copy made in C: a tensor collected while a Python loop built one would change the dict.
     for key, (tensor_ref, module_ref, name, kind) in _REGISTERED.copy().items():
-        tensor = tensor_ref()
-        if key in mine or tensor is None or not holds_values(tensor) or not tensor.numel():
+        tensor = None if key in mine else tensor_ref()
+        if tensor is None:
+            continue
+        tensor = local_tensor(tensor)
+        if not holds_values(tensor) or not tensor.numel():
             continue
         for k in by_storage.get(_address(tensor), ()):
-            param = params[k]
+            param = local_tensor(params[k])
             spans = _bytes(tensor), _bytes(param)
             if spans[0][0] >= spans[1][1] or spans[1][0] >= spans[0][1]:
                 continue

@@ -2192,6 +2192,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(2, _replicate_body)
     worlds.run(3, _replicate_body)
     worlds.run(2, _grad_cache_body)
+    worlds.run(2, _tensor_parallel_frozen_copy_body)
 
 
 # ------------------------------------- 10. one optimizer, several classes, one global norm
@@ -3091,6 +3092,27 @@ def test_frozen_copy_through_data_refused_at_construction(how):
     for model, optim in zip(models, optims, strict=True):
         _frozen_copy_loop(model, optim, range(4))
     assert_match(*models, atol=0)
+
+
+def _tensor_parallel_frozen_copy_body() -> None:
+    """Tensor parallel (DTensors outside FSDP2 units, which the forward reads directly): a
+    ``.data`` copy of a sharded weight holds its local shard's memory, and is refused at
+    construction; its ``.clone()`` is accepted. A ``.data`` copy of an FSDP2 unit's parameter
+    is accepted: the unit's forward reads the unsharded copy, never the shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model[0], mesh, ColwiseParallel())
+    model.register_buffer("copy", model[0].weight.data)
+    with pytest.raises(ValueError, match="buffer 'copy' of Sequential"):
+        OptimizerInBackward(model.parameters(), torch.optim.AdamW)
+    model.copy = model[0].weight.detach().clone()
+    OptimizerInBackward(model.parameters(), torch.optim.AdamW).detach()
+    sharded = shard(make_models()[0])
+    sharded.register_buffer("copy", sharded.layers[0].up.weight.data)
+    OptimizerInBackward(sharded.parameters(), torch.optim.AdamW).detach()
 
 
 def test_registered_tensor_over_other_bytes_of_the_memory_accepted():
