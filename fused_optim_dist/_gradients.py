@@ -79,6 +79,7 @@ complete.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -273,6 +274,20 @@ def _partly_skipped(applied: bool) -> RuntimeError:
     )
 
 
+PER_BUCKET_CLIPPING = (
+    "max_grad_norm with several buckets (FSDP units) stepped in backward: each bucket is "
+    "clipped when its gradients are ready, by the norm seen so far in this backward plus what "
+    "the buckets still to come had in the previous step. The last bucket of every backward "
+    "gets exactly clip_grad_norm_'s coefficient, earlier ones nearly (exactly when norms do "
+    "not change between steps), so the parameters differ a little from a plain loop with "
+    "clip_grad_norm_ (docs/gradients.md, 'Clipping in one backward'). For exact clipping, "
+    "run the step's backwards under optim.accumulate() and call step(), which holds the "
+    "gradients as a plain optimizer does, or make the model one FSDP unit."
+)
+"""Said once per optimizer, at the first bucket it clips in backward with others to come or
+gone. See [Note: clipping inside one backward]."""
+
+
 class GradientProcessor:
     """Norm, non-finite guard and clipping of one ``OptimizerInBackward``, across steps.
 
@@ -302,6 +317,8 @@ class GradientProcessor:
         # id(param) -> position in the order clip_grad_norm_ is given the parameters (set by
         # OptimizerInBackward.set_norm_order); empty: the buckets' order.
         self.norm_order: dict[int, int] = {}
+        # Whether the warning that clipping runs per bucket was given (once per optimizer).
+        self._warned_per_bucket = False
 
     @property
     def reduces_per_bucket(self) -> bool:
@@ -366,6 +383,9 @@ class GradientProcessor:
                 elif not finite:  # host sync: this optimizer takes no found_inf
                     return BucketVerdict(step=False)
             if self.max_grad_norm is not None:
+                if norms.exact is None and not self._warned_per_bucket:  # clipped per bucket
+                    self._warned_per_bucket = True
+                    warnings.warn(PER_BUCKET_CLIPPING, UserWarning, stacklevel=2)
                 coefficient = self._clip_coefficient(norms, bucket.key)
                 torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return self._clamp(grads, verdict)

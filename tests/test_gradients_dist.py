@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -171,6 +172,31 @@ class _TwoParams(nn.Module):
     def forward(self, scale_a: float, scale_b: float) -> torch.Tensor:
         a, b = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 5.0])  # both of norm 5
         return scale_a * (self.w_a * a).sum() + scale_b * (self.w_b * b).sum()
+
+
+def test_clipping_per_bucket_said_once_exact_clipping_silent():
+    """``max_grad_norm`` over several buckets stepped in backward clips bucket by bucket (the
+    documented scheme): a UserWarning says so, once per optimizer. One bucket, and gradients
+    that ``step()`` steps, are clipped exactly: nothing is said."""
+
+    def said(bucket_numel: int | None, accumulate: bool) -> int:
+        model = _TwoParams()
+        optim = OptimizerInBackward(
+            model.parameters(), torch.optim.SGD, lr=1.0, max_grad_norm=1.0,
+            bucket_numel=bucket_numel,
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                with optim.accumulate() if accumulate else contextlib.nullcontext():
+                    model(1.0, 1.0).backward()
+                optim.step()
+                optim.zero_grad()
+        return sum("max_grad_norm with several buckets" in str(w.message) for w in caught)
+
+    assert said(1, accumulate=False) == 1
+    assert said(None, accumulate=False) == 0
+    assert said(1, accumulate=True) == 0
 
 
 def test_clipping_semantics_hand_computed():
