@@ -275,14 +275,11 @@ def _partly_skipped(applied: bool) -> RuntimeError:
 
 
 PER_BUCKET_CLIPPING = (
-    "max_grad_norm with several buckets (FSDP units) stepped in backward: each bucket is "
-    "clipped when its gradients are ready, by the norm seen so far in this backward plus what "
-    "the buckets still to come had in the previous step. The last bucket of every backward "
-    "gets exactly clip_grad_norm_'s coefficient, earlier ones nearly (exactly when norms do "
-    "not change between steps), so the parameters differ a little from a plain loop with "
-    "clip_grad_norm_ (docs/gradients.md, 'Clipping in one backward'). For exact clipping, "
-    "run the step's backwards under optim.accumulate() and call step(), which holds the "
-    "gradients as a plain optimizer does, or make the model one FSDP unit."
+    "max_grad_norm over several buckets (FSDP units) in backward: each bucket is clipped when "
+    "ready, by the norm seen so far plus the rest's from the previous step, so the result "
+    "differs slightly from clip_grad_norm_ over all gradients (docs/gradients.md, 'Clipping in "
+    "one backward'). Exact: every backward of a step under optim.accumulate(), then step(); "
+    "or one FSDP unit."
 )
 """Said once per optimizer, at the first bucket it clips in backward with others to come or
 gone. See [Note: clipping inside one backward]."""

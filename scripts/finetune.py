@@ -201,7 +201,9 @@ class JobConfig:
     in_backward: bool = True
     """Step inside backward (``OptimizerInBackward``), or after it (the plain optimizer)."""
     max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this; 0: no clipping."""
+    """Clip the global gradient norm to this (in backward over several FSDP units: unit by unit,
+    by the norm seen so far and the rest's from the previous step; docs/gradients.md); 0: no
+    clipping."""
     clip_grad_value: float | None = None
     """In backward: clamp every gradient element to ``[-v, v]`` instead of clipping by norm."""
     skip_nonfinite: bool = False
@@ -490,7 +492,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-grad-norm",
         type=float,
         default=_default("max_grad_norm"),
-        help="clip the global gradient norm to this; 0 disables clipping",
+        help="clip the gradient norm to this (in backward, unit by unit: docs/gradients.md); "
+        "0 disables clipping",
     )
     optim.add_argument(
         "--clip-grad-value",

@@ -192,7 +192,7 @@ def test_clipping_per_bucket_said_once_exact_clipping_silent():
                     model(1.0, 1.0).backward()
                 optim.step()
                 optim.zero_grad()
-        return sum("max_grad_norm with several buckets" in str(w.message) for w in caught)
+        return sum("max_grad_norm over several buckets" in str(w.message) for w in caught)
 
     assert said(1, accumulate=False) == 1
     assert said(None, accumulate=False) == 0
