@@ -136,7 +136,11 @@ def _byte_view(mask: torch.Tensor, tensor: torch.Tensor, origin: int) -> torch.T
 
 def _share_a_byte(a: torch.Tensor, b: torch.Tensor, a_bytes: tuple, b_bytes: tuple) -> bool:
     """Whether ``a`` and ``b``, of one storage and with overlapping byte ranges, share a byte:
-    strided views can interleave in one range without sharing any (columns of one matrix)."""
+    strided views can interleave in one range without sharing any (columns of one matrix).
+    Two contiguous tensors fill their ranges, so they do, without a byte map of the span (the
+    usual case: a whole weight's size)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
     origin = min(a_bytes[0], b_bytes[0])
     mask = torch.zeros(max(a_bytes[1], b_bytes[1]) - origin, dtype=torch.bool)
     _byte_view(mask, a, origin).fill_(True)
@@ -265,10 +269,10 @@ def refuse_registered_overlap(
     mine = set(map(id, params))
     # A copy made in C: a tensor collected while a Python loop built one would change the dict.
     for key, (tensor_ref, module_ref, name, kind) in _REGISTERED.copy().items():
-        tensor = None if key in mine else tensor_ref()
-        if tensor is None:
+        registered = None if key in mine else tensor_ref()
+        if registered is None:
             continue
-        tensor = local_tensor(tensor)
+        tensor = local_tensor(registered)
         if not holds_values(tensor) or not tensor.numel():
             continue
         for k in by_storage.get(_address(tensor), ()):
@@ -276,15 +280,12 @@ def refuse_registered_overlap(
             spans = _bytes(tensor), _bytes(param)
             if spans[0][0] >= spans[1][1] or spans[1][0] >= spans[0][1]:
                 continue
-            # Two contiguous ranges that overlap share a byte: no byte map (of the weight's
-            # size) to make for the usual copy.
-            contiguous = tensor.is_contiguous() and param.is_contiguous()
-            if not contiguous and not _share_a_byte(tensor, param, *spans):
+            if not _share_a_byte(tensor, param, *spans):
                 continue
             module = module_ref()
             owner = f" of {type(module).__name__}" if module is not None else ""
             raise ValueError(
-                f"{kind} {name!r}{owner} (shape {tuple(tensor.shape)}) shares memory with "
+                f"{kind} {name!r}{owner} (shape {tuple(registered.shape)}) shares memory with "
                 f"{_param_name(param_groups, k)}, which this optimizer trains, and is not in "
                 "the optimizer itself (a copy made through .data, or a view of it). The plain "
                 "loop's backward reads it before step() updates that memory; "
