@@ -16,6 +16,12 @@ plain run's: the same kernels on the same gradients.
   (``CosineAnnealingWarmRestarts.step(epoch + i / iters)``), a warmup from almost zero chained
   into a decay, and ``ReduceLROnPlateau`` fed a metric, over two param groups.
 
+* timm's ``Lookahead`` wrapped around the optimizer: its ``step()`` calls the wrapped one's,
+  then every ``k`` steps pulls the weights towards slow copies it keeps in the wrapped
+  optimizer's state entries (a key of its own beside the moments) and writes counters into
+  the param groups; its ``zero_grad()`` is ``torch.optim.Optimizer``'s, which sets each
+  gradient to ``None`` itself, and its ``state_dict()`` the wrapped one's.
+
 The WGAN-GP loop runs with torch's Adam and with ``CompactAdamW``, and ``OneCycleLR`` cycles
 ``CompactAdamW``'s betas too: each stepped in backward against the same class stepped plainly.
 
@@ -26,6 +32,7 @@ only.
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
 import pytest
@@ -190,3 +197,84 @@ def test_schedulers_stepped_per_iteration_equal_plain(name: str):
     assert_same_state_dict(
         _scheduled(_ours, name).state_dict(), _scheduled(_plain, name).state_dict()
     )
+
+
+class _Lookahead(Optimizer):
+    """Lookahead (Zhang et al., 2019) as timm's ``timm.optim.Lookahead`` wraps an optimizer:
+    the wrapped optimizer's groups and state are its own, ``Optimizer.__init__`` is not called
+    (so ``zero_grad()`` walks the shared groups itself), and the slow weights are kept in the
+    wrapped optimizer's state entries."""
+
+    def __init__(self, base: Optimizer, alpha: float = 0.5, k: int = 3) -> None:
+        self.base = base
+        self.param_groups = base.param_groups
+        self.defaults = base.defaults
+        self.state = defaultdict(dict)
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        for group in self.param_groups:
+            group.setdefault("lookahead_alpha", alpha)
+            group.setdefault("lookahead_k", k)
+            group.setdefault("lookahead_step", 0)
+
+    @torch.no_grad()
+    def sync(self, group: dict) -> None:
+        for fast in group["params"]:
+            if fast.grad is None:
+                continue
+            entry = self.base.state[fast]
+            if "lookahead_slow_buff" not in entry:
+                entry["lookahead_slow_buff"] = fast.clone()
+            slow = entry["lookahead_slow_buff"]
+            slow.add_(fast - slow, alpha=group["lookahead_alpha"])
+            fast.copy_(slow)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.base.step(closure)
+        for group in self.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"] == 0:
+                self.sync(group)
+        return loss
+
+    def state_dict(self) -> dict:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.base.load_state_dict(state_dict)
+        self.param_groups = self.base.param_groups
+
+
+def _lookahead(make_optim: MakeOptim, cls: type[Optimizer]) -> tuple[nn.Module, dict]:
+    """Eight steps of a Lookahead-wrapped ``cls`` with a schedule, as timm's ``train.py``
+    loops (``zero_grad()`` before each forward), its state saved and loaded back after the
+    fourth, and the weights synced to the slow ones at the end of the epoch, the last step's
+    gradients still held (ours: freed, which ``is not None`` as the plain ones); the model and
+    the optimizer's state dict."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    optim = _Lookahead(make_optim(model.parameters(), cls, dict(lr=1e-2, weight_decay=0.01)))
+    scheduler = schedulers.StepLR(optim, step_size=2, gamma=0.5)
+    data = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+        optim.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        scheduler.step()
+        if step == 3:
+            optim.load_state_dict(optim.state_dict())
+    for group in optim.param_groups:
+        optim.sync(group)
+    return model, optim.state_dict()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, CompactAdamW], ids=lambda c: c.__name__)
+def test_lookahead_wrapper_equal_plain(cls: type[Optimizer]):
+    (ours, ours_state), (plain, plain_state) = _lookahead(_ours, cls), _lookahead(_plain, cls)
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
+    assert_same_state_dict(ours_state, plain_state)
+    assert all("lookahead_slow_buff" in entry for entry in plain_state["state"].values())
