@@ -1088,6 +1088,21 @@ class OptimizerInBackward(Optimizer):
         micro-batch for the model's other parameters too, and a model left with sync off
         makes every backward one, whose gradients ``step()`` then steps (equal, without the
         saving of stepping in backward).
+
+        [Note: gradients reduced outside backward]
+        A gradient whose hook runs outside any backward is held on its parameter, as one set
+        by hand, and ``step()`` steps it. ``torch.distributed.pipelining`` does this with
+        FSDP2 stages (torch 2.13, ``_PipelineStageBase.perform_reduce_grad``): every
+        micro-batch's backward runs with gradient sync off, and after the last one the
+        schedule calls the units' post-backward itself, which reduce-scatters the sums and
+        calls the hooks, then divides the gradients by the number of micro-batches
+        (``scale_grads=True``, the default). Stepped at the hooks, the update came before
+        that division, each parameter a pass of its own (its own norm and clipping), and
+        ``step()`` then found no backward since the last one. Held, the division applies to
+        them as to the plain optimizer's, and ``step()`` steps them all as one pass: one
+        norm, one clipping, one non-finite verdict. What that costs is the overlap of the
+        update with the rest of the schedule; the gradients' memory is the plain loop's,
+        reduced at the same point.
         """
         self._accumulate_depth += 1
         try:
@@ -1345,10 +1360,7 @@ class OptimizerInBackward(Optimizer):
             return
         current = self._pass
         if backward_id == -1:
-            # A gradient accumulated outside any backward: step it on its own, now.
-            single = self._new_pass(None)
-            single.step_all([param])
-            single.finish()
+            # See [Note: gradients reduced outside backward].
             return
         if current is None or not (current.owns(backward_id) or current.adopt(backward_id)):
             # The first gradient of a new backward. See [Note: one backward, one BackwardPass].
