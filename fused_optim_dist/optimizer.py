@@ -397,6 +397,9 @@ class OptimizerInBackward(Optimizer):
         self._pending = PendingUpdates()
         # Whether a backward stepped since the last step().
         self._stepped_since_step = False
+        # Whether a gradient reached a parameter since the last step() or zero_grad(). See
+        # [Note: gradients held for step()].
+        self._arrived_since_step = False
         # The state entries there were at the last step() or load (see _order_new_state).
         self._note_state()
         self._accumulate_depth = 0
@@ -705,6 +708,7 @@ class OptimizerInBackward(Optimizer):
         # The step's gradients are dropped (a batch skipped without step()): the next pass's
         # norm is the next step's.
         self._gradients.end_of_step()
+        self._arrived_since_step = False
         if self._pass is not None and self._pass.abandoned:
             # A backward that raised having only held buckets (to check their class, or to
             # step it jointly): nothing moved, and the loop drops the gradients, as the plain
@@ -858,7 +862,7 @@ class OptimizerInBackward(Optimizer):
         self._gradients.refuse_partly_skipped()
         self._pending.commit()
         self._gradients.end_of_step()
-        self._stepped_since_step = False
+        self._stepped_since_step = self._arrived_since_step = False
         self._order_new_state()
 
     def _order_new_state(self) -> None:
@@ -1124,9 +1128,34 @@ class OptimizerInBackward(Optimizer):
 
         Raises:
             RuntimeError: before the first stepping backward, or with ``track_grad_norm=False``
-                and neither clipping by norm nor ``skip_nonfinite``.
+                and neither clipping by norm nor ``skip_nonfinite``, or while this step's
+                gradients are held for ``step()`` (:meth:`gradients_held_for_step`).
         """
+        if self.gradients_held_for_step():
+            raise RuntimeError(
+                "grad_norm() before step(), while this step's gradients are held for step() "
+                "(every backward since the last step() ran under accumulate(), or a pipeline "
+                "schedule reduced them outside backward): step() measures and clips them, and "
+                "grad_norm() returns their norm after it; until then it would return the last "
+                "step's. Read it after step(), or measure them now as clip_grad_norm_ does "
+                "with fused_optim_dist.clip_grad_norm_(optim, max_norm)."
+            )
         return self._gradients.grad_norm()
+
+    def gradients_held_for_step(self) -> bool:
+        """Whether gradients reached the parameters since the last ``step()`` (or
+        ``zero_grad()``) and none was stepped in backward: ``step()`` will step them.
+
+        [Note: gradients held for step()]
+        A step whose gradients all arrive under ``accumulate()``, or from a pipeline
+        schedule's reduction outside backward ([Note: gradients reduced outside backward]),
+        is measured, clipped and stepped by ``step()``. Before it, ``grad_norm()`` still holds
+        the last step's norm, which a loop measuring this step's (``clip_grad_norm_`` between
+        the last backward and ``step()``, as the plain loop does) would have taken for this
+        one's, silently; it raises there, and ``fused_optim_dist.clip_grad_norm_`` measures
+        the held gradients as ``clip_grad_norm_`` does. Gradients set by hand reach no hook
+        and are not seen here."""
+        return self._arrived_since_step and not self._stepped_since_step
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -1348,7 +1377,7 @@ class OptimizerInBackward(Optimizer):
     # ------------------------------------------------------------------ the backward path
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._ever_arrived = True
+        self._ever_arrived = self._arrived_since_step = True
         if self._pending and self._pending.holds(param):
             # See [Note: the step protocol]. Refused even when this backward gave it no
             # gradient (frozen after its forward): that forward read the updated weights.

@@ -130,7 +130,10 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
       or ``torch.nn.utils.get_total_norm`` of their gradients without ``max_norm`` (DTensor
       gradients give the norm over all ranks: collective).
     * ``OptimizerInBackward``: the gradients were already stepped and clipped in backward;
-      returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks).
+      returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks). Where they are held
+      for ``step()`` instead (every backward under ``accumulate()``, a pipeline schedule's
+      reduction; :meth:`OptimizerInBackward.gradients_held_for_step`), they are measured as
+      the plain optimizer's are, and ``step()`` clips them.
 
     The result is a 0-dim, non-DTensor tensor, the norm before clipping.
 
@@ -148,7 +151,9 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
                 f"max_grad_norm={configured}: clipping happens in backward, so pass the same "
                 "value to the optimizer (e.g. build_optimizer(..., max_grad_norm=...))"
             )
-        return in_backward.grad_norm()
+        if not in_backward.gradients_held_for_step():
+            return in_backward.grad_norm()
+        max_norm = None  # measured here, clipped by step()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if max_norm is None:
         # Measured only: clip_grad_norm_ with an infinite max_norm would multiply every

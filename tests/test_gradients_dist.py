@@ -640,9 +640,16 @@ def _accumulated_body(skip_nonfinite: bool, fused: bool) -> None:
                 model.layers[1].up.weight.grad.to_local().view(-1)[0] = float("nan")
             reference.layers[1].up.weight.grad[0, 0] = float("nan")
         before = {name: full(p).clone() for name, p in model.named_parameters()}
+        # See [Note: gradients held for step()]: the loop helper measures them now.
+        assert optim.gradients_held_for_step()
+        with pytest.raises(RuntimeError, match="held for step"):
+            optim.grad_norm()
+        held = clip_grad_norm_(optim, CLIP_NORM)
         optim.step()
         optim.zero_grad()
-        _check_step(model, before, optim, _plain_step(list(reference.parameters()), ref_optim))
+        norm = _plain_step(list(reference.parameters()), ref_optim)
+        _check_step(model, before, optim, norm)
+        torch.testing.assert_close(held, norm, equal_nan=True)
     assert_match(model, reference)
 
 
@@ -653,7 +660,9 @@ def test_accumulated_gradients_clipped_and_checked_together(worlds, world_size):
     the previous step (8.6e-3 apart from the plain loop after four AdamW steps on three units,
     no error), and a NaN in one unit skipped that unit only (the plain loop skips the step).
     Now clipped by ``clip_grad_norm_``'s coefficient and skipped together, on the host or on
-    the device (fused AdamW's ``found_inf``)."""
+    the device (fused AdamW's ``found_inf``). Before ``step()``, ``grad_norm()`` refuses to
+    give the last step's norm for this one's, and ``fused_optim_dist.clip_grad_norm_``
+    measures the held gradients (it returned the last step's norm, no error)."""
     worlds.run(world_size, _accumulated_body, skip_nonfinite=False, fused=False)
     for fused in (False, True):
         worlds.run(world_size, _accumulated_body, skip_nonfinite=True, fused=fused)

@@ -12,9 +12,11 @@ leaves ``step()`` the sum, as the plain loop; without it the first micro-batch i
 its backward and the next one is refused.
 
 Two stages on 2 ranks (one rank per stage) and on 4 (each stage FSDP2-sharded over 2 ranks,
-rows that do not divide evenly); a one-stage pipeline on 1 rank for the refusal, which on
-several stages would leave the other stages waiting in their receives.
-"""
+rows that do not divide evenly, or replicated over them by ``replicate``, whose stages the
+schedule reduces alike); four stages, two a rank, for the interleaved schedules; a one-stage
+pipeline on 1 rank for the refusal, which on several stages would leave the other stages
+waiting in their receives. Clipped runs also check the norm the loop measures between the
+schedule and ``step()`` ([Note: gradients held for step()] in ``optimizer.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
@@ -35,7 +38,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from fused_optim_dist import OptimizerInBackward
+from fused_optim_dist import OptimizerInBackward, clip_grad_norm_
 from fused_optim_dist.compact_adamw import CompactAdamW
 
 SCHEDULES = {
@@ -54,21 +57,28 @@ CLIP = 0.005
 """Below every global gradient norm of these runs (checked), so every step is clipped."""
 
 
-def _stage(stage_index: int, stages: int, dp_mesh: Any | None) -> nn.Module:
+DATA_PARALLEL = {"fully_shard": fully_shard, "replicate": replicate}
+
+
+def _stage(
+    stage_index: int, stages: int, dp_mesh: Any | None, data_parallel: str = "fully_shard"
+) -> nn.Module:
     """Stage ``stage_index`` of a model of four blocks cut into ``stages`` equal stages, the same
-    weights on every rank; each block an FSDP2 unit over ``dp_mesh`` where it is given."""
+    weights on every rank; each block a unit of ``data_parallel`` over ``dp_mesh`` where it is
+    given."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 8)) for _ in range(4)]
     per_stage = len(blocks) // stages
     part = nn.Sequential(*blocks[stage_index * per_stage : (stage_index + 1) * per_stage])
     if dp_mesh is not None:
+        apply = DATA_PARALLEL[data_parallel]
         for block in part:
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(part, mesh=dp_mesh)
+            apply(block, mesh=dp_mesh)
+        apply(part, mesh=dp_mesh)
     return part
 
 
-def _stages(schedule: str, mesh: Any, fsdp: bool) -> list[PipelineStage]:
+def _stages(schedule: str, mesh: Any, data_parallel: str | None) -> list[PipelineStage]:
     """This rank's stages of the pipeline: one of two, or two of four (``MULTI_STAGE``: rank
     ``r`` of the pipeline holds stages ``r`` and ``r + 2``, as the interleaved schedules take
     them)."""
@@ -76,7 +86,7 @@ def _stages(schedule: str, mesh: Any, fsdp: bool) -> list[PipelineStage]:
     stages = 2 * ranks if schedule in MULTI_STAGE else ranks
     return [
         PipelineStage(
-            _stage(index, stages, mesh["dp"] if fsdp else None),
+            _stage(index, stages, mesh["dp"] if data_parallel else None, data_parallel or ""),
             index,
             stages,
             torch.device("cpu"),
@@ -89,19 +99,20 @@ def _stages(schedule: str, mesh: Any, fsdp: bool) -> list[PipelineStage]:
 def _train(
     ours: bool,
     *,
-    fsdp: bool,
+    data_parallel: str | None,
     schedule: str,
     scale_grads: bool,
     cls: type[torch.optim.Optimizer],
     clip: float | None,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """``STEPS`` steps of a pipeline over two ranks (data parallel over the ranks left, FSDP2 or
-    one rank a pipeline rank), the plain loop clipping with ``clip_grad_norm_`` between the
-    schedule and ``step()``, ours with ``max_grad_norm``; one optimizer over this rank's
-    stages; their full parameters, and the norms."""
+    one rank a pipeline rank), one optimizer over this rank's stages, both loops calling
+    ``fused_optim_dist.clip_grad_norm_`` between the schedule and ``step()`` (the plain one
+    clips there, ours measures, and ``max_grad_norm`` clips at ``step()``, whose norm follows);
+    their full parameters, and the norms."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
-    stages = _stages(schedule, mesh, fsdp)
+    stages = _stages(schedule, mesh, data_parallel)
     params = [p for stage in stages for p in stage.submod.parameters()]
     kwargs = dict(lr=1e-2, weight_decay=0.01)
     optim = (
@@ -126,15 +137,17 @@ def _train(
     for _ in range(STEPS):
         x, y = torch.randn(16, 8, generator=data), torch.randn(16, 8, generator=data)
         optim.zero_grad()
-        with optim.accumulate() if ours and not fsdp else contextlib.nullcontext():
+        with optim.accumulate() if ours and not data_parallel else contextlib.nullcontext():
             # An interleaved schedule's first rank holds the last stage too: it takes both.
             run.step(x, target=y if len(stages) > 1 else None) if first else run.step(target=y)
-        if clip is not None and not ours:
-            norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
+        if clip is not None:
+            # Ours measures the held gradients; step() clips them.
+            norms.append(clip_grad_norm_(optim, clip).item())
         optim.step()
         if clip is not None and ours:
             norms.append(optim.grad_norm().item())
-    return [p.detach().full_tensor() if fsdp else p.detach().clone() for p in params], norms
+    full = [p.detach().full_tensor() if data_parallel else p.detach().clone() for p in params]
+    return full, norms
 
 
 def _equal_body(**options: Any) -> float:
@@ -144,22 +157,25 @@ def _equal_body(**options: Any) -> float:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     if options["clip"] is not None:
         assert min(plain_norms) > options["clip"], plain_norms
-        torch.testing.assert_close(ours_norms, plain_norms, rtol=1e-6, atol=0)
+        # Each step's norm measured before step(), then grad_norm() after it.
+        expected = [norm for norm in plain_norms for _ in range(2)]
+        torch.testing.assert_close(ours_norms, expected, rtol=1e-6, atol=0)
     return max((a - b).abs().max().item() for a, b in zip(ours, plain, strict=True))
 
 
 @pytest.mark.parametrize(
-    ("world", "fsdp", "schedule", "scale_grads", "cls", "clip"),
+    ("world", "data_parallel", "schedule", "scale_grads", "cls", "clip"),
     [
-        (2, True, "gpipe", True, torch.optim.AdamW, None),
-        (2, True, "1f1b", False, torch.optim.AdamW, None),
-        (4, True, "1f1b", True, torch.optim.AdamW, CLIP),
-        (4, True, "gpipe", True, CompactAdamW, None),
-        (2, False, "gpipe", True, torch.optim.AdamW, None),
-        (2, False, "1f1b", True, torch.optim.AdamW, CLIP),
-        (2, True, "interleaved-1f1b", True, torch.optim.AdamW, None),
-        (4, True, "zero-bubble", True, torch.optim.AdamW, CLIP),
-        (2, False, "zero-bubble", True, torch.optim.AdamW, None),
+        (2, "fully_shard", "gpipe", True, torch.optim.AdamW, None),
+        (2, "fully_shard", "1f1b", False, torch.optim.AdamW, None),
+        (4, "fully_shard", "1f1b", True, torch.optim.AdamW, CLIP),
+        (4, "fully_shard", "gpipe", True, CompactAdamW, None),
+        (2, None, "gpipe", True, torch.optim.AdamW, None),
+        (2, None, "1f1b", True, torch.optim.AdamW, CLIP),
+        (2, "fully_shard", "interleaved-1f1b", True, torch.optim.AdamW, None),
+        (4, "fully_shard", "zero-bubble", True, torch.optim.AdamW, CLIP),
+        (2, None, "zero-bubble", True, torch.optim.AdamW, None),
+        (4, "replicate", "1f1b", True, torch.optim.AdamW, CLIP),
     ],
     ids=[
         "fsdp-gpipe-2",
@@ -171,13 +187,14 @@ def _equal_body(**options: Any) -> float:
         "fsdp-interleaved-1f1b-2",
         "fsdp-zero-bubble-clip-4",
         "stages-zero-bubble-2",
+        "replicate-1f1b-clip-4",
     ],
 )
-def test_pipeline_equal_plain(worlds, world, fsdp, schedule, scale_grads, cls, clip):
+def test_pipeline_equal_plain(worlds, world, data_parallel, schedule, scale_grads, cls, clip):
     worlds.run(
         world,
         _equal_body,
-        fsdp=fsdp,
+        data_parallel=data_parallel,
         schedule=schedule,
         scale_grads=scale_grads,
         cls=cls,
