@@ -104,19 +104,23 @@ def _train(
     scale_grads: bool,
     cls: type[torch.optim.Optimizer],
     clip: float | None,
+    clip_by: str = "optimizer",
 ) -> tuple[list[torch.Tensor], list[float]]:
     """``STEPS`` steps of a pipeline over two ranks (data parallel over the ranks left, FSDP2 or
     one rank a pipeline rank), one optimizer over this rank's stages, both loops calling
     ``fused_optim_dist.clip_grad_norm_`` between the schedule and ``step()`` (the plain one
-    clips there, ours measures, and ``max_grad_norm`` clips at ``step()``, whose norm follows);
-    their full parameters, and the norms."""
+    clips there, ours measures, and ``max_grad_norm`` clips at ``step()``, whose norm follows),
+    or with ``clip_by="loop"`` both clipping there with ``torch.nn.utils.clip_grad_norm_``
+    (ours without ``max_grad_norm``: the gradients are real until ``step()``); their full
+    parameters, and the norms."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
     stages = _stages(schedule, mesh, data_parallel)
     params = [p for stage in stages for p in stage.submod.parameters()]
     kwargs = dict(lr=1e-2, weight_decay=0.01)
+    by_optimizer = clip if clip_by == "optimizer" else None
     optim = (
-        OptimizerInBackward(params, cls, max_grad_norm=clip, **kwargs)
+        OptimizerInBackward(params, cls, max_grad_norm=by_optimizer, **kwargs)
         if ours
         else cls(params, **kwargs)
     )
@@ -140,11 +144,13 @@ def _train(
         with optim.accumulate() if ours and not data_parallel else contextlib.nullcontext():
             # An interleaved schedule's first rank holds the last stage too: it takes both.
             run.step(x, target=y if len(stages) > 1 else None) if first else run.step(target=y)
-        if clip is not None:
+        if clip is not None and clip_by == "loop":
+            norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
+        elif clip is not None:
             # Ours measures the held gradients; step() clips them.
             norms.append(clip_grad_norm_(optim, clip).item())
         optim.step()
-        if clip is not None and ours:
+        if by_optimizer is not None and ours:
             norms.append(optim.grad_norm().item())
     full = [p.detach().full_tensor() if data_parallel else p.detach().clone() for p in params]
     return full, norms
@@ -157,25 +163,27 @@ def _equal_body(**options: Any) -> float:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     if options["clip"] is not None:
         assert min(plain_norms) > options["clip"], plain_norms
-        # Each step's norm measured before step(), then grad_norm() after it.
-        expected = [norm for norm in plain_norms for _ in range(2)]
+        # Each step's norm measured before step(), then grad_norm() after it if ours clips.
+        repeat = 2 if options.get("clip_by", "optimizer") == "optimizer" else 1
+        expected = [norm for norm in plain_norms for _ in range(repeat)]
         torch.testing.assert_close(ours_norms, expected, rtol=1e-6, atol=0)
     return max((a - b).abs().max().item() for a, b in zip(ours, plain, strict=True))
 
 
 @pytest.mark.parametrize(
-    ("world", "data_parallel", "schedule", "scale_grads", "cls", "clip"),
+    ("world", "data_parallel", "schedule", "scale_grads", "cls", "clip", "clip_by"),
     [
-        (2, "fully_shard", "gpipe", True, torch.optim.AdamW, None),
-        (2, "fully_shard", "1f1b", False, torch.optim.AdamW, None),
-        (4, "fully_shard", "1f1b", True, torch.optim.AdamW, CLIP),
-        (4, "fully_shard", "gpipe", True, CompactAdamW, None),
-        (2, None, "gpipe", True, torch.optim.AdamW, None),
-        (2, None, "1f1b", True, torch.optim.AdamW, CLIP),
-        (2, "fully_shard", "interleaved-1f1b", True, torch.optim.AdamW, None),
-        (4, "fully_shard", "zero-bubble", True, torch.optim.AdamW, CLIP),
-        (2, None, "zero-bubble", True, torch.optim.AdamW, None),
-        (4, "replicate", "1f1b", True, torch.optim.AdamW, CLIP),
+        (2, "fully_shard", "gpipe", True, torch.optim.AdamW, None, "optimizer"),
+        (2, "fully_shard", "1f1b", False, torch.optim.AdamW, None, "optimizer"),
+        (4, "fully_shard", "1f1b", True, torch.optim.AdamW, CLIP, "optimizer"),
+        (4, "fully_shard", "gpipe", True, CompactAdamW, None, "optimizer"),
+        (2, None, "gpipe", True, torch.optim.AdamW, None, "optimizer"),
+        (2, None, "1f1b", True, torch.optim.AdamW, CLIP, "optimizer"),
+        (2, "fully_shard", "interleaved-1f1b", True, torch.optim.AdamW, None, "optimizer"),
+        (4, "fully_shard", "zero-bubble", True, torch.optim.AdamW, CLIP, "optimizer"),
+        (2, None, "zero-bubble", True, torch.optim.AdamW, None, "optimizer"),
+        (4, "replicate", "1f1b", True, torch.optim.AdamW, CLIP, "optimizer"),
+        (4, "fully_shard", "1f1b", True, torch.optim.AdamW, CLIP, "loop"),
     ],
     ids=[
         "fsdp-gpipe-2",
@@ -188,9 +196,12 @@ def _equal_body(**options: Any) -> float:
         "fsdp-zero-bubble-clip-4",
         "stages-zero-bubble-2",
         "replicate-1f1b-clip-4",
+        "fsdp-1f1b-clip-in-the-loop-4",
     ],
 )
-def test_pipeline_equal_plain(worlds, world, data_parallel, schedule, scale_grads, cls, clip):
+def test_pipeline_equal_plain(
+    worlds, world, data_parallel, schedule, scale_grads, cls, clip, clip_by
+):
     worlds.run(
         world,
         _equal_body,
@@ -199,6 +210,7 @@ def test_pipeline_equal_plain(worlds, world, data_parallel, schedule, scale_grad
         scale_grads=scale_grads,
         cls=cls,
         clip=clip,
+        clip_by=clip_by,
     )
 
 
