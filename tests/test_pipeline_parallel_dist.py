@@ -213,20 +213,35 @@ def test_pipeline_equal_plain(
     )
 
 
-def _refused_body() -> None:
+def _refused_body(schedule: str, cause: str) -> None:
     """A one-stage pipeline of plain modules, ``schedule.step()`` without ``accumulate()``:
-    1F1B runs the second micro-batch's backward after the first was stepped; refused, naming
-    ``accumulate()``; ``step()`` then accepts the update made, as after any failed backward."""
-    part = _stage(0, 1)
+    the second micro-batch's backward runs after the first one's was stepped; refused (1F1B:
+    our error, naming ``accumulate()``; GPipe, every forward run before: autograd's check of
+    the weights they saved). ``step()`` then accepts the update made, as after any failed
+    backward: the plain optimizer's step on the first micro-batch's gradients."""
+    part, reference = _stage(0, 1), _stage(0, 1)
     stage = PipelineStage(part, 0, 1, torch.device("cpu"))
     optim = OptimizerInBackward(part.parameters(), torch.optim.AdamW, lr=1e-2)
-    run = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
+    run = SCHEDULES[schedule](stage, n_microbatches=MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     with pytest.raises(RuntimeError, match="Failed to run stage backward") as raised:
         run.step(x, target=y)
-    assert "schedule.step() under `with optim.accumulate():`" in str(raised.value.__cause__)
+    assert cause in str(raised.value.__cause__)
     optim.step()
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    first = len(x) // MICRO_BATCHES
+    nn.functional.mse_loss(reference(x[:first]), y[:first]).backward()
+    plain.step()
+    for a, b in zip(part.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_pipeline_of_plain_stages_without_accumulate_refused(worlds):
-    worlds.run(1, _refused_body)
+@pytest.mark.parametrize(
+    ("schedule", "cause"),
+    [
+        ("1f1b", "schedule.step() under `with optim.accumulate():`"),
+        ("gpipe", "modified by an inplace operation"),
+    ],
+)
+def test_pipeline_of_plain_stages_without_accumulate_refused(worlds, schedule, cause):
+    worlds.run(1, _refused_body, schedule=schedule, cause=cause)

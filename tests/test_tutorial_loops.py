@@ -210,6 +210,8 @@ class _Lookahead(Optimizer):
         self.param_groups = base.param_groups
         self.defaults = base.defaults
         self.state = defaultdict(dict)
+        # Optimizer.zero_grad() wraps the class's step() in torch's hook-running wrapper,
+        # which reads these (timm sets them too).
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         for group in self.param_groups:
