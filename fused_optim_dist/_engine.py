@@ -305,15 +305,16 @@ class BackwardPass:
         return self._class_state.wrote()
 
     @property
+    def unfinished(self) -> bool:
+        """Whether this pass stepped something and its backward has not finished it: it runs,
+        or it raised (its norm and clipping are then completed by ``step()``)."""
+        return self.phase is Phase.COLLECTING and bool(self._stepped)
+
+    @property
     def abandoned(self) -> bool:
         """Whether this pass stepped something in a backward that will never finish it (the
         backward raised, and the engine dropped its callbacks)."""
-        return (
-            self.phase is Phase.COLLECTING
-            and bool(self._stepped)
-            and self._token is not None
-            and self._token() is None
-        )
+        return self.unfinished and self._token is not None and self._token() is None
 
     def arrive(self, param: torch.Tensor) -> None:
         """``param`` holds its gradient: step its bucket if that completes it.

@@ -1129,13 +1129,23 @@ class OptimizerInBackward(Optimizer):
         Raises:
             RuntimeError: before the first stepping backward, or with ``track_grad_norm=False``
                 and neither clipping by norm nor ``skip_nonfinite``, or while this step's
-                gradients are held for ``step()`` (:meth:`gradients_held_for_step`).
+                gradients arrived through the hooks are held for ``step()``
+                (:meth:`gradients_held_for_step`), or after a backward that raised having
+                stepped some parameters, until ``step()`` completes its norm.
         """
-        if self.gradients_held_for_step():
+        if self._pass is not None and self._pass.unfinished:
+            raise RuntimeError(
+                "grad_norm() after a backward that raised having stepped some of its "
+                "parameters: step() completes its norm (and steps the gradients that did "
+                "arrive, as the plain optimizer steps them); until then it would return the "
+                "last step's. Read it after step()."
+            )
+        if self._arrived_since_step and not self._pending:
             raise RuntimeError(
                 "grad_norm() before step(), while this step's gradients are held for step() "
-                "(every backward since the last step() ran under accumulate(), or a pipeline "
-                "schedule reduced them outside backward): step() measures and clips them, and "
+                "(every backward since the last step() ran under accumulate(), a pipeline "
+                "schedule reduced them outside backward, or a backward raised before it "
+                "stepped any): step() measures and clips them, and "
                 "grad_norm() returns their norm after it; until then it would return the last "
                 "step's. Read it after step(), or measure them now as clip_grad_norm_ does "
                 "with fused_optim_dist.clip_grad_norm_(optim, max_norm)."
@@ -1143,19 +1153,38 @@ class OptimizerInBackward(Optimizer):
         return self._gradients.grad_norm()
 
     def gradients_held_for_step(self) -> bool:
-        """Whether gradients reached the parameters since the last ``step()`` (or
-        ``zero_grad()``) and none was stepped in backward: ``step()`` will step them.
+        """Whether ``step()`` will step gradients and no backward stepped any since the last
+        ``step()``: gradients that reached the parameters under ``accumulate()``, from a
+        pipeline schedule's reduction or in a backward that raised before it stepped any, set
+        by hand, or kept as zeros by ``zero_grad(set_to_none=False)``.
 
         [Note: gradients held for step()]
         A step whose gradients all arrive under ``accumulate()``, or from a pipeline
         schedule's reduction outside backward ([Note: gradients reduced outside backward]),
-        is measured, clipped and stepped by ``step()``. Before it, ``grad_norm()`` still holds
-        the last step's norm, which a loop measuring this step's (``clip_grad_norm_`` between
-        the last backward and ``step()``, as the plain loop does) would have taken for this
-        one's, silently; it raises there, and ``fused_optim_dist.clip_grad_norm_`` measures
-        the held gradients as ``clip_grad_norm_`` does. Gradients set by hand reach no hook
-        and are not seen here."""
-        return self._arrived_since_step and not self._stepped_since_step
+        or are set by hand, is measured, clipped and stepped by ``step()``. Before it,
+        ``grad_norm()`` still holds the last step's norm, which a loop measuring this step's
+        (``clip_grad_norm_`` between the last backward and ``step()``, as the plain loop does)
+        would have taken for this one's, silently. Where the gradients arrived through the
+        hooks, ``grad_norm()`` raises there; gradients set by hand reach no hook, so it cannot
+        tell them from the last step's (a loop may read that norm after ``zero_grad()``), but
+        this method finds them on the parameters: once stepped, in backward or by ``step()``,
+        a gradient is a freed one ([Note: freed gradients]), so every other gradient there is
+        one ``step()`` will step. ``fused_optim_dist.clip_grad_norm_`` measures them as
+        ``clip_grad_norm_`` does. One pass over the parameters where no backward stepped since
+        the last ``step()`` and no gradient arrived through a hook. After a backward that
+        raised having stepped some parameters, ``grad_norm()`` raises until ``step()``
+        completes that backward's norm."""
+        if self._pending:
+            return False
+        return self._arrived_since_step or bool(self.unstepped_gradients())
+
+    def unstepped_gradients(self) -> list[torch.Tensor]:
+        """The parameters holding a gradient that was not stepped (in backward or by
+        ``step()``), in ``param_groups``' order: those ``step()`` will step. See [Note:
+        gradients held for step()]."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = read_grads(params)
+        return [p for p, g in zip(params, grads, strict=True) if g is not None and not is_freed(g)]
 
     @property
     def max_grad_norm(self) -> float | None:

@@ -130,10 +130,13 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
       or ``torch.nn.utils.get_total_norm`` of their gradients without ``max_norm`` (DTensor
       gradients give the norm over all ranks: collective).
     * ``OptimizerInBackward``: the gradients were already stepped and clipped in backward;
-      returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks). Where they are held
-      for ``step()`` instead (every backward under ``accumulate()``, a pipeline schedule's
-      reduction; :meth:`OptimizerInBackward.gradients_held_for_step`), they are measured as
-      the plain optimizer's are, and ``step()`` clips them.
+      returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks). Where gradients
+      are held for ``step()`` instead (every backward under ``accumulate()``, a pipeline
+      schedule's reduction, gradients set by hand;
+      :meth:`OptimizerInBackward.gradients_held_for_step`), they are measured as the plain
+      optimizer's are, and ``step()`` clips them. Gradients set by hand after a backward
+      that stepped are measured too, and the norm returned is that of both, the plain
+      optimizer's.
 
     The result is a 0-dim, non-DTensor tensor, the norm before clipping.
 
@@ -143,22 +146,41 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
             would clip by a norm the loop did not ask for.
     """
     in_backward = in_backward_of(optimizer)
-    if in_backward is not None:
-        configured = in_backward.max_grad_norm
-        if max_norm != configured:
-            raise ValueError(
-                f"clip_grad_norm_(max_norm={max_norm}) on an OptimizerInBackward built with "
-                f"max_grad_norm={configured}: clipping happens in backward, so pass the same "
-                "value to the optimizer (e.g. build_optimizer(..., max_grad_norm=...))"
-            )
-        if not in_backward.gradients_held_for_step():
-            return in_backward.grad_norm()
-        max_norm = None  # measured here, clipped by step()
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if max_norm is None:
-        # Measured only: clip_grad_norm_ with an infinite max_norm would multiply every
-        # gradient by inf / (norm + 1e-6), a NaN where the norm overflows to inf.
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if in_backward is None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if max_norm is None:
+            return _grad_norm(params)
+        return _plain(torch.nn.utils.clip_grad_norm_(_with_grads(params), max_norm))
+    configured = in_backward.max_grad_norm
+    if max_norm != configured:
+        raise ValueError(
+            f"clip_grad_norm_(max_norm={max_norm}) on an OptimizerInBackward built with "
+            f"max_grad_norm={configured}: clipping happens in backward, so pass the same "
+            "value to the optimizer (e.g. build_optimizer(..., max_grad_norm=...))"
+        )
+    if in_backward.gradients_held_for_step():
+        return _grad_norm(in_backward.unstepped_gradients())  # step() clips them
+    stepped = in_backward.grad_norm()
+    unstepped = in_backward.unstepped_gradients()
+    if not unstepped:
+        return stepped
+    # Set by hand after a backward that stepped (or left by one that raised): step() steps
+    # them, and the plain step's norm is over both.
+    held = _grad_norm(unstepped).to(stepped.device)
+    return torch.linalg.vector_norm(torch.stack([stepped, held]))
+
+
+def _with_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [p for p in params if p.grad is not None]
+
+
+def _grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``get_total_norm`` of the gradients of ``params`` (those holding one), as
+    ``clip_grad_norm_`` measures them: over all ranks for DTensors."""
+    # Not clip_grad_norm_ with an infinite max_norm: it would multiply every gradient by
+    # inf / (norm + 1e-6), a NaN where the norm overflows to inf.
+    return _plain(torch.nn.utils.get_total_norm([p.grad for p in _with_grads(params)]))
+
+
+def _plain(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm

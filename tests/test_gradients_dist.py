@@ -674,7 +674,8 @@ def test_gradients_set_by_hand_clipped_and_checked_together(skip_nonfinite):
     stepped by ``step()``: clipped by ``clip_grad_norm_``'s coefficient bit for bit, and a NaN
     in one skips them all, as the plain loop skips the step (each bucket clipped by its
     predicted coefficient, and the NaN's skipped alone, before: 2.4e-2 and 2.3e-2 apart after
-    four AdamW steps, no error)."""
+    four AdamW steps, no error). ``fused_optim_dist.clip_grad_norm_`` before ``step()``
+    measures them as ``clip_grad_norm_`` does."""
     model, reference = make_models()
     optim = OptimizerInBackward(
         model.parameters(),
@@ -696,9 +697,16 @@ def test_gradients_set_by_hand_clipped_and_checked_together(skip_nonfinite):
             for name, param in net.named_parameters():
                 param.grad = grads[name].clone()
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        # See [Note: gradients held for step()]: the loop helper measures them now (it
+        # returned the last step's norm, no error); grad_norm() cannot tell them from it.
+        assert optim.gradients_held_for_step()
+        held = clip_grad_norm_(optim, CLIP_NORM)
         optim.step()
         optim.zero_grad()
-        _check_step(model, before, optim, _plain_step(list(reference.parameters()), ref_optim))
+        norm = _plain_step(list(reference.parameters()), ref_optim)
+        _check_step(model, before, optim, norm)
+        torch.testing.assert_close(held, norm, equal_nan=True)
+        assert not optim.gradients_held_for_step()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.detach(), q.detach())
 

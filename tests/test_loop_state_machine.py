@@ -13,7 +13,9 @@ disjoint parameters before one ``step()`` and gradients set by hand before it (s
 refused where the plain step differs), NaN batches with ``skip_nonfinite``; also with a class
 that counts steps in its param groups, with CompactAdamW, and on bfloat16 models. After every
 rule both models must hold the same parameters (1e-6) and, between steps, the same optimizer
-state, its entries listed in the same order.
+state, its entries listed in the same order; and at every step both loops measure the norm of
+the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the plain loop's
+``clip_grad_norm_``), which must agree where ours gives one.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import re
 import warnings
 from typing import ClassVar
 
@@ -46,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import InBackwardOptions, OptimizerInBackward
 from fused_optim_dist.compact_adamw import CompactAdamW
+from fused_optim_dist.training import clip_grad_norm_
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 LAYERS = 3
@@ -168,6 +172,8 @@ class LoopMachine(RuleBasedStateMachine):
         self.pending = False  # gradients accumulated, not yet stepped
         self.step = 0
         self.schedulers: tuple[torch.optim.lr_scheduler.LRScheduler, ...] = ()
+        # Each loop's norm of the gradients of its last step, until compared.
+        self.norms: dict[str, torch.Tensor | None] = {}
 
     def _loss(self, model: nn.Module, step: int, scale: float = 1.0) -> torch.Tensor:
         """The loss of ``step``'s batch (this rank's share), its inputs scaled by ``scale``."""
@@ -180,16 +186,30 @@ class LoopMachine(RuleBasedStateMachine):
         self._loss(model, step, scale).backward()
 
     def _step(self, optim: torch.optim.Optimizer) -> None:
-        """``optim.step()``; the plain loop clips its optimizer's gradients first, and with
-        ``skip_nonfinite`` skips the step where one of them is not finite."""
+        """``optim.step()``, the step's norm first measured (and the plain loop's gradients
+        clipped) through ``fused_optim_dist.clip_grad_norm_``; the plain loop with
+        ``skip_nonfinite`` skips the step where a gradient is not finite.
+
+        Ours may refuse to measure: after a backward that raised having stepped some
+        parameters (``step()`` completes its norm), or before the first stepping backward. Where
+        the plain optimizer holds no gradient (a ``step()`` with none), its norm is 0 and
+        ours' is the last step's: not compared."""
         if optim is self.plain:
             params = [p for group in optim.param_groups for p in group["params"]]
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             grads = [p.grad for p in params if p.grad is not None]
+            self.norms["plain"] = clip_grad_norm_(optim, self.max_grad_norm) if grads else None
             if self.skip_nonfinite and not all(bool(_local(g).isfinite().all()) for g in grads):
                 return
+            optim.step()
+            return
+        try:
+            norm = clip_grad_norm_(optim, self.max_grad_norm)
+        except RuntimeError as error:
+            if not re.search(r"a backward that raised|after the first stepping", str(error)):
+                raise
+            norm = None
         optim.step()
+        self.norms["ours"] = norm
 
     @rule()
     def train(self) -> None:
@@ -728,6 +748,22 @@ class LoopMachine(RuleBasedStateMachine):
             optim.zero_grad()
             model.zero_grad()
         self.step += 1
+
+    @invariant()
+    def same_norms(self) -> None:
+        """The norms both loops measured at their last steps (bfloat16 gradients: ours sums
+        in float32 and returns a float32 norm, ``clip_grad_norm_`` rounds each tensor's norm
+        to bfloat16)."""
+        if not hasattr(self, "norms"):
+            return
+        ours, plain = self.norms.pop("ours", None), self.norms.pop("plain", None)
+        if ours is None or plain is None:
+            return
+        if not (torch.isfinite(ours) and torch.isfinite(plain)):
+            assert not (torch.isfinite(ours) or torch.isfinite(plain)), (ours, plain)
+            return
+        tolerance = 1e-2 if self.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(ours.float(), plain.float(), rtol=tolerance, atol=1e-6)
 
     @invariant()
     def same_parameters(self) -> None:
