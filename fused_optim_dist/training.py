@@ -130,7 +130,8 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
       or ``torch.nn.utils.get_total_norm`` of their gradients without ``max_norm`` (DTensor
       gradients give the norm over all ranks: collective).
     * ``OptimizerInBackward``: the gradients were already stepped and clipped in backward;
-      returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks). Where gradients
+      returns :meth:`OptimizerInBackward.grad_norm` (local, never blocks), or 0 where no
+      parameter holds a gradient (none since ``zero_grad()``). Where gradients
       are held for ``step()`` instead (every backward under ``accumulate()``, a pipeline
       schedule's reduction, gradients set by hand;
       :meth:`OptimizerInBackward.gradients_held_for_step`), they are measured as the plain
@@ -160,6 +161,9 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
         )
     if in_backward.gradients_held_for_step():
         return _grad_norm(in_backward.unstepped_gradients())  # step() clips them
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not _with_grads(params):
+        return _grad_norm([])  # no gradient since zero_grad(): 0, as clip_grad_norm_'s
     stepped = in_backward.grad_norm()
     unstepped = in_backward.unstepped_gradients()
     if not unstepped:
