@@ -758,9 +758,10 @@ class LoopMachine(RuleBasedStateMachine):
             elif then == "accumulated":
                 with accumulate_grads(optim):
                     self._backward(model, self.step + 1)
-            elif then == "hand_set":
+            elif then == "hand_set":  # on a trainable layer: see hand_set_grad for a frozen one
                 for param in model.layers[layer].parameters():
-                    param.grad = 0.1 * torch.cos(3 * param.detach() + self.step)
+                    if param.requires_grad:
+                        param.grad = 0.1 * torch.cos(3 * param.detach() + self.step)
             self._step(optim)
             optim.zero_grad()
             model.zero_grad()
