@@ -1,22 +1,22 @@
 """Random training loops, driven on a plain and an in-backward optimizer side by side.
 
 A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
-freezing and unfreezing, groups added later, a backward that raises, a second backward before
-``step()``, gradients read before ``step()``, kept as zeros by the module or by the optimizer's
-``zero_grad(set_to_none=False)`` (then stepped by a backward, one that misses a layer, under
-``accumulate()``, with gradients set by hand or none) or never zeroed, an
-optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the
-load then rolled back), reentrant activation checkpointing, ``step()`` without a backward, LR
-changes (lr 0 included), an LR scheduler,
-``state_dict``/``load_state_dict`` round trips, ``state.clear()``, the head frozen and unfrozen
-(also before it is added as a group); ``state_dict()``, a deep copy or a pickle of the optimizer
-between backward and ``step()`` (refused) and under ``accumulate()`` (equal), two backwards on
-disjoint parameters before one ``step()`` and gradients set by hand before it (stepped, or
-refused where the plain step differs), NaN batches with ``skip_nonfinite``; also with a class
-that counts steps in its param groups, with CompactAdamW, and on bfloat16 models. After every
-rule both models must hold the same parameters (1e-6) and, between steps, the same optimizer
-state, its entries listed in the same order; and at every step both loops measure the norm of
-the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the plain loop's
+gradients held under ``accumulate()`` edited in place before ``step()`` (halved, clipped by value
+or by norm), freezing and unfreezing, groups added later, a backward that raises, a second backward
+before ``step()``, gradients read before ``step()``, kept as zeros by the module or by the
+optimizer's ``zero_grad(set_to_none=False)`` (then stepped by a backward, one that misses a layer,
+under ``accumulate()``, with gradients set by hand or none) or never zeroed, an optimizer state
+loaded or an LR set before ``step()``, a second ``step()`` (each refused; the load then rolled
+back), reentrant activation checkpointing, ``step()`` without a backward, LR changes (lr 0
+included), an LR scheduler, ``state_dict``/``load_state_dict`` round trips, ``state.clear()``, the
+head frozen and unfrozen (also before it is added as a group); ``state_dict()``, a deep copy or a
+pickle of the optimizer between backward and ``step()`` (refused) and under ``accumulate()``
+(equal), two backwards on disjoint parameters before one ``step()`` and gradients set by hand
+before it (stepped, or refused where the plain step differs), NaN batches with ``skip_nonfinite``;
+also with a class that counts steps in its param groups, with CompactAdamW, and on bfloat16 models.
+After every rule both models must hold the same parameters (1e-6) and, between steps, the same
+optimizer state, its entries listed in the same order; and at every step both loops measure the
+norm of the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the plain loop's
 ``clip_grad_norm_``), which must agree where ours gives one.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
@@ -256,6 +256,23 @@ class LoopMachine(RuleBasedStateMachine):
         self._backward(plain_model, self.step)
         self.pending = True
         self.step += 1
+
+    @precondition(lambda self: self.pending)
+    @rule(edit=st.sampled_from(["scale", "clip_value", "clip_norm"]))
+    def edit_held_gradients(self, edit: str) -> None:
+        """The gradients held under ``accumulate()`` edited in place before ``step()``, as a
+        loop averages or clips them: halved, ``clip_grad_value_``, or ``clip_grad_norm_`` over
+        the optimizer's parameters (the plain loop's, which ours holds real until ``step()``).
+        The plain loop then steps the edited gradients; so does ours."""
+        for optim in (self.ours, self.plain):
+            params = [p for g in optim.param_groups for p in g["params"] if p.grad is not None]
+            if edit == "scale":
+                for param in params:
+                    param.grad.mul_(0.5)
+            elif edit == "clip_value":
+                torch.nn.utils.clip_grad_value_(params, 0.05)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
 
     @rule()
     def step_without_backward(self) -> None:
