@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from fused_optim_dist._torch_internals import read_grads
 from fused_optim_dist._validation import resolve_optimizer_class
 from fused_optim_dist.optimizer import OptimizerInBackward
 
@@ -175,7 +176,7 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
 
 
 def _with_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [p for p in params if p.grad is not None]
+    return [p for p, grad in zip(params, read_grads(params), strict=True) if grad is not None]
 
 
 def _grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -2,22 +2,23 @@
 
 A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
 gradients held under ``accumulate()`` edited in place before ``step()`` (halved, clipped by value
-or by norm), freezing and unfreezing, groups added later, a backward that raises, a second backward
-before ``step()``, gradients read before ``step()``, kept as zeros by the module or by the
-optimizer's ``zero_grad(set_to_none=False)`` (then stepped by a backward, one that misses a layer,
-under ``accumulate()``, with gradients set by hand or none) or never zeroed, an optimizer state
-loaded or an LR set before ``step()``, a second ``step()`` (each refused; the load then rolled
-back), reentrant activation checkpointing, ``step()`` without a backward, LR changes (lr 0
-included), an LR scheduler, ``state_dict``/``load_state_dict`` round trips, ``state.clear()``, the
-head frozen and unfrozen (also before it is added as a group); ``state_dict()``, a deep copy or a
-pickle of the optimizer between backward and ``step()`` (refused) and under ``accumulate()``
-(equal), two backwards on disjoint parameters before one ``step()`` and gradients set by hand
-before it (stepped, or refused where the plain step differs), NaN batches with ``skip_nonfinite``;
-also with a class that counts steps in its param groups, with CompactAdamW, and on bfloat16 models.
-After every rule both models must hold the same parameters (1e-6) and, between steps, the same
-optimizer state, its entries listed in the same order; and at every step both loops measure the
-norm of the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the plain loop's
-``clip_grad_norm_``), which must agree where ours gives one.
+or by norm), freezing and unfreezing (also between a forward and its backward), groups added later,
+a backward that raises, a second backward before ``step()``, gradients read before ``step()``, kept
+as zeros by the module or by the optimizer's ``zero_grad(set_to_none=False)`` (then stepped by a
+backward, one that misses a layer, under ``accumulate()``, with gradients set by hand or none) or
+never zeroed, an optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each
+refused; the load then rolled back), reentrant activation checkpointing, ``step()`` without a
+backward, LR changes (lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict`` round
+trips, ``state.clear()``, the head frozen and unfrozen (also before it is added as a group);
+``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
+(refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
+``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
+NaN batches with ``skip_nonfinite``; also with a class that counts steps in its param groups, with
+CompactAdamW, and on bfloat16 models. After every rule both models must hold the same parameters
+(1e-6) and, between steps, the same optimizer state, its entries listed in the same order; and at
+every step both loops measure the norm of the step's gradients through
+``fused_optim_dist.clip_grad_norm_`` (the plain loop's ``clip_grad_norm_``), which must agree where
+ours gives one.
 It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
 derandomised so that both ranks draw the same sequence).
 """
@@ -273,6 +274,26 @@ class LoopMachine(RuleBasedStateMachine):
                 torch.nn.utils.clip_grad_value_(params, 0.05)
             else:
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
+
+    @precondition(lambda self: not self.pending)
+    @rule(layer=st.integers(0, LAYERS - 1))
+    def freeze_between_forward_and_backward(self, layer: int) -> None:
+        """``layer`` frozen after the forward, unfrozen after the backward, then ``step()``:
+        autograd accumulates no gradient into a leaf that no longer requires grad, so neither
+        optimizer steps it in this step. (Holding gradients accumulated before, it is refused
+        at that backward: a frozen parameter holding a gradient.)"""
+        for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+            params = list(model.layers[layer].parameters())
+            trainable = [p.requires_grad for p in params]
+            loss = self._loss(model, self.step)
+            model.layers[layer].requires_grad_(False)
+            loss.backward()
+            for param, flag in zip(params, trainable, strict=True):
+                param.requires_grad_(flag)
+            self._step(optim)
+            optim.zero_grad()
+        self.pending = False
+        self.step += 1
 
     @rule()
     def step_without_backward(self) -> None:
