@@ -1,15 +1,16 @@
 """Random training loops, driven on a plain and an in-backward optimizer side by side.
 
-A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation,
-gradients held under ``accumulate()`` edited in place before ``step()`` (halved, clipped by value
-or by norm), freezing and unfreezing (also between a forward and its backward), groups added later,
-a backward that raises, a second backward before ``step()``, gradients read before ``step()``, kept
-as zeros by the module or by the optimizer's ``zero_grad(set_to_none=False)`` (then stepped by a
-backward, one that misses a layer, under ``accumulate()``, with gradients set by hand or none) or
-never zeroed, an optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each
-refused; the load then rolled back), reentrant activation checkpointing, ``step()`` without a
-backward, LR changes (lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict`` round
-trips, ``state.clear()``, the head frozen and unfrozen (also before it is added as a group);
+A hypothesis ``RuleBasedStateMachine`` interleaves what real loops do: steps, accumulation (and on
+FSDP2 its own, with gradient sync off for all micro-batches but the last), gradients held under
+``accumulate()`` edited in place before ``step()`` (halved, clipped by value or by norm), freezing
+and unfreezing (also between a forward and its backward), groups added later, a backward that
+raises, a second backward before ``step()``, gradients read before ``step()``, kept as zeros by the
+module or by the optimizer's ``zero_grad(set_to_none=False)`` (then stepped by a backward, one that
+misses a layer, under ``accumulate()``, with gradients set by hand or none) or never zeroed, an
+optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the load
+then rolled back), reentrant activation checkpointing, ``step()`` without a backward, LR changes
+(lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict`` round trips,
+``state.clear()``, the head frozen and unfrozen (also before it is added as a group);
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
 ``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
@@ -274,6 +275,20 @@ class LoopMachine(RuleBasedStateMachine):
                 torch.nn.utils.clip_grad_value_(params, 0.05)
             else:
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
+
+    @precondition(lambda self: self.sharded and not self.pending)
+    @rule(micro_batches=st.integers(2, 3))
+    def accumulate_sync_off(self, micro_batches: int) -> None:
+        """FSDP2's own accumulation, as torchtitan and accelerate write it: every micro-batch's
+        backward but the last with gradient sync off (``set_requires_gradient_sync(False)``:
+        each rank sums its unreduced gradients), the last with it on, then ``step()``."""
+        for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+            for micro in range(micro_batches):
+                model.set_requires_gradient_sync(micro == micro_batches - 1)
+                self._backward(model, self.step + micro)
+            self._step(optim)
+            optim.zero_grad()
+        self.step += micro_batches
 
     @precondition(lambda self: not self.pending)
     @rule(layer=st.integers(0, LAYERS - 1))
