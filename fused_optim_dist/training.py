@@ -162,7 +162,7 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
         )
     if in_backward.gradients_held_for_step():
         return _grad_norm(in_backward.unstepped_gradients())  # step() clips them
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in in_backward.param_groups for p in group["params"]]
     if not _with_grads(params):
         return _grad_norm([])  # no gradient since zero_grad(): 0, as clip_grad_norm_'s
     stepped = in_backward.grad_norm()
