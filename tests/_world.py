@@ -5,7 +5,8 @@ per test process and runs many test bodies, as PyTorch's ``MultiProcContinuousTe
 body is a module-level function; it runs on every rank with the same keyword arguments, and the
 ranks' results come back as a list. A failing rank fails the test with its traceback; a rank that
 hangs hits the collective timeout or the per-body timeout, and the world is then torn down and
-re-spawned for the next test.
+re-spawned for the next test. A rank that crashes (a segmentation fault) writes the Python stacks
+of its threads to a file of its own (``faulthandler``), which the failure then shows.
 
 The time-outs only catch hangs, so they are sized for a loaded machine, never for speed: two
 ranks sharing two busy cores with other test workers run several times slower than on an idle
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fused_optim_dist_recipes.launch import join_store, rendezvous_store
@@ -43,7 +47,12 @@ POLL_S = 1.0
 that died (killed, or crashed outside a body) fails the test at once, not at the time-out."""
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue, crash_log: str
+) -> None:
+    # Kept open for the process's life: faulthandler writes to it from the signal handler.
+    crash_file = open(crash_log, "w")  # noqa: SIM115
+    faulthandler.enable(file=crash_file, all_threads=True)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -100,10 +109,21 @@ class World:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         # Held for the world's life: the ranks' groups (meshes included) rendezvous through it.
         self._store = rendezvous_store(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        self._crash_dir = tempfile.TemporaryDirectory(prefix="world-")
+        self._crash_logs = [
+            str(Path(self._crash_dir.name) / f"rank{rank}.txt") for rank in range(world_size)
+        ]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, self._store.port, self._tasks[rank], self._results),
+                args=(
+                    rank,
+                    world_size,
+                    self._store.port,
+                    self._tasks[rank],
+                    self._results,
+                    self._crash_logs[rank],
+                ),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -131,7 +151,7 @@ class World:
                 rank, ok, out = self._results.get(timeout=POLL_S)
             except queue.Empty:
                 dead = [
-                    f"rank {r} exited with code {proc.exitcode}"
+                    f"rank {r} exited with code {proc.exitcode}{self._crash_report(r)}"
                     for r, proc in enumerate(self._procs)
                     if r not in outcomes and not proc.is_alive()
                 ]
@@ -162,6 +182,14 @@ class World:
                 f"{what} failed on {len(failures)} rank(s):\n" + "\n".join(failures)
             )
         return [pickle.loads(outcomes[r][1]) for r in range(self.world_size)]
+
+    def _crash_report(self, rank: int) -> str:
+        """What ``rank``'s faulthandler wrote (its threads' stacks where it crashed), if any."""
+        with contextlib.suppress(OSError):
+            text = Path(self._crash_logs[rank]).read_text().strip()
+            if text:
+                return f" (its stacks where it crashed:)\n{text}\n"
+        return ""
 
     def close(self) -> None:
         for tasks in self._tasks:
