@@ -160,19 +160,19 @@ def clip_grad_norm_(optimizer: Optimizer, max_norm: float | None = None) -> torc
             f"max_grad_norm={configured}: clipping happens in backward, so pass the same "
             "value to the optimizer (e.g. build_optimizer(..., max_grad_norm=...))"
         )
+    unstepped = in_backward.unstepped_gradients()
     if in_backward.gradients_held_for_step():
-        return _grad_norm(in_backward.unstepped_gradients())  # step() clips them
+        return _grad_norm(unstepped)  # step() clips them
+    if unstepped:
+        # Set by hand after a backward that stepped (or left by one that raised): step()
+        # steps them, and the plain step's norm is over both.
+        stepped = in_backward.grad_norm()
+        held = _grad_norm(unstepped).to(stepped.device)
+        return torch.linalg.vector_norm(torch.stack([stepped, held]))
     params = [p for group in in_backward.param_groups for p in group["params"]]
     if not _with_grads(params):
         return _grad_norm([])  # no gradient since zero_grad(): 0, as clip_grad_norm_'s
-    stepped = in_backward.grad_norm()
-    unstepped = in_backward.unstepped_gradients()
-    if not unstepped:
-        return stepped
-    # Set by hand after a backward that stepped (or left by one that raised): step() steps
-    # them, and the plain step's norm is over both.
-    held = _grad_norm(unstepped).to(stepped.device)
-    return torch.linalg.vector_norm(torch.stack([stepped, held]))
+    return in_backward.grad_norm()
 
 
 def _with_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
