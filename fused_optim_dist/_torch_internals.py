@@ -42,6 +42,15 @@ Everything else in the package uses public APIs. What this module relies on, for
   a hook has none there. ``apply`` frames above a backward's own frame (FSDP2's
   ``RegisterPostBackwardFunction``, whose node calls the hooks) run inside that backward and
   do not count. The accelerator's case is read from the engine's design, not checked on one.
+* ``torch.amp.GradScaler.scale`` (and FSDP1's ``ShardedGradScaler.scale``, which overrides
+  it) multiplies its outputs by the scale and offers no hook: ``watch_loss_scaling`` replaces
+  the class attributes with wrappers that register a tensor hook on each scaled output that
+  requires grad. Autograd calls a tensor's hooks when that tensor's gradient is computed, so a
+  backward from a scaled loss (or from anything computed from it) calls it before any
+  parameter's gradient that flows through it, in that backward's graph task, where
+  ``queue_callback`` queues on that task. A scaler built from a subclass of its own that
+  overrides ``scale`` is not seen (``step()`` still refuses it: ``_refuse_grad_scaler`` in
+  ``optimizer.py``).
 * ``torch.distributed.destroy_process_group`` offers no hook: ``before_teardown`` replaces the
   module attribute (``torch.distributed`` re-exports ``distributed_c10d``'s function) with a
   wrapper that runs the callbacks first; code that imported the function by name earlier
@@ -175,6 +184,7 @@ __all__ = [
     "global_step_pre_hooks",
     "held_values",
     "holds_values",
+    "in_scaled_backward",
     "local_tensor",
     "observes_only",
     "placed_alike",
@@ -185,6 +195,7 @@ __all__ = [
     "storages",
     "traced",
     "wait_for_checkpoint_staging",
+    "watch_loss_scaling",
     "watch_wrappers",
     "wrapped_by",
     "wrappers_holding",
@@ -507,6 +518,75 @@ def wrapped_by(params: Sequence[torch.Tensor]) -> nn.Module | None:
         if any(id(p) in wanted for p in module.parameters()):
             return module
     return None
+
+
+class _ScaledBackward:
+    """Held only by a callback queued on a backward that started from a loss a GradScaler
+    scaled: alive while that backward runs."""
+
+    __slots__ = ("__weakref__",)
+
+
+_SCALED_BACKWARD: list[weakref.ref[_ScaledBackward]] = []
+_LOSS_SCALING_WATCH: list[type] = []
+
+
+@torch.compiler.disable
+def _mark_scaled_backward(_grad: torch.Tensor) -> None:
+    from torch.autograd import Variable
+
+    marker = _ScaledBackward()
+    _SCALED_BACKWARD[:] = [weakref.ref(marker)]
+    # The engine drops its callbacks when the backward finishes or fails, and the marker
+    # with them.
+    Variable._execution_engine.queue_callback(lambda: marker)
+
+
+def _tensors_in(outputs: object) -> Iterator[torch.Tensor]:
+    """The tensors of ``scale()``'s result: a tensor, or nested lists and tuples of them (a
+    lazy ``map``, which it returns for other iterables, cannot be walked without consuming
+    it)."""
+    if isinstance(outputs, torch.Tensor):
+        yield outputs
+    elif isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            yield from _tensors_in(item)
+
+
+def _marking_scale(scale: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(scale)
+    def marking_scale(self: Any, outputs: Any) -> Any:
+        scaled = scale(self, outputs)
+        if self.is_enabled() and not torch.compiler.is_compiling():
+            for tensor in _tensors_in(scaled):
+                if tensor.requires_grad:
+                    tensor.register_hook(_mark_scaled_backward)
+        return scaled
+
+    return marking_scale
+
+
+def watch_loss_scaling() -> None:
+    """From now on, note every backward that starts from an output of an enabled
+    ``torch.amp.GradScaler``'s ``scale()`` (once per process): :func:`in_scaled_backward`."""
+    if _LOSS_SCALING_WATCH:
+        return
+    from torch.amp import GradScaler
+
+    classes: list[type] = [GradScaler]
+    if dist.is_available():
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        classes.append(ShardedGradScaler)
+    for cls in classes:
+        cls.scale = _marking_scale(cls.__dict__["scale"])  # type: ignore[method-assign]
+    _LOSS_SCALING_WATCH.extend(classes)
+
+
+def in_scaled_backward() -> bool:
+    """Whether a backward that started from a loss an enabled GradScaler scaled runs now: the
+    one calling, or one it runs inside (reentrant checkpointing)."""
+    return bool(_SCALED_BACKWARD) and _SCALED_BACKWARD[0]() is not None
 
 
 _TEARDOWN: list[Callable[[bool], None]] = []

@@ -43,10 +43,12 @@ from fused_optim_dist._torch_internals import (
     fsdp_sync_off,
     global_step_pre_hooks,
     hooked_after,
+    in_scaled_backward,
     observes_only,
     read_grads,
     read_requires_grad,
     register_post_accumulate_grad_hook,
+    watch_loss_scaling,
     watch_wrappers,
     wrapped_by,
     wrappers_holding,
@@ -142,6 +144,18 @@ def _nested_in_hook_error() -> RuntimeError:
         "`with optim.accumulate():` and call optim.step() after the outer backward, or use "
         "the plain optimizer (with Hugging Face's Trainer, which reads the norm of a "
         "stepping backward before step()). Nothing was stepped by this backward."
+    )
+
+
+def _loss_scaling_error(what: str) -> RuntimeError:
+    """``torch.amp.GradScaler`` driving this optimizer: each gradient of the scaled loss would
+    be stepped in backward as it arrives, before GradScaler could unscale it or skip a step
+    with inf/NaN gradients. ``what`` says where it was found."""
+    return RuntimeError(
+        f"torch.amp.GradScaler cannot drive OptimizerInBackward: {what}. Train with bf16 "
+        "autocast (torch.autocast(device_type, "
+        "dtype=torch.bfloat16)), which needs no loss scaling, and use skip_nonfinite=True to "
+        "skip non-finite buckets; or use the plain optimizer with GradScaler."
     )
 
 
@@ -347,6 +361,7 @@ class OptimizerInBackward(Optimizer):
         **kwargs: Any,
     ) -> None:
         watch_wrappers()
+        watch_loss_scaling()
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
         params = list(params)
@@ -911,13 +926,11 @@ class OptimizerInBackward(Optimizer):
         if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
             self.__dict__.pop("found_inf", None)
             self.__dict__.pop("grad_scale", None)
-            raise RuntimeError(
-                "torch.amp.GradScaler cannot drive OptimizerInBackward: the loss was scaled, "
-                "and each gradient was stepped in backward as it arrived, before GradScaler "
-                "could unscale it or skip a step with inf/NaN gradients. Train with bf16 "
-                "autocast (torch.autocast(device_type, dtype=torch.bfloat16)), which needs no "
-                "loss scaling, and use skip_nonfinite=True to skip non-finite buckets; or use "
-                "the plain optimizer with GradScaler."
+            raise _loss_scaling_error(
+                "GradScaler.step() called optimizer.step() on the gradients of a scaled loss, "
+                "which it expects the optimizer to unscale, where the gradients of a backward "
+                "are stepped in it as they arrive (held under accumulate(), they are not "
+                "stepped now)"
             )
 
     def set_norm_order(self, params: Iterable[torch.Tensor]) -> None:
@@ -1429,6 +1442,14 @@ class OptimizerInBackward(Optimizer):
             enclosing = enclosing_backward(param.device)
             if enclosing.from_hook:
                 raise _nested_in_hook_error()
+            if in_scaled_backward():
+                # See watch_loss_scaling in _torch_internals.py.
+                raise _loss_scaling_error(
+                    "this backward started from a loss that GradScaler.scale() scaled, and "
+                    "OptimizerInBackward would step each gradient as it arrives, scaled, "
+                    "before GradScaler could unscale it or skip a step with inf/NaN gradients "
+                    "(nothing was stepped)"
+                )
             self._refuse_second_pass()
             self._refuse_frozen_holding_gradients(self._check_first_backward(), "backward()")
             current = self._pass = self._new_pass(backward_id)

@@ -910,14 +910,93 @@ def _fsdp_two_backwards_body() -> None:
 # ------------------------------------------------------------------ 7. GradScaler
 
 
-def test_grad_scaler_refused_at_step_zero():
-    model, _ = make_models()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+def _scaled_losses(scaler: torch.amp.GradScaler) -> dict[str, Callable[..., torch.Tensor]]:
+    """Ways a loop hands a scaled loss to backward: as the AMP recipe does, divided for
+    accumulation, scaled in a list, and a forward under reentrant checkpointing (whose first
+    gradients arrive in a nested backward)."""
+    return {
+        "scaled": lambda net, x, y: scaler.scale(loss_fn(net, x, y)),
+        "scaled_then_divided": lambda net, x, y: scaler.scale(loss_fn(net, x, y)) / 2,
+        "in_a_list": lambda net, x, y: scaler.scale([loss_fn(net, x, y)])[0],
+        "reentrant": lambda net, x, y: scaler.scale(
+            checkpoint(loss_fn, net, x.requires_grad_(), y, use_reentrant=True)
+        ),
+    }
+
+
+@pytest.mark.parametrize("bucket_numel", [None, 1], ids=["one_bucket", "buckets"])
+@pytest.mark.parametrize("scaled", ["scaled", "scaled_then_divided", "in_a_list", "reentrant"])
+def test_grad_scaler_refused_before_anything_moves(scaled, bucket_numel):
+    """The AMP recipe's loop (``scaler.scale(loss).backward(); scaler.step(optim);
+    scaler.update()``) would step each gradient in backward, scaled, before GradScaler could
+    unscale it or skip the step: refused at the backward's first gradient, nothing moved
+    (before, at ``scaler.step``, after the backward had stepped every bucket by 1024 times its
+    gradient). A later backward of an unscaled loss trains as the plain optimizer."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.SGD, lr=0.1, bucket_numel=bucket_numel
+    )
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     x, y = _x(0)
-    scaler.scale(loss_fn(model, x, y)).backward()
-    with pytest.raises(RuntimeError, match="bf16 autocast"):
-        scaler.step(optim)
+    _refused_unmoved(
+        model, "GradScaler.scale", lambda: _scaled_losses(scaler)[scaled](model, x, y).backward()
+    )
+    optim.zero_grad()
+    for net, opt in ((model, optim), (reference, plain)):
+        loss_fn(net, *_x(1)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_match(model, reference)
+
+
+def _grad_scaler_body() -> None:
+    """On FSDP2 the scaled backward is refused on every rank at its first unit, before any
+    rank moves. The loop then goes on unscaled from where FSDP2 left that failed backward
+    (its unsharded gradients are kept, and added to the next backward's): equal to plain
+    AdamW's loop failing at the same gradient (a hook raising there)."""
+    model, reference, optim, plain = _adamw_loops(sharded=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = _x(0, sharded=True)
+    _refused_unmoved(
+        model, "GradScaler.scale", lambda: scaler.scale(loss_fn(model, x, y)).backward()
+    )
+
+    def fail(_param: torch.Tensor) -> None:
+        raise RuntimeError("failed here")
+
+    handles = [p.register_post_accumulate_grad_hook(fail) for p in reference.parameters()]
+    with pytest.raises(RuntimeError, match="failed here"):
+        scaler.scale(loss_fn(reference, x, y)).backward()
+    for handle in handles:
+        handle.remove()
+    for net, opt in ((model, optim), (reference, plain)):
+        opt.zero_grad()
+        loss_fn(net, *_x(1, sharded=True)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_match(model, reference)
+
+
+def test_grad_scaler_under_accumulate_refused_at_its_step():
+    """Under ``accumulate()`` the scaled gradients are held, not stepped: ``scaler.step``
+    refuses, nothing moved. A disabled scaler (``enabled=False``, the same loop without
+    mixed precision) scales nothing and drives the optimizer as the plain one."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with optim.accumulate():
+        scaler.scale(loss_fn(model, *_x(0))).backward()
+    _refused_unmoved(model, "bf16 autocast", lambda: scaler.step(optim))
+    optim.zero_grad()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for net, opt in ((model, optim), (reference, plain)):
+        disabled = torch.amp.GradScaler("cpu", enabled=False)
+        disabled.scale(loss_fn(net, *_x(1))).backward()
+        disabled.step(opt)
+        disabled.update()
+        opt.zero_grad()
+    assert_match(model, reference)
 
 
 # ------------------------------------------------------------------ 8. step hooks
@@ -2165,12 +2244,21 @@ def test_checkpoint_loaded_between_backward_and_step_refused():
     _loaded_between_backward_and_step_body()
 
 
+class _OwnScaler(torch.amp.GradScaler):
+    """A scaler whose ``scale`` is its own: the backward of its loss is not told apart."""
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        self._lazy_init_scale_growth_tracker(outputs.device)
+        return outputs * self._scale
+
+
 def test_grad_scaler_unscale_refused():
     """``scaler.unscale_(optim)`` before clipping (the AMP tutorial's loop) reads the gradients
-    stepped in backward: refused there, naming bf16 autocast."""
+    stepped in backward: refused there, naming bf16 autocast. (With torch's GradScaler the
+    backward refuses first; a subclass scaling the loss its own way is not seen there.)"""
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = _OwnScaler("cpu", init_scale=1024.0)
     scaler.scale(loss_fn(model, *_x(0))).backward()
     with pytest.raises(RuntimeError, match="bf16 autocast"):
         scaler.unscale_(optim)
@@ -2187,6 +2275,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _global_clip_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
+    worlds.run(2, _grad_scaler_body)
     worlds.run(2, _fsdp1_body, use_orig_params=True)
     worlds.run(3, _fsdp1_body, use_orig_params=False)
     worlds.run(2, _replicate_body)
