@@ -179,6 +179,23 @@ def test_trainer_matches_plain(tmp_path, accumulation, clip):
     print(f"ga={accumulation} clip={clip}: max parameter difference {difference:.2e}")
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_trainer_with_gradient_checkpointing_matches_plain(tmp_path, reentrant):
+    """``gradient_checkpointing=True`` (transformers' ``gradient_checkpointing_enable``: each
+    decoder layer recomputed in backward, reentrant or not), with accumulation and every step
+    clipped: equal to plain AdamW, norms included."""
+    kwargs = dict(
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+        gradient_accumulation_steps=2,
+        max_grad_norm=CLIP,
+    )
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    _assert_parity(ours, plain)
+    assert min(plain["norms"]) > CLIP, plain["norms"]
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
