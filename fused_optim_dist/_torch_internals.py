@@ -51,6 +51,14 @@ Everything else in the package uses public APIs. What this module relies on, for
   ``queue_callback`` queues on that task. A scaler built from a subclass of its own that
   overrides ``scale`` is not seen (``step()`` still refuses it: ``_refuse_grad_scaler`` in
   ``optimizer.py``).
+* ``torch.autograd.graph.saved_tensors_hooks`` (the base of ``save_on_cpu`` and of the hooks
+  non-reentrant activation checkpointing installs, ``torch.utils.checkpoint``'s
+  ``_checkpoint_hook`` and ``_recomputation_hook``) installs its hooks in ``__enter__`` and
+  offers no way to be told: ``watch_saved_tensors_hooks`` wraps ``__enter__`` to count the
+  installs. A tensor saved through such hooks is not checked against its version counter
+  when unpacked (autograd checks only the tensors it saves itself; checked on torch 2.13), so
+  an in-place write between forward and backward goes unseen. Hooks installed by calling
+  ``torch._C._autograd._push_saved_tensors_default_hooks`` directly are not counted.
 * ``torch.distributed.destroy_process_group`` offers no hook: ``before_teardown`` replaces the
   module attribute (``torch.distributed`` re-exports ``distributed_c10d``'s function) with a
   wrapper that runs the callbacks first; code that imported the function by name earlier
@@ -192,10 +200,12 @@ __all__ = [
     "read_grads",
     "read_requires_grad",
     "register_post_accumulate_grad_hook",
+    "saved_tensors_hooks_installed",
     "storages",
     "traced",
     "wait_for_checkpoint_staging",
     "watch_loss_scaling",
+    "watch_saved_tensors_hooks",
     "watch_wrappers",
     "wrapped_by",
     "wrappers_holding",
@@ -587,6 +597,33 @@ def in_scaled_backward() -> bool:
     """Whether a backward that started from a loss an enabled GradScaler scaled runs now: the
     one calling, or one it runs inside (reentrant checkpointing)."""
     return bool(_SCALED_BACKWARD) and _SCALED_BACKWARD[0]() is not None
+
+
+_SAVED_TENSORS_HOOKS_INSTALLED = [0]
+
+
+def watch_saved_tensors_hooks() -> None:
+    """From now on, count every install of saved-tensor hooks (once per process):
+    :func:`saved_tensors_hooks_installed`."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    enter = saved_tensors_hooks.__enter__
+    if hasattr(enter, "__wrapped__"):
+        return
+
+    @functools.wraps(enter)
+    def counting_enter(self: saved_tensors_hooks) -> None:
+        _SAVED_TENSORS_HOOKS_INSTALLED[0] += 1
+        enter(self)
+
+    saved_tensors_hooks.__enter__ = counting_enter  # type: ignore[method-assign]
+
+
+def saved_tensors_hooks_installed() -> int:
+    """How many times saved-tensor hooks were installed since :func:`watch_saved_tensors_hooks`
+    (the hooks of non-reentrant checkpointing, once per checkpointed call and recomputation;
+    ``save_on_cpu``; a loop's own)."""
+    return _SAVED_TENSORS_HOOKS_INSTALLED[0]
 
 
 _TEARDOWN: list[Callable[[bool], None]] = []

@@ -48,7 +48,9 @@ from fused_optim_dist._torch_internals import (
     read_grads,
     read_requires_grad,
     register_post_accumulate_grad_hook,
+    saved_tensors_hooks_installed,
     watch_loss_scaling,
+    watch_saved_tensors_hooks,
     watch_wrappers,
     wrapped_by,
     wrappers_holding,
@@ -362,6 +364,7 @@ class OptimizerInBackward(Optimizer):
     ) -> None:
         watch_wrappers()
         watch_loss_scaling()
+        watch_saved_tensors_hooks()
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
         params = list(params)
@@ -412,6 +415,8 @@ class OptimizerInBackward(Optimizer):
         self._pending = PendingUpdates()
         # Whether a backward stepped since the last step().
         self._stepped_since_step = False
+        # Saved-tensor hooks installed until the last step(): see _refuse_second_pass.
+        self._hooks_at_step = saved_tensors_hooks_installed()
         # Whether a gradient reached a parameter since the last step() or zero_grad(). See
         # [Note: gradients held for step()].
         self._arrived_since_step = False
@@ -878,6 +883,7 @@ class OptimizerInBackward(Optimizer):
         self._pending.commit()
         self._gradients.end_of_step()
         self._stepped_since_step = self._arrived_since_step = False
+        self._hooks_at_step = saved_tensors_hooks_installed()
         self._order_new_state()
 
     def _order_new_state(self) -> None:
@@ -974,7 +980,11 @@ class OptimizerInBackward(Optimizer):
         call reads them all (one the earlier pass did not update steps this pass's gradients
         alone, as the plain call does); or since a pass that advanced state a class keeps in
         its groups or on itself: the plain optimizer's one ``step()`` advances it once, each
-        pass here would advance it again. See [Note: group and instance state]."""
+        pass here would advance it again. See [Note: group and instance state]. Also after a
+        pass that made updates where saved-tensor hooks were installed since the last
+        ``step()`` (non-reentrant checkpointing, ``save_on_cpu``): autograd checks no tensor
+        saved through them, so this pass's graph could read weights the earlier pass updated
+        (without hooks autograd refuses that: "modified by an inplace operation")."""
         clipped = self.options.max_grad_norm is not None
         if self._pending and (clipped or self._pending_in_joint_class()):
             reason = (
@@ -988,6 +998,19 @@ class OptimizerInBackward(Optimizer):
                 "a second backward (or a step() stepping gradients set by hand) before "
                 f"optim.step(), after a backward whose updates were made, {reason}, where the "
                 "earlier backward's updates used its gradients alone. Run the earlier "
+                "backwards of the step under `with optim.accumulate():` (two losses, an actor "
+                "and a critic), or sum the losses and call backward once. Nothing was stepped "
+                "by this one."
+            )
+        if self._pending and saved_tensors_hooks_installed() != self._hooks_at_step:
+            raise RuntimeError(
+                "a second backward (or a step() stepping gradients set by hand) before "
+                "optim.step(), after a backward whose updates were made, with saved-tensor "
+                "hooks installed in a forward since the last step() (activation checkpointing "
+                "with use_reentrant=False, torch.autograd.graph.save_on_cpu, activation "
+                "offloading): autograd does not check a tensor saved through them for "
+                "in-place changes, so this backward could read weights the earlier one "
+                "updated, where the plain optimizer's reads them unchanged. Run the earlier "
                 "backwards of the step under `with optim.accumulate():` (two losses, an actor "
                 "and a critic), or sum the losses and call backward once. Nothing was stepped "
                 "by this one."
