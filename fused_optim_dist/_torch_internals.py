@@ -53,12 +53,15 @@ Everything else in the package uses public APIs. What this module relies on, for
   ``optimizer.py``).
 * ``torch.autograd.graph.saved_tensors_hooks`` (the base of ``save_on_cpu`` and of the hooks
   non-reentrant activation checkpointing installs, ``torch.utils.checkpoint``'s
-  ``_checkpoint_hook`` and ``_recomputation_hook``) installs its hooks in ``__enter__`` and
-  offers no way to be told: ``watch_saved_tensors_hooks`` wraps ``__enter__`` to count the
-  installs. A tensor saved through such hooks is not checked against its version counter
-  when unpacked (autograd checks only the tensors it saves itself; checked on torch 2.13), so
-  an in-place write between forward and backward goes unseen. Hooks installed by calling
-  ``torch._C._autograd._push_saved_tensors_default_hooks`` directly are not counted.
+  ``_checkpoint_hook`` and ``_recomputation_hook``) takes its pack and unpack hooks in
+  ``__init__`` and installs them in ``__enter__``, and offers no way to be told:
+  ``watch_saved_tensors_hooks`` wraps both. A tensor saved through such hooks is not checked
+  against its version counter when unpacked (autograd checks only the tensors it saves
+  itself; checked on torch 2.13), so an in-place write between forward and backward goes
+  unseen; the pack hook gets the tensor autograd saves, a parameter itself or an alias that
+  shares its memory and version counter (``.detach()``), and the unpack hook returns what
+  the node reads (the same tensor, a copy, or one recomputed). Hooks installed by calling
+  ``torch._C._autograd._push_saved_tensors_default_hooks`` directly are not seen.
 * ``torch.distributed.destroy_process_group`` offers no hook: ``before_teardown`` replaces the
   module attribute (``torch.distributed`` re-exports ``distributed_c10d``'s function) with a
   wrapper that runs the callbacks first; code that imported the function by name earlier
@@ -602,12 +605,50 @@ def in_scaled_backward() -> bool:
 _SAVED_TENSORS_HOOKS_INSTALLED = [0]
 
 
-def watch_saved_tensors_hooks() -> None:
-    """From now on, count every install of saved-tensor hooks (once per process):
-    :func:`saved_tensors_hooks_installed`."""
+def _strided_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor with values, whose storage can be read (a
+    sparse one's cannot)."""
+    return type(tensor) in _PLAIN_TYPES and tensor.layout is torch.strided and holds_values(tensor)
+
+
+def _version_checked(
+    pack_hook: Callable[[torch.Tensor], Any],
+    unpack_hook: Callable[[Any], torch.Tensor],
+    on_changed: Callable[[torch.Tensor], None],
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """``pack_hook`` and ``unpack_hook`` with autograd's version check put back for leaves (a
+    parameter, or a read of one through ``.detach()``): ``on_changed(tensor)`` is called where
+    the tensor unpacked holds the memory that was packed and was written in place since."""
+
+    def pack(tensor: torch.Tensor) -> tuple[Any, int | None, int]:
+        packed = pack_hook(tensor)
+        if tensor.is_leaf and _strided_values(tensor):
+            return packed, tensor._version, tensor.untyped_storage().data_ptr()
+        return packed, None, 0
+
+    def unpack(saved: tuple[Any, int | None, int]) -> torch.Tensor:
+        packed, version, address = saved
+        tensor = unpack_hook(packed)
+        if (
+            version is not None
+            and tensor._version != version
+            and _strided_values(tensor)
+            and tensor.untyped_storage().data_ptr() == address
+        ):
+            on_changed(tensor)
+        return tensor
+
+    return pack, unpack
+
+
+def watch_saved_tensors_hooks(on_changed: Callable[[torch.Tensor], None]) -> None:
+    """From now on (once per process), count every install of saved-tensor hooks
+    (:func:`saved_tensors_hooks_installed`), and call ``on_changed(tensor)`` where a tensor
+    saved through them is unpacked after an in-place write into its memory (the check
+    autograd makes of the tensors it saves itself, and not of these)."""
     from torch.autograd.graph import saved_tensors_hooks
 
-    enter = saved_tensors_hooks.__enter__
+    enter, init = saved_tensors_hooks.__enter__, saved_tensors_hooks.__init__
     if hasattr(enter, "__wrapped__"):
         return
 
@@ -616,7 +657,16 @@ def watch_saved_tensors_hooks() -> None:
         _SAVED_TENSORS_HOOKS_INSTALLED[0] += 1
         enter(self)
 
+    @functools.wraps(init)
+    def checking_init(
+        self: saved_tensors_hooks,
+        pack_hook: Callable[[torch.Tensor], Any],
+        unpack_hook: Callable[[Any], torch.Tensor],
+    ) -> None:
+        init(self, *_version_checked(pack_hook, unpack_hook, on_changed))
+
     saved_tensors_hooks.__enter__ = counting_enter  # type: ignore[method-assign]
+    saved_tensors_hooks.__init__ = checking_init  # type: ignore[method-assign]
 
 
 def saved_tensors_hooks_installed() -> int:

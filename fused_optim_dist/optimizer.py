@@ -149,6 +149,35 @@ def _nested_in_hook_error() -> RuntimeError:
     )
 
 
+def _refuse_updated_read(tensor: torch.Tensor) -> None:
+    """Raise if ``tensor``, saved for backward through saved-tensor hooks and written in place
+    since, holds the memory of a parameter updated in backward since its optimizer's last
+    ``step()``: the node reading it would compute with the updated weight, where the plain
+    optimizer's backward reads the old one (a parameter read through ``.detach()`` under
+    non-reentrant checkpointing or ``save_on_cpu``). Without such hooks autograd refuses the
+    same read ("modified by an inplace operation"). Scans the parameters: only called where a
+    tensor's memory changed under a saved tensor, which nothing else here does."""
+    address = tensor.untyped_storage().data_ptr()
+    for param, ref in list(_OWNERS.items()):
+        owner = ref()
+        if (
+            owner is not None
+            and owner._pending.holds(param)
+            and type(param) in (torch.Tensor, nn.Parameter)
+            and param.untyped_storage().data_ptr() == address
+        ):
+            raise RuntimeError(
+                "a tensor saved for backward through saved-tensor hooks (activation "
+                "checkpointing with use_reentrant=False, torch.autograd.graph.save_on_cpu, "
+                "activation offloading) holds the memory of a parameter this backward already "
+                "updated (read through .detach() in the forward?): the node reading it would "
+                "compute with the updated weight, where the plain optimizer's backward reads "
+                "the old one (without such hooks autograd refuses it: 'modified by an "
+                "inplace operation'). Read the parameter with its gradient, or outside the "
+                "hooks; the buckets stepped before this node moved."
+            )
+
+
 def _loss_scaling_error(what: str) -> RuntimeError:
     """``torch.amp.GradScaler`` driving this optimizer: each gradient of the scaled loss would
     be stepped in backward as it arrives, before GradScaler could unscale it or skip a step
@@ -364,7 +393,7 @@ class OptimizerInBackward(Optimizer):
     ) -> None:
         watch_wrappers()
         watch_loss_scaling()
-        watch_saved_tensors_hooks()
+        watch_saved_tensors_hooks(_refuse_updated_read)
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
         params = list(params)

@@ -1175,6 +1175,61 @@ def test_parameter_read_detached_after_its_update_refused_by_autograd(fused):
         loss_fn(model, x, y).backward()
 
 
+class _DetachedReadCheckpointed(_DetachedRead):
+    """``_DetachedRead`` with its first part (the detached read among it) recomputed in
+    backward: non-reentrant checkpointing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def first_part(x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.first(x))
+            return torch.tanh(nn.functional.linear(h, self.second.weight.detach()))
+
+        h = checkpoint(first_part, x, use_reentrant=False)
+        return self.head(torch.tanh(self.second(h)))
+
+
+def _under_hooks(kind: str) -> contextlib.AbstractContextManager:
+    return {
+        "save_on_cpu": torch.autograd.graph.save_on_cpu,
+        "identity": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        "checkpoint": contextlib.nullcontext,
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "save_on_cpu", "identity"])
+def test_parameter_read_detached_under_saved_tensor_hooks_refused(kind):
+    """The detached read above under saved-tensor hooks (its part recomputed by non-reentrant
+    checkpointing, ``save_on_cpu``, hooks of one's own): autograd checks no tensor saved
+    through them, and the node computed with the updated weight (AdamW 3.3e-3 apart after four
+    steps, no error). The version check is made for them here: refused at that node, as
+    autograd refuses it without hooks. With one bucket (nothing stepped before that node),
+    equal to plain AdamW under the same hooks."""
+    model_cls = _DetachedReadCheckpointed if kind == "checkpoint" else _DetachedRead
+    torch.manual_seed(0)
+    model = model_cls()
+    _optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=1, **ADAMW)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="saved-tensor hooks"):
+        with _under_hooks(kind):
+            loss = loss_fn(model, x, y)
+        loss.backward()
+    torch.manual_seed(0)
+    model, reference = model_cls(), model_cls()
+    reference.load_state_dict(model.state_dict())
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)
+        for net, opt in ((model, optim), (reference, plain)):
+            with _under_hooks(kind):
+                loss = loss_fn(net, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, reference)
+
+
 class NameDecaySGD(torch.optim.Optimizer):
     """SGD with decoupled weight decay on every parameter but biases, told by name (an
     optimizer built on ``model.named_parameters()``: ``param_names`` beside ``params``)."""
