@@ -8,8 +8,9 @@ raises, a second backward before ``step()``, gradients read before ``step()``, k
 module or by the optimizer's ``zero_grad(set_to_none=False)`` (then stepped by a backward, one that
 misses a layer, under ``accumulate()``, with gradients set by hand or none) or never zeroed, an
 optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the load
-then rolled back), reentrant activation checkpointing, ``step()`` without a backward, LR changes
-(lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict`` round trips,
+then rolled back), activation checkpointing (reentrant or not) and ``save_on_cpu``, ``step()``
+without a backward, LR changes (lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict``
+round trips,
 ``state.clear()``, the head frozen and unfrozen (also before it is added as a group);
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
@@ -460,9 +461,11 @@ class LoopMachine(RuleBasedStateMachine):
         self.step += 2
 
     @precondition(lambda self: not self.pending)
-    @rule()
-    def train_reentrant(self) -> None:
-        """A step under reentrant activation checkpointing: one backward, one pass."""
+    @rule(recompute=st.sampled_from(["reentrant", "non_reentrant", "save_on_cpu"]))
+    def train_checkpointed(self, recompute: str) -> None:
+        """A step under activation checkpointing of every layer (reentrant: one backward, one
+        pass; non-reentrant: saved-tensor hooks, recomputed in backward), or with the saved
+        tensors kept through ``save_on_cpu``'s hooks."""
         ours_model, plain_model = self.models
         for model, optim in ((ours_model, self.ours), (plain_model, self.plain)):
             forward = model.forward
@@ -470,10 +473,14 @@ class LoopMachine(RuleBasedStateMachine):
             def checkpointed(x, model=model):
                 h = model.inp(x)
                 for layer in model.layers:
-                    h = checkpoint(layer, h, use_reentrant=True)
+                    h = checkpoint(layer, h, use_reentrant=recompute == "reentrant")
                 return model.head(h)
 
-            model.forward = checkpointed
+            def offloaded(x, forward=forward):
+                with torch.autograd.graph.save_on_cpu():
+                    return forward(x)
+
+            model.forward = offloaded if recompute == "save_on_cpu" else checkpointed
             try:
                 self._backward(model, self.step)
             finally:
