@@ -603,6 +603,7 @@ def in_scaled_backward() -> bool:
 
 
 _SAVED_TENSORS_HOOKS_INSTALLED = [0]
+_SAVED_TENSORS_HOOKS_WATCHED: list[bool] = []
 
 
 def _strided_values(tensor: torch.Tensor) -> bool:
@@ -648,9 +649,10 @@ def watch_saved_tensors_hooks(on_changed: Callable[[torch.Tensor], None]) -> Non
     autograd makes of the tensors it saves itself, and not of these)."""
     from torch.autograd.graph import saved_tensors_hooks
 
-    enter, init = saved_tensors_hooks.__enter__, saved_tensors_hooks.__init__
-    if hasattr(enter, "__wrapped__"):
+    if _SAVED_TENSORS_HOOKS_WATCHED:
         return
+    _SAVED_TENSORS_HOOKS_WATCHED.append(True)
+    enter, init = saved_tensors_hooks.__enter__, saved_tensors_hooks.__init__
 
     @functools.wraps(enter)
     def counting_enter(self: saved_tensors_hooks) -> None:
