@@ -153,7 +153,7 @@ def _loss_scaling() -> dict:
     [
         (dict(accumulate_grad_batches=2), r"already updated in an earlier backward.*accumulate"),
         (dict(gradient_clip_val=0.05), r"max_grad_norm="),
-        (_loss_scaling(), r"GradScaler.unscale_ cannot unscale"),
+        (_loss_scaling(), r"backward started from a loss that GradScaler.scale\(\) scaled"),
     ],
     ids=["accumulate_grad_batches", "gradient_clip_val", "16-mixed"],
 )
