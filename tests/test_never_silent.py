@@ -619,6 +619,25 @@ def test_second_backward_reading_updated_weights_under_saved_tensor_hooks_refuse
     assert_match(model, reference)
 
 
+def test_gradients_set_by_hand_after_a_backward_under_saved_tensor_hooks_refused():
+    """A backward whose forward ran under non-reentrant checkpointing steps the actor; the
+    critic's gradients are then computed by ``torch.autograd.grad`` through the same graph and
+    set by hand, and ``step()`` would step them: autograd checked none of the tensors saved
+    through the hooks, so the second computation may have read the actor's updated weights
+    unseen. ``step()`` refuses before it moves anything."""
+    torch.manual_seed(0)
+    actor, critic = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = nn.ModuleList([actor, critic])
+    optim = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1, bucket_numel=1)
+    state = torch.randn(8, 4)
+    value = checkpoint(lambda s: critic(actor(s)), state, use_reentrant=False).mean()
+    value.backward(inputs=list(actor.parameters()), retain_graph=True)
+    grads = torch.autograd.grad(value, list(critic.parameters()))
+    for param, grad in zip(critic.parameters(), grads, strict=True):
+        param.grad = grad
+    _refused_unmoved(model, "saved-tensor hooks", optim.step)
+
+
 @pytest.mark.parametrize(
     "nonfinite", ["first backward", "second backward", "gradient set by hand", "both"]
 )
