@@ -54,13 +54,13 @@ Everything else in the package uses public APIs. What this module relies on, for
 * ``torch.autograd.graph.saved_tensors_hooks`` (the base of ``save_on_cpu`` and of the hooks
   non-reentrant activation checkpointing installs, ``torch.utils.checkpoint``'s
   ``_checkpoint_hook`` and ``_recomputation_hook``) takes its pack and unpack hooks in
-  ``__init__`` and installs them in ``__enter__``, and offers no way to be told:
-  ``watch_saved_tensors_hooks`` wraps both. A tensor saved through such hooks is not checked
-  against its version counter when unpacked (autograd checks only the tensors it saves
-  itself; checked on torch 2.13), so an in-place write between forward and backward goes
-  unseen; the pack hook gets the tensor autograd saves, a parameter itself or an alias that
-  shares its memory and version counter (``.detach()``), and the unpack hook returns what
-  the node reads (the same tensor, a copy, or one recomputed). Hooks installed by calling
+  ``__init__``, and offers no way to be told what they save: ``watch_saved_tensors_hooks``
+  wraps ``__init__``. A tensor saved through such hooks is not checked against its version
+  counter when unpacked (autograd checks only the tensors it saves itself; checked on torch
+  2.13), so an in-place write between forward and backward goes unseen; the pack hook gets
+  the tensor autograd saves, a parameter itself or an alias that shares its memory and
+  version counter (``.detach()``), and the unpack hook returns what the node reads (the same
+  tensor, a copy, or one recomputed). Hooks installed by calling
   ``torch._C._autograd._push_saved_tensors_default_hooks`` directly are not seen.
 * ``torch.distributed.destroy_process_group`` offers no hook: ``before_teardown`` replaces the
   module attribute (``torch.distributed`` re-exports ``distributed_c10d``'s function) with a
@@ -203,7 +203,6 @@ __all__ = [
     "read_grads",
     "read_requires_grad",
     "register_post_accumulate_grad_hook",
-    "saved_tensors_hooks_installed",
     "storages",
     "traced",
     "wait_for_checkpoint_staging",
@@ -602,7 +601,6 @@ def in_scaled_backward() -> bool:
     return bool(_SCALED_BACKWARD) and _SCALED_BACKWARD[0]() is not None
 
 
-_SAVED_TENSORS_HOOKS_INSTALLED = [0]
 _SAVED_TENSORS_HOOKS_WATCHED: list[bool] = []
 
 
@@ -612,18 +610,28 @@ def _strided_values(tensor: torch.Tensor) -> bool:
     return type(tensor) in _PLAIN_TYPES and tensor.layout is torch.strided and holds_values(tensor)
 
 
-def _version_checked(
+class _Watchers(NamedTuple):
+    on_saved: Callable[[torch.Tensor], None]
+    on_changed: Callable[[torch.Tensor], None]
+
+
+def _watched(
     pack_hook: Callable[[torch.Tensor], Any],
     unpack_hook: Callable[[Any], torch.Tensor],
-    on_changed: Callable[[torch.Tensor], None],
+    watchers: _Watchers,
 ) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-    """``pack_hook`` and ``unpack_hook`` with autograd's version check put back for leaves (a
-    parameter, or a read of one through ``.detach()``): ``on_changed(tensor)`` is called where
-    the tensor unpacked holds the memory that was packed and was written in place since."""
+    """``pack_hook`` and ``unpack_hook``, telling ``watchers`` of each leaf saved (a
+    parameter, or a read of one through ``.detach()``) or view (of the tensor it views: a
+    weight saved transposed by ``linear``), and with autograd's version check put back for
+    them: ``on_changed(tensor)`` where the tensor unpacked holds the memory that was packed
+    and was written in place since."""
 
     def pack(tensor: torch.Tensor) -> tuple[Any, int | None, int]:
         packed = pack_hook(tensor)
-        if tensor.is_leaf and _strided_values(tensor):
+        view = tensor._is_view()
+        if (view or tensor.is_leaf) and _strided_values(tensor):
+            if tensor.requires_grad:  # a parameter, or a view of one (not a detached read)
+                watchers.on_saved(tensor._base if view else tensor)
             return packed, tensor._version, tensor.untyped_storage().data_ptr()
         return packed, None, 0
 
@@ -636,46 +644,37 @@ def _version_checked(
             and _strided_values(tensor)
             and tensor.untyped_storage().data_ptr() == address
         ):
-            on_changed(tensor)
+            watchers.on_changed(tensor)
         return tensor
 
     return pack, unpack
 
 
-def watch_saved_tensors_hooks(on_changed: Callable[[torch.Tensor], None]) -> None:
-    """From now on (once per process), count every install of saved-tensor hooks
-    (:func:`saved_tensors_hooks_installed`), and call ``on_changed(tensor)`` where a tensor
-    saved through them is unpacked after an in-place write into its memory (the check
-    autograd makes of the tensors it saves itself, and not of these)."""
+def watch_saved_tensors_hooks(
+    on_saved: Callable[[torch.Tensor], None], on_changed: Callable[[torch.Tensor], None]
+) -> None:
+    """From now on (once per process), call ``on_saved(tensor)`` for each leaf (a parameter,
+    or a read of one through ``.detach()``) saved for backward through saved-tensor hooks, or
+    the tensor a view saved so views, and ``on_changed(tensor)`` where one is unpacked after
+    an in-place write into its memory (the check autograd makes of the tensors it saves
+    itself, and not of these)."""
     from torch.autograd.graph import saved_tensors_hooks
 
     if _SAVED_TENSORS_HOOKS_WATCHED:
         return
     _SAVED_TENSORS_HOOKS_WATCHED.append(True)
-    enter, init = saved_tensors_hooks.__enter__, saved_tensors_hooks.__init__
-
-    @functools.wraps(enter)
-    def counting_enter(self: saved_tensors_hooks) -> None:
-        _SAVED_TENSORS_HOOKS_INSTALLED[0] += 1
-        enter(self)
+    init = saved_tensors_hooks.__init__
+    watchers = _Watchers(on_saved, on_changed)
 
     @functools.wraps(init)
-    def checking_init(
+    def watching_init(
         self: saved_tensors_hooks,
         pack_hook: Callable[[torch.Tensor], Any],
         unpack_hook: Callable[[Any], torch.Tensor],
     ) -> None:
-        init(self, *_version_checked(pack_hook, unpack_hook, on_changed))
+        init(self, *_watched(pack_hook, unpack_hook, watchers))
 
-    saved_tensors_hooks.__enter__ = counting_enter  # type: ignore[method-assign]
-    saved_tensors_hooks.__init__ = checking_init  # type: ignore[method-assign]
-
-
-def saved_tensors_hooks_installed() -> int:
-    """How many times saved-tensor hooks were installed since :func:`watch_saved_tensors_hooks`
-    (the hooks of non-reentrant checkpointing, once per checkpointed call and recomputation;
-    ``save_on_cpu``; a loop's own)."""
-    return _SAVED_TENSORS_HOOKS_INSTALLED[0]
+    saved_tensors_hooks.__init__ = watching_init  # type: ignore[method-assign]
 
 
 _TEARDOWN: list[Callable[[bool], None]] = []

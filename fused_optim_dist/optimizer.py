@@ -48,7 +48,6 @@ from fused_optim_dist._torch_internals import (
     read_grads,
     read_requires_grad,
     register_post_accumulate_grad_hook,
-    saved_tensors_hooks_installed,
     watch_loss_scaling,
     watch_saved_tensors_hooks,
     watch_wrappers,
@@ -147,6 +146,15 @@ def _nested_in_hook_error() -> RuntimeError:
         "the plain optimizer (with Hugging Face's Trainer, which reads the norm of a "
         "stepping backward before step()). Nothing was stepped by this backward."
     )
+
+
+def _note_saved_through_hooks(tensor: torch.Tensor) -> None:
+    """``tensor`` was saved for backward through saved-tensor hooks: where it is a parameter
+    of an optimizer, a second pass of that optimizer before its ``step()`` is refused (see
+    ``_refuse_second_pass``)."""
+    owner = _owner(tensor)
+    if owner is not None:
+        owner._saved_through_hooks = True
 
 
 def _refuse_updated_read(tensor: torch.Tensor) -> None:
@@ -393,7 +401,7 @@ class OptimizerInBackward(Optimizer):
     ) -> None:
         watch_wrappers()
         watch_loss_scaling()
-        watch_saved_tensors_hooks(_refuse_updated_read)
+        watch_saved_tensors_hooks(_note_saved_through_hooks, _refuse_updated_read)
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
         options, optimizer_kwargs = split_options(optimizer_cls, options, kwargs)
         params = list(params)
@@ -444,8 +452,9 @@ class OptimizerInBackward(Optimizer):
         self._pending = PendingUpdates()
         # Whether a backward stepped since the last step().
         self._stepped_since_step = False
-        # Saved-tensor hooks installed until the last step(): see _refuse_second_pass.
-        self._hooks_at_step = saved_tensors_hooks_installed()
+        # Whether a parameter was saved for backward through saved-tensor hooks since the last
+        # step(): see _refuse_second_pass.
+        self._saved_through_hooks = False
         # Whether a gradient reached a parameter since the last step() or zero_grad(). See
         # [Note: gradients held for step()].
         self._arrived_since_step = False
@@ -912,7 +921,7 @@ class OptimizerInBackward(Optimizer):
         self._pending.commit()
         self._gradients.end_of_step()
         self._stepped_since_step = self._arrived_since_step = False
-        self._hooks_at_step = saved_tensors_hooks_installed()
+        self._saved_through_hooks = False
         self._order_new_state()
 
     def _order_new_state(self) -> None:
@@ -1010,10 +1019,11 @@ class OptimizerInBackward(Optimizer):
         alone, as the plain call does); or since a pass that advanced state a class keeps in
         its groups or on itself: the plain optimizer's one ``step()`` advances it once, each
         pass here would advance it again. See [Note: group and instance state]. Also after a
-        pass that made updates where saved-tensor hooks were installed since the last
-        ``step()`` (non-reentrant checkpointing, ``save_on_cpu``): autograd checks no tensor
-        saved through them, so this pass's graph could read weights the earlier pass updated
-        (without hooks autograd refuses that: "modified by an inplace operation")."""
+        pass that made updates where a parameter was saved for backward through saved-tensor
+        hooks since the last ``step()`` (non-reentrant checkpointing, ``save_on_cpu``):
+        autograd checks no tensor saved through them, so this pass's graph could read weights
+        the earlier pass updated (without hooks autograd refuses that: "modified by an inplace
+        operation")."""
         clipped = self.options.max_grad_norm is not None
         if self._pending and (clipped or self._pending_in_joint_class()):
             reason = (
@@ -1031,13 +1041,13 @@ class OptimizerInBackward(Optimizer):
                 "and a critic), or sum the losses and call backward once. Nothing was stepped "
                 "by this one."
             )
-        if self._pending and saved_tensors_hooks_installed() != self._hooks_at_step:
+        if self._pending and self._saved_through_hooks:
             raise RuntimeError(
                 "a second backward (or a step() stepping gradients set by hand) before "
-                "optim.step(), after a backward whose updates were made, with saved-tensor "
-                "hooks installed in a forward since the last step() (activation checkpointing "
-                "with use_reentrant=False, torch.autograd.graph.save_on_cpu, activation "
-                "offloading): autograd does not check a tensor saved through them for "
+                "optim.step(), after a backward whose updates were made, with parameters saved "
+                "for backward through saved-tensor hooks since the last step() (activation "
+                "checkpointing with use_reentrant=False, torch.autograd.graph.save_on_cpu, "
+                "activation offloading): autograd does not check a tensor saved through them for "
                 "in-place changes, so this backward could read weights the earlier one "
                 "updated, where the plain optimizer's reads them unchanged. Run the earlier "
                 "backwards of the step under `with optim.accumulate():` (two losses, an actor "
