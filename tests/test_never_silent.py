@@ -573,9 +573,10 @@ def test_second_backward_reading_updated_weights_under_saved_tensor_hooks_refuse
     weights. Without hooks autograd refuses the second backward (the critic's saved weights
     changed: "modified by an inplace operation"). Under saved-tensor hooks it checks nothing,
     and the actor's gradient came from the critic's updated weights (SGD 1.2e-2 apart after
-    three steps, 9.2e-3 with the critic checkpointed, no error). Refused at the second
-    backward's first gradient, before it moves anything; with the first backward under
-    ``accumulate()``, equal to the plain loop."""
+    three steps, 9.2e-3 with the critic checkpointed, no error). Refused in the second
+    backward before it moves anything (at the first node that reads an updated weight saved
+    through the hooks, or else at its first gradient: the critic's weights were saved through
+    them); with the first backward under ``accumulate()``, equal to the plain loop."""
     apply = _saved_tensors_hooks(kind)
 
     def losses(actor: nn.Module, critic: nn.Module, step: int) -> tuple[torch.Tensor, ...]:
