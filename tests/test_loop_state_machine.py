@@ -1049,3 +1049,18 @@ def test_loop_helper_norm_where_it_was_the_last_steps(machine, sequence):
         assert state.norms.get("ours") is not None and state.norms.get("plain") is not None
         state.same_norms()
         state.same_parameters()
+
+
+@pytest.mark.parametrize("recompute", ["non_reentrant", "save_on_cpu"])
+def test_hooks_of_the_reference_model_refuse_nothing_of_ours(recompute):
+    """A step under saved-tensor hooks in both loops, then gradients set by hand after a
+    backward: the plain model's forward, run after ours stepped, saved its own parameters
+    through the hooks, and ours refused the next step's second pass as if its parameters had
+    been saved so (a refusal where both loops are equal): found by the random machines."""
+    state = LoopMachine()
+    state.build()
+    state.train_checkpointed(recompute=recompute)
+    state.hand_set_grad(layer=0, trainable=True, with_backward=True)
+    state.same_norms()
+    state.same_parameters()
+    state.same_state()
