@@ -124,6 +124,7 @@ from fused_optim_dist._stepping import Batch, local_gradients
 from fused_optim_dist._streams import StepEvents, hook_stream, keep_alive_until_done
 from fused_optim_dist._torch_internals import (
     FSDPUnit,
+    GraphTaskToken,
     current_backward_id,
     fsdp_post_backward_node,
     local_tensor,
@@ -192,13 +193,6 @@ class _Deferred(NamedTuple):
     found_inf: torch.Tensor | None
 
 
-class _GraphTaskToken:
-    """Held only by the callbacks queued on one backward's graph task. See [Note: one
-    backward, one BackwardPass]."""
-
-    __slots__ = ("__weakref__",)
-
-
 class BackwardPass:
     """One backward pass (or one ``step()``) of an ``OptimizerInBackward``.
 
@@ -238,7 +232,7 @@ class BackwardPass:
         # See [Note: checkpoint staging in flight] in _torch_internals.py: a backward's first
         # write waits for it; step() writes where the plain optimizer's does.
         self._staging_awaited = backward_id is None
-        self._token: weakref.ref[_GraphTaskToken] | None = None
+        self._token: weakref.ref[GraphTaskToken] | None = None
         self.phase = Phase.COLLECTING
         self._plan = plan
         self._stepper = stepper
@@ -273,7 +267,7 @@ class BackwardPass:
         In a backward nested inside another from an autograd Function's ``backward``, the pass
         belongs to the outermost one: its finish is queued there, from a post hook of ``node``,
         the node that backward is running (``enclosing_backward().node``)."""
-        token = _GraphTaskToken()
+        token = GraphTaskToken()
         self._token = weakref.ref(token)
         if node is None:
             queue_end_of_backward(lambda: self.finish(token))
@@ -458,7 +452,7 @@ class BackwardPass:
         for bucket, members in parts:
             self._step_bucket(bucket, members)
 
-    def finish(self, token: _GraphTaskToken | None = None) -> None:
+    def finish(self, token: GraphTaskToken | None = None) -> None:
         """Step what did not complete, wait for the steps' streams, complete the norm.
 
         ``token``: the one :meth:`queue_finish` made, held by the queued callback until now."""

@@ -455,6 +455,16 @@ class PendingUpdates:
             map(operator.ne, [p._version for p in self._params[settled:]], self._added[settled:])
         )
 
+    def wrote_after(self, address: int, version: int) -> bool:
+        """Whether an update here wrote into the memory at ``address`` (a storage's
+        ``data_ptr()``) after that memory's version counter read ``version``: each update is
+        noted with its parameter's version once written (``add``), and the alias held then
+        holds the storage it was written into."""
+        return any(
+            written > version and storage.data_ptr() == address
+            for storage, written in zip(storages(self._held), self._added, strict=True)
+        )
+
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids
 

@@ -183,6 +183,7 @@ __all__ = [
     "OPTIMIZER_HOOKS",
     "Enclosing",
     "FSDPUnit",
+    "GraphTaskToken",
     "before_teardown",
     "current_backward_id",
     "drop_grads",
@@ -532,26 +533,15 @@ def wrapped_by(params: Sequence[torch.Tensor]) -> nn.Module | None:
     return None
 
 
-class _ScaledBackward:
-    """Held only by a callback queued on a backward that started from a loss a GradScaler
-    scaled: alive while that backward runs."""
-
-    __slots__ = ("__weakref__",)
-
-
-_SCALED_BACKWARD: list[weakref.ref[_ScaledBackward]] = []
+_SCALED_BACKWARD: list[weakref.ref[GraphTaskToken]] = []
 _LOSS_SCALING_WATCH: list[type] = []
 
 
 @torch.compiler.disable
 def _mark_scaled_backward(_grad: torch.Tensor) -> None:
-    from torch.autograd import Variable
-
-    marker = _ScaledBackward()
-    _SCALED_BACKWARD[:] = [weakref.ref(marker)]
-    # The engine drops its callbacks when the backward finishes or fails, and the marker
-    # with them.
-    Variable._execution_engine.queue_callback(lambda: marker)
+    token = GraphTaskToken()
+    _SCALED_BACKWARD[:] = [weakref.ref(token)]
+    queue_end_of_backward(lambda: token)
 
 
 def _tensors_in(outputs: object) -> Iterator[torch.Tensor]:
@@ -612,7 +602,7 @@ def _strided_values(tensor: torch.Tensor) -> bool:
 
 class _Watchers(NamedTuple):
     on_saved: Callable[[torch.Tensor], None]
-    on_changed: Callable[[torch.Tensor], None]
+    on_changed: Callable[[torch.Tensor, int], None]
 
 
 def _watched(
@@ -623,8 +613,8 @@ def _watched(
     """``pack_hook`` and ``unpack_hook``, telling ``watchers`` of each leaf saved (a
     parameter, or a read of one through ``.detach()``) or view (of the tensor it views: a
     weight saved transposed by ``linear``), and with autograd's version check put back for
-    them: ``on_changed(tensor)`` where the tensor unpacked holds the memory that was packed
-    and was written in place since."""
+    them: ``on_changed(tensor, version)`` where the tensor unpacked holds the memory that
+    was packed and was written in place since its version counter read ``version``."""
 
     def pack(tensor: torch.Tensor) -> tuple[Any, int | None, int]:
         packed = pack_hook(tensor)
@@ -644,20 +634,20 @@ def _watched(
             and _strided_values(tensor)
             and tensor.untyped_storage().data_ptr() == address
         ):
-            watchers.on_changed(tensor)
+            watchers.on_changed(tensor, version)
         return tensor
 
     return pack, unpack
 
 
 def watch_saved_tensors_hooks(
-    on_saved: Callable[[torch.Tensor], None], on_changed: Callable[[torch.Tensor], None]
+    on_saved: Callable[[torch.Tensor], None], on_changed: Callable[[torch.Tensor, int], None]
 ) -> None:
     """From now on (once per process), call ``on_saved(tensor)`` for each leaf (a parameter,
     or a read of one through ``.detach()``) saved for backward through saved-tensor hooks, or
-    the tensor a view saved so views, and ``on_changed(tensor)`` where one is unpacked after
-    an in-place write into its memory (the check autograd makes of the tensors it saves
-    itself, and not of these)."""
+    the tensor a view saved so views, and ``on_changed(tensor, version)`` where one is
+    unpacked after an in-place write into its memory (the check autograd makes of the tensors
+    it saves itself, and not of these), ``version`` its version counter when packed."""
     from torch.autograd.graph import saved_tensors_hooks
 
     if _SAVED_TENSORS_HOOKS_WATCHED:
@@ -820,6 +810,14 @@ def enclosing_backward(device: torch.device) -> Enclosing:
 
 current_backward_id: Callable[[], int] = torch._C._current_graph_task_id
 """An id of the backward pass running on this thread, or ``-1`` outside backward."""
+
+
+class GraphTaskToken:
+    """An object to be held only by callbacks queued on one backward's graph task: the engine
+    drops those callbacks when the backward finishes or fails (it never runs them then), so
+    a weak reference to the token is alive exactly while that backward can still run them."""
+
+    __slots__ = ("__weakref__",)
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

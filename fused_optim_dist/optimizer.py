@@ -157,33 +157,28 @@ def _note_saved_through_hooks(tensor: torch.Tensor) -> None:
         owner._saved_through_hooks = True
 
 
-def _refuse_updated_read(tensor: torch.Tensor) -> None:
-    """Raise if ``tensor``, saved for backward through saved-tensor hooks and written in place
-    since, holds the memory of a parameter updated in backward since its optimizer's last
-    ``step()``: the node reading it would compute with the updated weight, where the plain
-    optimizer's backward reads the old one (a parameter read through ``.detach()`` under
-    non-reentrant checkpointing or ``save_on_cpu``). Without such hooks autograd refuses the
-    same read ("modified by an inplace operation"). Scans the parameters: only called where a
-    tensor's memory changed under a saved tensor, which nothing else here does."""
+def _refuse_updated_read(tensor: torch.Tensor, version: int) -> None:
+    """Raise if ``tensor``, saved for backward through saved-tensor hooks when its version
+    counter read ``version`` and written in place since, holds the memory of a parameter an
+    update in backward wrote after that (not yet committed by ``step()``): the node reading
+    it would compute with the updated weight, where the plain optimizer's backward reads the
+    old one (a parameter read through ``.detach()`` under non-reentrant checkpointing or
+    ``save_on_cpu``). Without such hooks autograd refuses the same read ("modified by an
+    inplace operation"). A write of the loop's own is left to autograd's rules, as in the
+    plain loop. Only called where a tensor's memory changed under a saved tensor."""
     address = tensor.untyped_storage().data_ptr()
-    for param, ref in list(_OWNERS.items()):
-        owner = ref()
-        if (
-            owner is not None
-            and owner._pending.holds(param)
-            and type(param) in (torch.Tensor, nn.Parameter)
-            and param.untyped_storage().data_ptr() == address
-        ):
-            raise RuntimeError(
-                "a tensor saved for backward through saved-tensor hooks (activation "
-                "checkpointing with use_reentrant=False, torch.autograd.graph.save_on_cpu, "
-                "activation offloading) holds the memory of a parameter this backward already "
-                "updated (read through .detach() in the forward?): the node reading it would "
-                "compute with the updated weight, where the plain optimizer's backward reads "
-                "the old one (without such hooks autograd refuses it: 'modified by an "
-                "inplace operation'). Read the parameter with its gradient, or outside the "
-                "hooks; the buckets stepped before this node moved."
-            )
+    owners = {id(o): o for o in (ref() for ref in list(_OWNERS.values())) if o is not None}
+    if any(owner._pending.wrote_after(address, version) for owner in owners.values()):
+        raise RuntimeError(
+            "a tensor saved for backward through saved-tensor hooks (activation "
+            "checkpointing with use_reentrant=False, torch.autograd.graph.save_on_cpu, "
+            "activation offloading) holds the memory of a parameter this backward already "
+            "updated (read through .detach() in the forward?): the node reading it would "
+            "compute with the updated weight, where the plain optimizer's backward reads "
+            "the old one (without such hooks autograd refuses it: 'modified by an "
+            "inplace operation'). Read the parameter with its gradient, or outside the "
+            "hooks; the buckets stepped before this node moved."
+        )
 
 
 def _loss_scaling_error(what: str) -> RuntimeError:
