@@ -22,6 +22,13 @@ plain run's: the same kernels on the same gradients.
   the param groups; its ``zero_grad()`` is ``torch.optim.Optimizer``'s, which sets each
   gradient to ``None`` itself, and its ``state_dict()`` the wrapped one's.
 
+* Meta-learning and private training without ``backward()`` on the loss alone: MAML's outer
+  loss backpropagated through an inner step (second-order, ``create_graph``, and first-order)
+  with ``torch.func.functional_call``; DP-SGD's per-example gradients from
+  ``vmap(grad(...))``, clipped, noised and set by hand before ``step()``.
+* Truncated backpropagation through time: an LSTM language model over consecutive windows,
+  the hidden state carried and detached.
+
 The WGAN-GP loop runs with torch's Adam and with ``CompactAdamW``, and ``OneCycleLR`` cycles
 ``CompactAdamW``'s betas too: each stepped in backward against the same class stepped plainly.
 
@@ -39,6 +46,7 @@ import pytest
 import torch
 from _toy import assert_same_state_dict
 from torch import nn
+from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as schedulers
@@ -280,3 +288,121 @@ def test_lookahead_wrapper_equal_plain(cls: type[Optimizer]):
     assert_same_state_dict(ours.state_dict(), plain.state_dict())
     assert_same_state_dict(ours_state, plain_state)
     assert all("lookahead_slow_buff" in entry for entry in plain_state["state"].values())
+
+
+def _maml(
+    make_optim: MakeOptim, cls: type[Optimizer], second_order: bool
+) -> tuple[nn.Module, dict]:
+    """MAML (Finn et al.) as ``torch.func`` writes it: one inner SGD step on a task's support
+    set through ``functional_call`` with the adapted weights, the outer loss on its query set
+    backpropagated through that step (``create_graph``: the second-order terms read the
+    weights the inner forward saved, so a weight stepped before they run would be read
+    updated); four tasks a meta-batch, their outer losses summed into one backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    optim = make_optim(model.parameters(), cls, dict(lr=1e-2))
+    data = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        optim.zero_grad()
+        outer = 0.0
+        for _ in range(4):
+            amplitude, phase = torch.rand(2, generator=data) * 3
+            x = torch.rand(16, 4, generator=data) * 4 - 2
+            y = amplitude * torch.sin(x.sum(1, keepdim=True) + phase)
+            support, query = (x[:8], y[:8]), (x[8:], y[8:])
+            weights = dict(model.named_parameters())
+            inner = nn.functional.mse_loss(functional_call(model, weights, support[0]), support[1])
+            grads = torch.autograd.grad(inner, list(weights.values()), create_graph=second_order)
+            adapted = {
+                name: w - 0.1 * g for (name, w), g in zip(weights.items(), grads, strict=True)
+            }
+            outer = outer + nn.functional.mse_loss(
+                functional_call(model, adapted, query[0]), query[1]
+            )
+        outer.backward()
+        optim.step()
+    return model, optim.state_dict()
+
+
+@pytest.mark.parametrize("second_order", [True, False], ids=["second-order", "first-order"])
+@pytest.mark.parametrize("cls", [torch.optim.Adam, CompactAdamW], ids=lambda c: c.__name__)
+def test_maml_meta_training_equal_plain(cls: type[Optimizer], second_order: bool):
+    (ours, ours_state), (plain, plain_state) = (
+        _maml(make, cls, second_order) for make in (_ours, _plain)
+    )
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
+    assert_same_state_dict(ours_state, plain_state)
+
+
+def _dp_sgd(make_optim: MakeOptim, cls: type[Optimizer], kwargs: dict) -> tuple[nn.Module, dict]:
+    """DP-SGD (Abadi et al.) as Opacus computes it with ``torch.func``: per-example gradients
+    (``vmap(grad(...))``, no ``backward()``), each clipped to norm 1, summed, noised and
+    averaged, set by hand on the parameters, then ``step()`` and ``zero_grad()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optim = make_optim(model.parameters(), cls, kwargs)
+    data = torch.Generator().manual_seed(1)
+
+    def example_loss(weights: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(functional_call(model, weights, x[None]), y[None])
+
+    per_example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0))
+    for _ in range(5):
+        x, y = torch.randn(16, 8, generator=data), torch.randint(0, 2, (16,), generator=data)
+        weights = {name: w.detach() for name, w in model.named_parameters()}
+        grads = per_example_grads(weights, x, y)
+        norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()]).norm(dim=0)
+        factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+        for name, param in model.named_parameters():
+            clipped = torch.einsum("n,n...->...", factors, grads[name])
+            noise = 0.5 * torch.randn(param.shape, generator=data)
+            param.grad = (clipped + noise) / len(x)
+        optim.step()
+        optim.zero_grad()
+    return model, optim.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [(torch.optim.SGD, dict(lr=0.5, momentum=0.9)), (CompactAdamW, dict(lr=1e-2))],
+    ids=["SGD", "CompactAdamW"],
+)
+def test_dp_sgd_per_example_gradients_equal_plain(cls: type[Optimizer], kwargs: dict):
+    (ours, ours_state), (plain, plain_state) = (
+        _dp_sgd(make, cls, kwargs) for make in (_ours, _plain)
+    )
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
+    assert_same_state_dict(ours_state, plain_state)
+
+
+def _truncated_bptt(make_optim: MakeOptim) -> tuple[nn.Module, dict]:
+    """A language model's truncated backpropagation through time, as PyTorch's
+    ``word_language_model`` example trains it: a two-layer LSTM over consecutive windows of one
+    long sequence, its hidden state carried from window to window and detached, one
+    ``backward()`` and ``step()`` per window. Each weight is read at every time step of the
+    window, so its gradient is complete only when the backward reaches the window's start."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        dict(embed=nn.Embedding(12, 8), lstm=nn.LSTM(8, 16, num_layers=2), head=nn.Linear(16, 12))
+    )
+    optim = make_optim(model.parameters(), torch.optim.Adam, dict(lr=1e-2))
+    tokens = torch.randint(0, 12, (41, 4), generator=torch.Generator().manual_seed(1))
+    hidden = None
+    for start in range(0, 40, 8):
+        x, y = tokens[start : start + 8], tokens[start + 1 : start + 9]
+        if hidden is not None:
+            hidden = tuple(h.detach() for h in hidden)
+        out, hidden = model["lstm"](model["embed"](x), hidden)
+        loss = nn.functional.cross_entropy(model["head"](out).flatten(0, 1), y.flatten())
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return model, optim.state_dict()
+
+
+def test_truncated_bptt_equal_plain():
+    (ours, ours_state), (plain, plain_state) = (_truncated_bptt(make) for make in (_ours, _plain))
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
+    assert_same_state_dict(ours_state, plain_state)
