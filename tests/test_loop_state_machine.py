@@ -21,8 +21,9 @@ CompactAdamW, and on bfloat16 models. After every rule both models must hold the
 every step both loops measure the norm of the step's gradients through
 ``fused_optim_dist.clip_grad_norm_`` (the plain loop's ``clip_grad_norm_``), which must agree where
 ours gives one.
-It runs on one process (a plain module, many examples) and on 2 ranks with FSDP2 (fewer,
-derandomised so that both ranks draw the same sequence).
+It runs on one process (a plain module, many examples) and with FSDP2 (fewer, derandomised so
+that every rank draws the same sequence): on 2 ranks, and with NaN batches on 4 (the last
+rank's shards all empty), a class counting steps in its groups and one stepped jointly on 3.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from _toy import batch, bypassed, loss_fn, make_models, rank_slice, shard
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -190,6 +192,14 @@ class LoopMachine(RuleBasedStateMachine):
     def _backward(self, model: nn.Module, step: int, scale: float = 1.0) -> None:
         self._loss(model, step, scale).backward()
 
+    def _all_finite(self, grads: list[torch.Tensor]) -> bool:
+        """Whether every element of ``grads`` is finite on every rank (a rank whose local
+        shards are all empty holds no NaN of a NaN batch)."""
+        finite = torch.tensor(float(all(bool(_local(g).isfinite().all()) for g in grads)))
+        if self.sharded:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite)
+
     def _step(self, optim: torch.optim.Optimizer) -> None:
         """``optim.step()``, the step's norm first measured (and the plain loop's gradients
         clipped) through ``fused_optim_dist.clip_grad_norm_``; the plain loop with
@@ -201,7 +211,7 @@ class LoopMachine(RuleBasedStateMachine):
             params = [p for group in optim.param_groups for p in group["params"]]
             grads = [p.grad for p in params if p.grad is not None]
             self.norms["plain"] = clip_grad_norm_(optim, self.max_grad_norm)
-            if self.skip_nonfinite and not all(bool(_local(g).isfinite().all()) for g in grads):
+            if self.skip_nonfinite and not self._all_finite(grads):
                 return
             optim.step()
             return
@@ -946,6 +956,27 @@ class ShardedCompactBFloat16LoopMachine(CompactBFloat16LoopMachine):
     sharded = True
 
 
+class ShardedSkipNonfiniteLoopMachine(ShardedLoopMachine):
+    """NaN batches on FSDP2: ours agrees across ranks to skip a unit, the plain loop skips the
+    step where any rank holds a non-finite gradient (on 4 ranks the toy model's shards on the
+    last rank are all empty: it holds none of a NaN batch's NaNs)."""
+
+    skip_nonfinite = True
+
+
+class ShardedGroupCounterLoopMachine(GroupCounterLoopMachine):
+    """The class counting steps in its groups, stepped unit by unit on FSDP2's DTensors."""
+
+    sharded = True
+
+
+class ShardedJointLoopMachine(JointLoopMachine):
+    """The class clipping by the norm of all its gradients, stepped jointly on FSDP2's
+    DTensors at the end of backward."""
+
+    sharded = True
+
+
 def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
     # One intra-op thread: on tensors this small, handing ops to a thread pool costs more than
     # the ops (several times the whole run on a busy machine); the ranks of a world run so.
@@ -1013,6 +1044,18 @@ def test_random_loops_fsdp2_compact_adamw(worlds):
 
 def test_random_loops_fsdp2_bfloat16(worlds):
     worlds.run(2, _run, machine=ShardedBFloat16LoopMachine, examples=4, steps=16)
+
+
+def test_random_loops_fsdp2_skip_nonfinite_with_empty_shards(worlds):
+    worlds.run(4, _run, machine=ShardedSkipNonfiniteLoopMachine, examples=4, steps=16)
+
+
+def test_random_loops_fsdp2_group_counter(worlds):
+    worlds.run(3, _run, machine=ShardedGroupCounterLoopMachine, examples=4, steps=12)
+
+
+def test_random_loops_fsdp2_joint(worlds):
+    worlds.run(3, _run, machine=ShardedJointLoopMachine, examples=4, steps=12)
 
 
 @pytest.mark.parametrize(
