@@ -1034,28 +1034,27 @@ def test_random_loops_compact_adamw_bfloat16():
     _run(CompactBFloat16LoopMachine, examples=6, steps=10)
 
 
-def test_random_loops_fsdp2(worlds):
-    worlds.run(2, _run, machine=ShardedLoopMachine, examples=6, steps=30)
-
-
-def test_random_loops_fsdp2_compact_adamw(worlds):
-    worlds.run(2, _run, machine=ShardedCompactBFloat16LoopMachine, examples=6, steps=16)
-
-
-def test_random_loops_fsdp2_bfloat16(worlds):
-    worlds.run(2, _run, machine=ShardedBFloat16LoopMachine, examples=4, steps=16)
-
-
-def test_random_loops_fsdp2_skip_nonfinite_with_empty_shards(worlds):
-    worlds.run(4, _run, machine=ShardedSkipNonfiniteLoopMachine, examples=4, steps=16)
-
-
-def test_random_loops_fsdp2_group_counter(worlds):
-    worlds.run(3, _run, machine=ShardedGroupCounterLoopMachine, examples=4, steps=12)
-
-
-def test_random_loops_fsdp2_joint(worlds):
-    worlds.run(3, _run, machine=ShardedJointLoopMachine, examples=4, steps=12)
+@pytest.mark.parametrize(
+    ("machine", "world", "examples", "steps"),
+    [
+        (ShardedLoopMachine, 2, 6, 30),
+        (ShardedCompactBFloat16LoopMachine, 2, 6, 16),
+        (ShardedBFloat16LoopMachine, 2, 4, 16),
+        (ShardedSkipNonfiniteLoopMachine, 4, 4, 16),
+        (ShardedGroupCounterLoopMachine, 3, 4, 12),
+        (ShardedJointLoopMachine, 3, 4, 12),
+    ],
+    ids=[
+        "adamw",
+        "compact-adamw",
+        "bfloat16",
+        "skip-nonfinite-empty-shards",
+        "group-counter",
+        "joint",
+    ],
+)
+def test_random_loops_fsdp2(worlds, machine, world, examples, steps):
+    worlds.run(world, _run, machine=machine, examples=examples, steps=steps)
 
 
 @pytest.mark.parametrize(
