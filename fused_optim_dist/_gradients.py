@@ -38,6 +38,15 @@ buckets still to come had in the previous stepping backward. So:
   rebuilt and the history of buckets it no longer has is dropped; it would otherwise be
   predicted in every backward and never arrive.
 
+The norm is the optimizer's own: two ``OptimizerInBackward`` clipping by norm that get
+gradients from one backward (Muon's matrices and AdamW's other parameters, built apart) would
+each clip by the norm of their own parameters, where a plain loop's
+``clip_grad_norm_(model.parameters(), ...)`` clips every one by their joint norm. Such a
+backward is refused where the first of them starts stepping it, or the second (before either
+moves, where it can tell that the other gets a gradient: see
+``OptimizerInBackward._refuse_clipping_beside``), unless both say ``clip_alone``; one
+``OptimizerInBackward`` whose param groups name their classes clips them together.
+
 [Note: clip_grad_norm_'s own norm]
 Exact is bit for bit where it can be: a bucket of plain tensors, or of DTensors all sharded
 alike (an FSDP2 unit), clipped by norm, takes its norm as ``clip_grad_norm_`` does, one

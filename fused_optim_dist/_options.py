@@ -40,6 +40,14 @@ class InBackwardOptions:
     max_grad_norm: float | None = None
     """Clip by norm in backward, see [Note: clipping inside one backward]; ``None``: off."""
 
+    clip_alone: bool = False
+    """With ``max_grad_norm``: clip by the norm of this optimizer's own gradients also in a
+    backward that gives gradients to another ``OptimizerInBackward`` clipping by norm, as
+    ``clip_grad_norm_`` called on each optimizer's parameters apart does. Without it on both,
+    such a backward is refused: a plain loop's ``clip_grad_norm_(model.parameters(), ...)``
+    clips all of them by their joint norm (hold them in one ``OptimizerInBackward`` for that;
+    its param groups may name their classes). See [Note: clipping inside one backward]."""
+
     clip_grad_value: float | None = None
     """Clamp every gradient element to ``[-v, v]`` (``clip_grad_value_``); ``None``: off."""
 
@@ -70,7 +78,7 @@ class InBackwardOptions:
             raise ValueError(
                 "max_grad_norm and clip_grad_value were both given; choose one way to clip"
             )
-        for name in ("skip_nonfinite", "track_grad_norm"):
+        for name in ("clip_alone", "skip_nonfinite", "track_grad_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, not {getattr(self, name)!r}")
 

@@ -155,6 +155,13 @@ Everything else in the package uses public APIs. What this module relies on, for
   ``set_data`` rewrites ``p``'s dtype, sizes, strides and offset in place: what it held can
   be read only through an alias taken before (``detach()``, which keeps them). One alias per
   updated parameter per backward: about 0.6 us each on the CPU (200 parameters, measured).
+* ``torch._C._will_engine_execute_node(node)`` (what ``register_multi_grad_hook`` asks) tells,
+  inside a backward, whether that backward's graph task runs ``node``: one of the nodes
+  ``backward(inputs=...)`` asked for, or any node of the graph without ``inputs``. A plain
+  leaf's gradient edge (``torch.autograd.graph.get_gradient_edge``) is its ``AccumulateGrad``
+  node, so it tells whether the backward running will give that leaf a gradient, before any
+  node of it runs. FSDP2's sharded parameters get theirs from FSDP2's reduction, not from a
+  node of the graph: it tells nothing of them.
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
@@ -210,6 +217,7 @@ __all__ = [
     "watch_loss_scaling",
     "watch_saved_tensors_hooks",
     "watch_wrappers",
+    "will_get_gradient",
     "wrapped_by",
     "wrappers_holding",
 ]
@@ -274,6 +282,17 @@ class FSDPUnit(NamedTuple):
                 return True
             unsharded = getattr(record, "_unsharded_param", None)
             if unsharded is not None and unsharded.grad is not None:
+                return True
+        return False
+
+    def will_get_gradients(self) -> bool:
+        """Whether the backward running will give these parameters gradients to reduce: the
+        unit's forward read its unsharded parameters, whose ``AccumulateGrad`` nodes that
+        backward runs (FSDP2 keeps the unsharded parameter objects from one all-gather to the
+        next: [Note: FSDP2's copies and flags]). Call only in backward."""
+        for record in self.records:
+            unsharded = getattr(record, "_unsharded_param", None)
+            if unsharded is not None and unsharded.requires_grad and will_get_gradient(unsharded):
                 return True
         return False
 
@@ -810,6 +829,14 @@ def enclosing_backward(device: torch.device) -> Enclosing:
 
 current_backward_id: Callable[[], int] = torch._C._current_graph_task_id
 """An id of the backward pass running on this thread, or ``-1`` outside backward."""
+
+
+def will_get_gradient(leaf: torch.Tensor) -> bool:
+    """Whether the backward running on this thread will accumulate a gradient into ``leaf`` (a
+    plain tensor that requires grad, not one of FSDP2's sharded parameters). Call only in
+    backward."""
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 class GraphTaskToken:

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
@@ -51,6 +52,7 @@ from fused_optim_dist._torch_internals import (
     watch_loss_scaling,
     watch_saved_tensors_hooks,
     watch_wrappers,
+    will_get_gradient,
     wrapped_by,
     wrappers_holding,
 )
@@ -62,6 +64,10 @@ __all__ = ["OptimizerInBackward", "in_backward"]
 # Parameter -> weak reference to the OptimizerInBackward whose hooks step it. Both sides are
 # weak: a model must not keep an optimizer alive, nor an optimizer a parameter.
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+# The live optimizers clipping by norm, for _refuse_clipping_beside.
+_CLIPPING_BY_NORM: weakref.WeakSet = weakref.WeakSet()
 
 
 def _owner(param: torch.Tensor) -> OptimizerInBackward | None:
@@ -179,6 +185,26 @@ def _refuse_updated_read(tensor: torch.Tensor, version: int) -> None:
             "inplace operation'). Read the parameter with its gradient, or outside the "
             "hooks; the buckets stepped before this node moved."
         )
+
+
+def _clipped_apart_error(other: OptimizerInBackward, other_moved: bool) -> RuntimeError:
+    """Two optimizers clipping by norm get gradients from one backward. See [Note: clipping
+    inside one backward] in ``_gradients.py``."""
+    moved = (
+        "The other optimizer stepped the buckets it completed before this gradient arrived"
+        if other_moved
+        else "Nothing was stepped"
+    )
+    return RuntimeError(
+        "this backward gives gradients to two OptimizerInBackward clipping by norm (this one "
+        f"and one over {other.optimizer_cls.__name__}): each would clip its own parameters by "
+        "their own norm, where a plain loop's clip_grad_norm_(model.parameters(), ...) clips "
+        "all of them by their joint norm. Hold the parameters in one OptimizerInBackward "
+        "(param groups may name their classes: {'params': matrices, 'optimizer_cls': "
+        "torch.optim.Muon}), which clips them together; or, to clip each optimizer's "
+        "parameters apart (clip_grad_norm_ called on each one's parameters), pass "
+        f"clip_alone=True to both. {moved}."
+    )
 
 
 def _loss_scaling_error(what: str) -> RuntimeError:
@@ -459,10 +485,14 @@ class OptimizerInBackward(Optimizer):
         # The backward taken as a micro-batch, if the last one was. See [Note: FSDP2's
         # micro-batches].
         self._micro_batch: int | None = None
+        # The backward that gave this optimizer's parameters their latest gradient.
+        self._last_backward_id: int | None = None
         self._attach_hooks()
 
     def _attach_hooks(self) -> None:
         """Start the hook bookkeeping (at construction, and for a deep copy)."""
+        if self.options.max_grad_norm is not None:
+            _CLIPPING_BY_NORM.add(self)
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
         # The hooked parameters, by identity (weakly: never a recycled id()).
@@ -1004,6 +1034,31 @@ class OptimizerInBackward(Optimizer):
             return None
         return {*inner.defaults, GROUP_CLASS_KEY}
 
+    def _refuse_clipping_beside(self, backward_id: int) -> None:
+        """Raise if this optimizer clips by norm and backward ``backward_id``, which gives it
+        its first gradient, gives gradients to another one clipping by norm, unless both clip
+        alone: each would clip by its own norm (in backward, or at ``step()`` for gradients
+        held under ``accumulate()``). Either the other got a gradient of this backward first,
+        or the engine tells that the backward will reach the other's parameters, before
+        either moves: their ``AccumulateGrad`` nodes, or for FSDP2's sharded parameters those
+        of the unsharded ones their unit reduces from. See [Note: clipping inside one
+        backward] in ``_gradients.py``."""
+        if self.options.max_grad_norm is None:
+            return
+        for other in list(_CLIPPING_BY_NORM):
+            if other is self or (self.options.clip_alone and other.options.clip_alone):
+                continue
+            if other._last_backward_id == backward_id:
+                moved = other._pass is not None and other._pass.owns(backward_id)
+                raise _clipped_apart_error(other, moved and other._pass.unfinished)
+            params = [p for group in other.param_groups for p in group["params"]]
+            units = other._plan.units if other._plan is not None else []
+            if any(
+                p.requires_grad and not isinstance(p, DTensor) and will_get_gradient(p)
+                for p in params
+            ) or any(unit.will_get_gradients() for unit in units):
+                raise _clipped_apart_error(other, False)
+
     def _refuse_second_pass(self) -> None:
         """Raise before a second pass (a backward, or ``step()`` stepping gradients set by
         hand) with no ``step()`` since a pass that made updates, where one ``step()`` of the
@@ -1481,9 +1536,15 @@ class OptimizerInBackward(Optimizer):
             # See [Note: the step protocol]. Refused even when this backward gave it no
             # gradient (frozen after its forward): that forward read the updated weights.
             self._pending.refuse_second_gradient(param)
+        backward_id = current_backward_id()
+        if backward_id != self._last_backward_id:
+            # This backward's first gradient here, stepped or held. See
+            # _refuse_clipping_beside.
+            if backward_id != -1:
+                self._refuse_clipping_beside(backward_id)
+            self._last_backward_id = backward_id
         if self._accumulate_depth:
             return
-        backward_id = current_backward_id()
         if backward_id == self._micro_batch:
             return
         current = self._pass
