@@ -42,10 +42,10 @@ The norm is the optimizer's own: two ``OptimizerInBackward`` clipping by norm th
 gradients from one backward (Muon's matrices and AdamW's other parameters, built apart) would
 each clip by the norm of their own parameters, where a plain loop's
 ``clip_grad_norm_(model.parameters(), ...)`` clips every one by their joint norm. Such a
-backward is refused where the first of them starts stepping it, or the second (before either
-moves, where it can tell that the other gets a gradient: see
-``OptimizerInBackward._refuse_clipping_beside``), unless both say ``clip_alone``; one
-``OptimizerInBackward`` whose param groups name their classes clips them together.
+backward (stepped, or held under ``accumulate()`` for ``step()``) is refused at the first
+gradient either gets, before anything moves, unless both say ``clip_alone``: the engine tells
+whether it reaches the other's parameters (``OptimizerInBackward._refuse_clipping_beside``).
+One ``OptimizerInBackward`` whose param groups name their classes clips them together.
 
 [Note: clip_grad_norm_'s own norm]
 Exact is bit for bit where it can be: a bucket of plain tensors, or of DTensors all sharded

@@ -161,7 +161,10 @@ Everything else in the package uses public APIs. What this module relies on, for
   leaf's gradient edge (``torch.autograd.graph.get_gradient_edge``) is its ``AccumulateGrad``
   node, so it tells whether the backward running will give that leaf a gradient, before any
   node of it runs. FSDP2's sharded parameters get theirs from FSDP2's reduction, not from a
-  node of the graph: it tells nothing of them.
+  node of the graph; the unsharded parameters their unit's forward read are leaves of the
+  graph, and FSDP2 keeps those objects from one all-gather to the next
+  (``FSDPParam.init_unsharded_param`` returns early once ``_unsharded_param`` exists), so
+  their nodes tell it for the unit (``FSDPUnit.will_get_gradients``).
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
