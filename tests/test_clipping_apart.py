@@ -2,14 +2,13 @@
 
 A plain loop with two optimizers over one model (Muon on the matrices, AdamW on the other
 parameters) clips with one ``clip_grad_norm_(model.parameters(), ...)``: every gradient by their
-joint norm. Two ``OptimizerInBackward`` with ``max_grad_norm`` each clip by the norm of their
-own parameters (6.1e-3 apart from that loop after four steps, with no error, before this was
-refused). A backward that gives gradients to both is refused before anything moves, stepped
-or held under ``accumulate()``; one ``OptimizerInBackward``
-whose groups name their classes clips them together (``test_never_silent.py``). With
-``clip_alone=True`` on both, each clips apart, as ``clip_grad_norm_`` called on each
-optimizer's parameters does. A GAN's two optimizers, each fed by a backward of its own, are
-never refused.
+joint norm. Two ``OptimizerInBackward`` with ``max_grad_norm`` each clipped by the norm of their
+own parameters (2.4e-3 to 6.1e-3 apart from that loop after four steps, with no error, before
+this was refused). A backward that gives gradients to both, stepped or held under
+``accumulate()``, is refused before anything moves; one ``OptimizerInBackward`` whose groups
+name their classes clips them together (``test_never_silent.py``). With ``clip_alone=True``
+on both, each clips apart, as ``clip_grad_norm_`` called on each optimizer's parameters does.
+A GAN's two optimizers, each fed by a backward of its own, are never refused.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from fused_optim_dist import OptimizerInBackward
 
 CLIP = 0.05
 """Below every gradient norm of these runs: each step is clipped."""
-REFUSAL = r"two OptimizerInBackward clipping by norm|another OptimizerInBackward clipping"
+REFUSAL = r"gives gradients to two OptimizerInBackward clipping by norm"
 
 
 def _split(model: nn.Module, how: str) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
