@@ -1046,7 +1046,11 @@ class OptimizerInBackward(Optimizer):
         if self.options.max_grad_norm is None:
             return
         for other in list(_CLIPPING_BY_NORM):
-            if other is self or (self.options.clip_alone and other.options.clip_alone):
+            if (
+                other is self
+                or other._detached  # it steps nothing in backward (see detach())
+                or (self.options.clip_alone and other.options.clip_alone)
+            ):
                 continue
             if other._last_backward_id == backward_id:
                 moved = other._pass is not None and other._pass.owns(backward_id)

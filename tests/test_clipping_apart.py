@@ -145,6 +145,29 @@ def test_micro_batches_held_for_both_refused_at_the_backward():
     _assert_unchanged(model, before)
 
 
+def test_detached_optimizer_not_counted():
+    """A Trainer detaches its optimizer when ``train()`` returns, and a second stage builds
+    another on the same parameters: the detached one steps nothing in backward, so the new
+    one's backward is not refused, and both stages end as the plain ones."""
+    model, reference = make_models()
+    stages = []  # held: a detached optimizer stays alive
+    for stage in range(2):
+        optim = OptimizerInBackward(
+            model.parameters(), torch.optim.AdamW, lr=1e-2, max_grad_norm=CLIP
+        )
+        stages.append(optim)
+        loss_fn(model, *_batch(stage)).backward()
+        optim.step()
+        optim.zero_grad()
+        optim.detach()
+        plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        loss_fn(reference, *_batch(stage)).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        plain.step()
+        plain.zero_grad()
+    assert_match(model, reference, atol=PLAIN_ATOL)
+
+
 def _gan(in_backward: bool) -> tuple[nn.Module, nn.Module]:
     """The DCGAN tutorial's loop on toy networks, each network's gradients clipped in its own
     step: the discriminator's two backwards as one step, the generator's loss through the
