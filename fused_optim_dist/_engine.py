@@ -132,6 +132,7 @@ from fused_optim_dist._torch_internals import (
     read_grads,
     traced,
     wait_for_checkpoint_staging,
+    when_node_returns,
 )
 
 __all__ = ["BackwardPass", "Phase"]
@@ -273,13 +274,12 @@ class BackwardPass:
             queue_end_of_backward(lambda: self.finish(token))
             return
 
-        def in_enclosing_backward(_grad_inputs: Any, _grad_outputs: Any) -> None:
-            handle.remove()
+        def in_enclosing_backward() -> None:
             if self.phase is Phase.COLLECTING:
                 self._backward_ids.add(current_backward_id())
                 queue_end_of_backward(lambda: self.finish(token))
 
-        handle = node.register_hook(in_enclosing_backward)
+        when_node_returns(node, in_enclosing_backward)
 
     def owns(self, backward_id: int) -> bool:
         return backward_id in self._backward_ids

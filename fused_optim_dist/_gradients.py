@@ -44,7 +44,9 @@ each clip by the norm of their own parameters, where a plain loop's
 ``clip_grad_norm_(model.parameters(), ...)`` clips every one by their joint norm. Such a
 backward (stepped, or held under ``accumulate()`` for ``step()``) is refused at the first
 gradient either gets, before anything moves, unless both say ``clip_alone``: the engine tells
-whether it reaches the other's parameters (``OptimizerInBackward._refuse_clipping_beside``).
+whether it reaches the other's parameters (``OptimizerInBackward._refuse_clipping_beside``);
+under reentrant checkpointing, where their first gradients come in different nested
+backwards, at the second's, after the first may have stepped.
 One ``OptimizerInBackward`` whose param groups name their classes clips them together.
 
 [Note: clip_grad_norm_'s own norm]

@@ -205,6 +205,7 @@ __all__ = [
     "fsdp_units",
     "global_step_pre_hooks",
     "held_values",
+    "hold_until_outermost_backward_ends",
     "holds_values",
     "in_scaled_backward",
     "local_tensor",
@@ -220,6 +221,7 @@ __all__ = [
     "watch_loss_scaling",
     "watch_saved_tensors_hooks",
     "watch_wrappers",
+    "when_node_returns",
     "will_get_gradient",
     "wrapped_by",
     "wrappers_holding",
@@ -848,6 +850,30 @@ class GraphTaskToken:
     a weak reference to the token is alive exactly while that backward can still run them."""
 
     __slots__ = ("__weakref__",)
+
+
+def when_node_returns(node: torch.autograd.graph.Node, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once, when ``node`` (a node the backward running now executes)
+    returns: in that backward's graph task, where ``queue_end_of_backward`` queues on it."""
+
+    def returned(_grad_inputs: Any, _grad_outputs: Any) -> None:
+        handle.remove()
+        callback()
+
+    handle = node.register_hook(returned)
+
+
+def hold_until_outermost_backward_ends(
+    token: GraphTaskToken, node: torch.autograd.graph.Node | None
+) -> None:
+    """Hold ``token`` until the outermost backward running now has finished. ``node``: where
+    this backward runs nested in a Function's ``backward`` (reentrant checkpointing), the node
+    the outermost one runs (``enclosing_backward().node``): the token is then held by a post
+    hook of it, which hands it to a callback queued on the outermost backward."""
+    if node is None:
+        queue_end_of_backward(lambda: token)
+    else:
+        when_node_returns(node, lambda: queue_end_of_backward(lambda: token))
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

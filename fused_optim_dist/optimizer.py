@@ -38,11 +38,13 @@ from fused_optim_dist._sharing import refuse_shared_memory, refuse_shared_state
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     OPTIMIZER_HOOKS,
+    GraphTaskToken,
     current_backward_id,
     drop_grads,
     enclosing_backward,
     fsdp_sync_off,
     global_step_pre_hooks,
+    hold_until_outermost_backward_ends,
     hooked_after,
     in_scaled_backward,
     observes_only,
@@ -357,6 +359,7 @@ _REATTACHED = frozenset(
         "_pass",
         "_freed",
         "_stale_copies",
+        "_backward_token",
     }
 )
 """What ``_attach_hooks`` builds anew for a copy: never copied or pickled."""
@@ -485,14 +488,15 @@ class OptimizerInBackward(Optimizer):
         # The backward taken as a micro-batch, if the last one was. See [Note: FSDP2's
         # micro-batches].
         self._micro_batch: int | None = None
-        # The backward that gave this optimizer's parameters their latest gradient.
-        self._last_backward_id: int | None = None
         self._attach_hooks()
 
     def _attach_hooks(self) -> None:
         """Start the hook bookkeeping (at construction, and for a deep copy)."""
         if self.options.max_grad_norm is not None:
             _CLIPPING_BY_NORM.add(self)
+        # Alive while the outermost backward that gave a gradient here (stepped or held) runs,
+        # when clipping by norm: see _refuse_clipping_beside.
+        self._backward_token: weakref.ref[GraphTaskToken] | None = None
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
         # The hooked parameters, by identity (weakly: never a recycled id()).
@@ -1034,17 +1038,21 @@ class OptimizerInBackward(Optimizer):
             return None
         return {*inner.defaults, GROUP_CLASS_KEY}
 
-    def _refuse_clipping_beside(self, backward_id: int) -> None:
-        """Raise if this optimizer clips by norm and backward ``backward_id``, which gives it
-        its first gradient, gives gradients to another one clipping by norm, unless both clip
-        alone: each would clip by its own norm (in backward, or at ``step()`` for gradients
-        held under ``accumulate()``). Either the other got a gradient of this backward first,
-        or the engine tells that the backward will reach the other's parameters, before
-        either moves: their ``AccumulateGrad`` nodes, or for FSDP2's sharded parameters those
-        of the unsharded ones their unit reduces from. See [Note: clipping inside one
+    def _in_running_backward(self) -> bool:
+        """Whether the outermost backward that last gave a gradient here still runs."""
+        return self._backward_token is not None and self._backward_token() is not None
+
+    def _refuse_clipping_beside(self) -> None:
+        """Raise if the backward running, whose first gradient here (stepped or held) has
+        arrived, gives gradients to another optimizer clipping by norm, unless both clip alone:
+        each would clip by its own norm (in backward, or at ``step()`` for gradients held
+        under ``accumulate()``). Either the other got a gradient of the outermost backward
+        running first (backwards nested in it by reentrant checkpointing included: after the
+        other may have moved, where the two get their first gradients in different nested
+        backwards), or the engine tells that this backward will reach the other's parameters,
+        before either moves: their ``AccumulateGrad`` nodes, or for FSDP2's sharded parameters
+        those of the unsharded ones their unit reduces from. See [Note: clipping inside one
         backward] in ``_gradients.py``."""
-        if self.options.max_grad_norm is None:
-            return
         for other in list(_CLIPPING_BY_NORM):
             if (
                 other is self
@@ -1052,9 +1060,9 @@ class OptimizerInBackward(Optimizer):
                 or (self.options.clip_alone and other.options.clip_alone)
             ):
                 continue
-            if other._last_backward_id == backward_id:
-                moved = other._pass is not None and other._pass.owns(backward_id)
-                raise _clipped_apart_error(other, moved and other._pass.unfinished)
+            if other._in_running_backward():
+                moved = other._pass is not None and other._pass.unfinished
+                raise _clipped_apart_error(other, moved)
             params = [p for group in other.param_groups for p in group["params"]]
             units = other._plan.units if other._plan is not None else []
             if any(
@@ -1541,12 +1549,16 @@ class OptimizerInBackward(Optimizer):
             # gradient (frozen after its forward): that forward read the updated weights.
             self._pending.refuse_second_gradient(param)
         backward_id = current_backward_id()
-        if backward_id != self._last_backward_id:
-            # This backward's first gradient here, stepped or held. See
-            # _refuse_clipping_beside.
-            if backward_id != -1:
-                self._refuse_clipping_beside(backward_id)
-            self._last_backward_id = backward_id
+        if (
+            self.options.max_grad_norm is not None
+            and backward_id != -1
+            and not self._in_running_backward()
+        ):
+            # The first gradient here (stepped or held) of the outermost backward running.
+            self._refuse_clipping_beside()
+            token = GraphTaskToken()
+            self._backward_token = weakref.ref(token)
+            hold_until_outermost_backward_ends(token, enclosing_backward(param.device).node)
         if self._accumulate_depth:
             return
         if backward_id == self._micro_batch:

@@ -5,13 +5,17 @@ parameters) clips with one ``clip_grad_norm_(model.parameters(), ...)``: every g
 joint norm. Two ``OptimizerInBackward`` with ``max_grad_norm`` each clipped by the norm of their
 own parameters (2.4e-3 to 6.1e-3 apart from that loop after four steps, with no error, before
 this was refused). A backward that gives gradients to both, stepped or held under
-``accumulate()``, is refused before anything moves; one ``OptimizerInBackward`` whose groups
-name their classes clips them together (``test_never_silent.py``). With ``clip_alone=True``
-on both, each clips apart, as ``clip_grad_norm_`` called on each optimizer's parameters does.
-A GAN's two optimizers, each fed by a backward of its own, are never refused.
+``accumulate()``, is refused before anything moves (under reentrant checkpointing, where the
+two get their first gradients in different nested backwards, at the second's); one
+``OptimizerInBackward`` whose groups name their classes clips them together
+(``test_never_silent.py``). With ``clip_alone=True`` on both, each clips apart, as
+``clip_grad_norm_`` called on each optimizer's parameters does. A GAN's two optimizers, each
+fed by a backward of its own, are never refused.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from _toy import batch as toy_batch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import OptimizerInBackward
 
@@ -122,6 +127,30 @@ def test_clip_alone_on_both_clips_each_apart_as_plain(how):
         for p, q in zip(reference.parameters(), jointly.parameters(), strict=True)
     )
     assert apart > 1e-4, apart
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["stepped", "accumulated"])
+def test_reentrant_checkpointing_each_block_its_own_backward_refused(held):
+    """Every block and the head under reentrant checkpointing: each runs its backward nested
+    in the outer one, and the two optimizers (body, head) get their first gradients in
+    different nested backwards, where the engine cannot tell the other's will come. The
+    second is refused (the head's optimizer has stepped its bucket by then, and says so)."""
+    model, _ = make_models()
+    optims = _ours(model, "head")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.inp(x)
+        for layer in model.layers:
+            h = checkpoint(layer, h, use_reentrant=True)
+        return checkpoint(model.head, h, use_reentrant=True)
+
+    x, y = _batch(0)
+    held_context = contextlib.ExitStack()
+    if held:
+        for optim in optims:
+            held_context.enter_context(optim.accumulate())
+    with held_context, pytest.raises(RuntimeError, match=REFUSAL):
+        nn.functional.mse_loss(forward(x), y).backward()
 
 
 def test_clip_alone_on_one_of_them_refused():
