@@ -46,7 +46,7 @@ backward (stepped, or held under ``accumulate()`` for ``step()``) is refused at 
 gradient either gets, before anything moves, unless both say ``clip_alone``: the engine tells
 whether it reaches the other's parameters (``OptimizerInBackward._refuse_clipping_beside``);
 under reentrant checkpointing, where their first gradients come in different nested
-backwards, at the second's, after the first may have stepped.
+backwards, when the second's returns into the outer one, after either may have stepped.
 One ``OptimizerInBackward`` whose param groups name their classes clips them together.
 
 [Note: clip_grad_norm_'s own norm]

@@ -205,7 +205,6 @@ __all__ = [
     "fsdp_units",
     "global_step_pre_hooks",
     "held_values",
-    "hold_until_outermost_backward_ends",
     "holds_values",
     "in_scaled_backward",
     "local_tensor",
@@ -861,19 +860,6 @@ def when_node_returns(node: torch.autograd.graph.Node, callback: Callable[[], No
         callback()
 
     handle = node.register_hook(returned)
-
-
-def hold_until_outermost_backward_ends(
-    token: GraphTaskToken, node: torch.autograd.graph.Node | None
-) -> None:
-    """Hold ``token`` until the outermost backward running now has finished. ``node``: where
-    this backward runs nested in a Function's ``backward`` (reentrant checkpointing), the node
-    the outermost one runs (``enclosing_backward().node``): the token is then held by a post
-    hook of it, which hands it to a callback queued on the outermost backward."""
-    if node is None:
-        queue_end_of_backward(lambda: token)
-    else:
-        when_node_returns(node, lambda: queue_end_of_backward(lambda: token))
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

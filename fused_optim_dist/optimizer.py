@@ -38,13 +38,11 @@ from fused_optim_dist._sharing import refuse_shared_memory, refuse_shared_state
 from fused_optim_dist._stepping import BucketStepper, Stepper, local_gradients
 from fused_optim_dist._torch_internals import (
     OPTIMIZER_HOOKS,
-    GraphTaskToken,
     current_backward_id,
     drop_grads,
     enclosing_backward,
     fsdp_sync_off,
     global_step_pre_hooks,
-    hold_until_outermost_backward_ends,
     hooked_after,
     in_scaled_backward,
     observes_only,
@@ -54,6 +52,7 @@ from fused_optim_dist._torch_internals import (
     watch_loss_scaling,
     watch_saved_tensors_hooks,
     watch_wrappers,
+    when_node_returns,
     will_get_gradient,
     wrapped_by,
     wrappers_holding,
@@ -189,12 +188,12 @@ def _refuse_updated_read(tensor: torch.Tensor, version: int) -> None:
         )
 
 
-def _clipped_apart_error(other: OptimizerInBackward, other_moved: bool) -> RuntimeError:
+def _clipped_apart_error(other: OptimizerInBackward, moved: bool) -> RuntimeError:
     """Two optimizers clipping by norm get gradients from one backward. See [Note: clipping
     inside one backward] in ``_gradients.py``."""
-    moved = (
-        "The other optimizer stepped the buckets it completed before this gradient arrived"
-        if other_moved
+    what_moved = (
+        "Buckets completed before this gradient arrived were stepped"
+        if moved
         else "Nothing was stepped"
     )
     return RuntimeError(
@@ -205,7 +204,7 @@ def _clipped_apart_error(other: OptimizerInBackward, other_moved: bool) -> Runti
         "(param groups may name their classes: {'params': matrices, 'optimizer_cls': "
         "torch.optim.Muon}), which clips them together; or, to clip each optimizer's "
         "parameters apart (clip_grad_norm_ called on each one's parameters), pass "
-        f"clip_alone=True to both. {moved}."
+        f"clip_alone=True to both. {what_moved}."
     )
 
 
@@ -359,7 +358,6 @@ _REATTACHED = frozenset(
         "_pass",
         "_freed",
         "_stale_copies",
-        "_backward_token",
     }
 )
 """What ``_attach_hooks`` builds anew for a copy: never copied or pickled."""
@@ -494,9 +492,9 @@ class OptimizerInBackward(Optimizer):
         """Start the hook bookkeeping (at construction, and for a deep copy)."""
         if self.options.max_grad_norm is not None:
             _CLIPPING_BY_NORM.add(self)
-        # Alive while the outermost backward that gave a gradient here (stepped or held) runs,
-        # when clipping by norm: see _refuse_clipping_beside.
-        self._backward_token: weakref.ref[GraphTaskToken] | None = None
+        # When clipping by norm, the backwards that gave a gradient here (stepped or held)
+        # since the last step(), and those they ran nested in: see _refuse_clipping_beside.
+        self._clipped_backwards: set[int] = set()
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
         # The hooked parameters, by identity (weakly: never a recycled id()).
@@ -951,6 +949,7 @@ class OptimizerInBackward(Optimizer):
         self._gradients.end_of_step()
         self._stepped_since_step = self._arrived_since_step = False
         self._saved_through_hooks = False
+        self._clipped_backwards.clear()
         self._order_new_state()
 
     def _order_new_state(self) -> None:
@@ -1038,21 +1037,41 @@ class OptimizerInBackward(Optimizer):
             return None
         return {*inner.defaults, GROUP_CLASS_KEY}
 
-    def _in_running_backward(self) -> bool:
-        """Whether the outermost backward that last gave a gradient here still runs."""
-        return self._backward_token is not None and self._backward_token() is not None
+    def _note_clipped_backward(self, backward_id: int, param: torch.Tensor) -> None:
+        """Note the first gradient here (stepped or held) of backward ``backward_id``, and
+        refuse it where it feeds another optimizer clipping by norm too (see
+        :meth:`_refuse_clipping_beside`); where it runs nested in a Function's ``backward``
+        (reentrant checkpointing), note and check the enclosing backward too, once that node
+        returns, since the two optimizers may get their first gradients in different nested
+        backwards of one outer backward."""
+        self._refuse_clipping_beside(backward_id)
+        self._clipped_backwards.add(backward_id)
+        node = enclosing_backward(param.device).node
+        if node is not None:
+            ref = weakref.ref(self)  # a graph must not keep an optimizer alive
 
-    def _refuse_clipping_beside(self) -> None:
-        """Raise if the backward running, whose first gradient here (stepped or held) has
-        arrived, gives gradients to another optimizer clipping by norm, unless both clip alone:
-        each would clip by its own norm (in backward, or at ``step()`` for gradients held
-        under ``accumulate()``). Either the other got a gradient of the outermost backward
-        running first (backwards nested in it by reentrant checkpointing included: after the
-        other may have moved, where the two get their first gradients in different nested
-        backwards), or the engine tells that this backward will reach the other's parameters,
-        before either moves: their ``AccumulateGrad`` nodes, or for FSDP2's sharded parameters
-        those of the unsharded ones their unit reduces from. See [Note: clipping inside one
-        backward] in ``_gradients.py``."""
+            def enclosing_returned() -> None:
+                optimizer = ref()
+                if optimizer is not None:
+                    optimizer._note_enclosing_backward(current_backward_id())
+
+            when_node_returns(node, enclosing_returned)
+
+    def _note_enclosing_backward(self, backward_id: int) -> None:
+        if backward_id not in self._clipped_backwards:
+            self._clipped_backwards.add(backward_id)
+            self._refuse_clipping_beside(backward_id, nested=True)
+
+    def _refuse_clipping_beside(self, backward_id: int, nested: bool = False) -> None:
+        """Raise if backward ``backward_id`` gives gradients to this optimizer and to another
+        one clipping by norm, unless both clip alone: each would clip by its own norm (in
+        backward, or at ``step()`` for gradients held under ``accumulate()``). Either the
+        other got a gradient of it (or of a backward nested in it) first, or the engine tells
+        that it will reach the other's parameters, before either moves: their
+        ``AccumulateGrad`` nodes, or for FSDP2's sharded parameters those of the unsharded
+        ones their unit reduces from. ``nested``: checked as a nested backward's enclosing
+        one, when the node that ran it returned (the optimizers may have moved by then). See
+        [Note: clipping inside one backward] in ``_gradients.py``."""
         for other in list(_CLIPPING_BY_NORM):
             if (
                 other is self
@@ -1060,9 +1079,11 @@ class OptimizerInBackward(Optimizer):
                 or (self.options.clip_alone and other.options.clip_alone)
             ):
                 continue
-            if other._in_running_backward():
-                moved = other._pass is not None and other._pass.unfinished
+            if backward_id in other._clipped_backwards:
+                moved = any(o._pass is not None and o._pass.unfinished for o in (self, other))
                 raise _clipped_apart_error(other, moved)
+            if nested:
+                continue
             params = [p for group in other.param_groups for p in group["params"]]
             units = other._plan.units if other._plan is not None else []
             if any(
@@ -1552,13 +1573,9 @@ class OptimizerInBackward(Optimizer):
         if (
             self.options.max_grad_norm is not None
             and backward_id != -1
-            and not self._in_running_backward()
+            and backward_id not in self._clipped_backwards
         ):
-            # The first gradient here (stepped or held) of the outermost backward running.
-            self._refuse_clipping_beside()
-            token = GraphTaskToken()
-            self._backward_token = weakref.ref(token)
-            hold_until_outermost_backward_ends(token, enclosing_backward(param.device).node)
+            self._note_clipped_backward(backward_id, param)
         if self._accumulate_depth:
             return
         if backward_id == self._micro_batch:

@@ -6,7 +6,7 @@ joint norm. Two ``OptimizerInBackward`` with ``max_grad_norm`` each clipped by t
 own parameters (2.4e-3 to 6.1e-3 apart from that loop after four steps, with no error, before
 this was refused). A backward that gives gradients to both, stepped or held under
 ``accumulate()``, is refused before anything moves (under reentrant checkpointing, where the
-two get their first gradients in different nested backwards, at the second's); one
+two get their first gradients in different nested backwards, when the second's returns); one
 ``OptimizerInBackward`` whose groups name their classes clips them together
 (``test_never_silent.py``). With ``clip_alone=True`` on both, each clips apart, as
 ``clip_grad_norm_`` called on each optimizer's parameters does. A GAN's two optimizers, each
@@ -133,8 +133,9 @@ def test_clip_alone_on_both_clips_each_apart_as_plain(how):
 def test_reentrant_checkpointing_each_block_its_own_backward_refused(held):
     """Every block and the head under reentrant checkpointing: each runs its backward nested
     in the outer one, and the two optimizers (body, head) get their first gradients in
-    different nested backwards, where the engine cannot tell the other's will come. The
-    second is refused (the head's optimizer has stepped its bucket by then, and says so)."""
+    different nested backwards, where the engine cannot tell the other's will come: refused
+    when the second's nested backward returns into the outer one (the head's optimizer has
+    stepped its bucket by then where not held, and the message says so)."""
     model, _ = make_models()
     optims = _ours(model, "head")
 
