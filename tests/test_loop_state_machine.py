@@ -15,7 +15,8 @@ round trips,
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
 ``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
-NaN batches with ``skip_nonfinite``; also with a class that counts steps in its param groups, with
+NaN batches with ``skip_nonfinite``; also with a class that counts steps in its param groups (NaN
+batches too: a step skipped whole counts nothing, as the plain loop calling no ``step()``), with
 CompactAdamW, and on bfloat16 models. After every rule both models must hold the same parameters
 (1e-6) and, between steps, the same optimizer state, its entries listed in the same order; and at
 every step both loops measure the norm of the step's gradients through
@@ -913,6 +914,13 @@ class GroupCounterLoopMachine(LoopMachine):
     second_pass_refused = True
 
 
+class GroupCounterSkipNonfiniteLoopMachine(GroupCounterLoopMachine):
+    """The class counting steps in its groups, with NaN batches: a step every bucket of which
+    is skipped is skipped whole, as the plain loop's (no ``step()``), and counts nothing."""
+
+    skip_nonfinite = True
+
+
 class JointLoopMachine(LoopMachine):
     """The same loops with an undeclared class clipping by the norm of all its gradients
     inside ``step()``: stepped jointly, once per backward."""
@@ -1016,6 +1024,10 @@ def test_random_loops_skip_nonfinite():
 
 def test_random_loops_clipped_skip_nonfinite():
     _run(ClippedSkipNonfiniteLoopMachine, examples=8, steps=15)
+
+
+def test_random_loops_group_counter_skip_nonfinite():
+    _run(GroupCounterSkipNonfiniteLoopMachine, examples=8, steps=12)
 
 
 def test_random_loops_joint():

@@ -393,33 +393,42 @@ def test_group_without_gradients_stepped_with_its_parameters():
     assert [g["step"] for g in optim.param_groups] == [g["step"] for g in plain.param_groups]
 
 
-@pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "per-bucket"])
-def test_nonfinite_step_skipped_for_a_class_counting_in_its_groups(stepping):
-    """``skip_nonfinite`` and a NaN loss: every bucket is skipped and nothing moves; the class's
-    step still visits its groups (no parameter holding a gradient), as the plain loop's
-    ``step()`` on dropped gradients does, whether a bucket is skipped on the host or on the
-    device (the freed gradients of the skipped buckets reached the class: a misleading error
-    about reading gradients)."""
+@pytest.mark.parametrize("accumulated", [False, True], ids=["in-backward", "at-step"])
+@pytest.mark.parametrize(
+    ("cls", "stepping"),
+    [(GroupStepLamb, None), (GroupStepLamb, "dtensor"), (InstanceCountSGD, "dtensor")],
+    ids=["joint", "per-bucket", "instance-counter"],
+)
+def test_nonfinite_step_skipped_for_a_class_counting_in_its_groups(cls, stepping, accumulated):
+    """``skip_nonfinite`` and a NaN loss: every bucket is skipped and nothing moves, the
+    whole step skipped as the plain loop checking the gradients skips it (GradScaler's
+    ``step`` does not call the optimizer's): a class counting steps in its groups or on
+    itself counts none, stepped in backward or at ``step()`` (micro-batches under
+    ``accumulate()``). Before, its step visited its groups with no gradient and advanced the
+    counter (a class decaying its lr by its own count 4.2e-3 apart after two NaN batches in
+    seven steps, no error); earlier still, the freed gradients of the skipped buckets reached it (a
+    misleading error about reading gradients)."""
     model, reference = make_models()
     optim = OptimizerInBackward(
-        model.parameters(), GroupStepLamb, skip_nonfinite=True, bucket_numel=20, stepping=stepping
+        model.parameters(), cls, skip_nonfinite=True, bucket_numel=20, stepping=stepping
     )
-    plain = GroupStepLamb(reference.parameters())
-    for step in range(3):
+    plain = cls(reference.parameters())
+    for step in range(4):
         before = _snapshot(model)
         for net, opt in ((model, optim), (reference, plain)):
-            loss = loss_fn(net, *_x(step))
-            if step == 1:
-                loss = loss * float("nan")
-            loss.backward()
-            if opt is plain and step == 1:
-                plain.zero_grad()  # the plain loop's skip: no gradient to step
-            opt.step()
+            held = opt is optim and accumulated
+            with optim.accumulate() if held else contextlib.nullcontext():
+                for micro in range(2 if accumulated else 1):
+                    loss = loss_fn(net, *_x(2 * step + micro))
+                    (loss * float("nan") if step == 1 else loss).backward()
+            if opt is optim or all(p.grad.isfinite().all() for p in net.parameters()):
+                opt.step()  # the plain loop skips a non-finite step: no step() at all
             opt.zero_grad()
         if step == 1:
             _assert_unchanged(model, before)
     assert_match(model, reference)
-    assert optim.param_groups[0]["step"] == plain.param_groups[0]["step"] == 3
+    counted = (lambda o: o.param_groups[0]["step"]) if cls is GroupStepLamb else (lambda o: o.t)
+    assert counted(optim) == counted(plain) == 3
 
 
 class InstanceNormSGD(torch.optim.Optimizer):
