@@ -43,7 +43,12 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   device, by a fused kernel's ``found_inf``, is not known here: those classes count per
   parameter, and the kernel restores their counts);
 * when the pass finishes, the changed values are written back once, into the optimizer's
-  groups and the instance (an entry a step removed, ``group.pop("reset")``, is removed).
+  groups and the instance (an entry a step removed, ``group.pop("reset")``, is removed);
+* a backward the loop rolls back (the model and the optimizer loaded, then ``zero_grad()``)
+  is a step the plain optimizer never ran: the loaded state dict brings the groups back, and
+  what the pass wrote on the instance, which no state dict holds, is set back to the
+  snapshot (it stayed advanced before: a class decaying its lr by its own count 1.7e-3 apart
+  one step later, no error).
 
 [Note: what a snapshot shares]
 A snapshot copies values a step advances (counters, flags, small tensors), not what they refer
@@ -389,6 +394,23 @@ class ClassState:
                         delattr(instance, name)
                 else:
                     setattr(instance, name, value)
+
+    def undo(self) -> None:
+        """Set what this pass wrote on the instances back to the snapshot: the loop rolled its
+        backward back (the model and the optimizer loaded, then ``zero_grad()``), a step the
+        plain optimizer never ran. The groups came back with the loaded state dict; the
+        instance's own attributes are in no state dict, so the plain optimizer's kept the
+        values they had before it."""
+        if not self.tracked:
+            return
+        for key, changes in self._instance_changes.items():
+            instance = self._instances[key]
+            before = _copy(self._instance_snapshot[key], self._shared)
+            for name in changes:
+                if name in before:
+                    setattr(instance, name, before[name])
+                elif hasattr(instance, name):
+                    delattr(instance, name)
 
 
 _DRAWS = (

@@ -297,6 +297,10 @@ class BackwardPass:
             return True
         return False
 
+    def undo_class_state(self) -> None:
+        """The loop rolled this pass's backward back: see :meth:`ClassState.undo`."""
+        self._class_state.undo()
+
     def wrote_class_state(self) -> bool:
         """Whether this pass advanced state a class keeps in its groups or on itself. See
         [Note: group and instance state]."""

@@ -784,6 +784,8 @@ class OptimizerInBackward(Optimizer):
             # See [Note: the step protocol].
             if self._pending.rolled_back():
                 self._pending.undo_draws()
+                if self._pass is not None:
+                    self._pass.undo_class_state()
                 self._pending.commit()
                 self._pass = None
                 self._stepped_since_step = False  # the rolled-back backward is undone

@@ -16,12 +16,12 @@ round trips,
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
 ``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
 NaN batches with ``skip_nonfinite``; also with a class that counts steps in its param groups (NaN
-batches too: a step skipped whole counts nothing, as the plain loop calling no ``step()``), with
-CompactAdamW, and on bfloat16 models. After every rule both models must hold the same parameters
-(1e-6) and, between steps, the same optimizer state, its entries listed in the same order; and at
-every step both loops measure the norm of the step's gradients through
-``fused_optim_dist.clip_grad_norm_`` (the plain loop's ``clip_grad_norm_``), which must agree where
-ours gives one.
+batches too: a step skipped whole counts nothing, as the plain loop calling no ``step()``) or on
+itself (a rolled-back backward counts nothing), with CompactAdamW, and on bfloat16 models. After
+every rule both models must hold the same parameters (1e-6) and, between steps, the same
+optimizer state, its entries listed in the same order; and at every step both loops measure the
+norm of the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the plain loop's
+``clip_grad_norm_``), which must agree where ours gives one.
 It runs on one process (a plain module, many examples) and with FSDP2 (fewer, derandomised so
 that every rank draws the same sequence): on 2 ranks, and with NaN batches on 4 (the last
 rank's shards all empty), a class counting steps in its groups and one stepped jointly on 3.
@@ -50,7 +50,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_never_silent import GlobalClipSGD, GroupStepLamb
+from test_never_silent import GlobalClipSGD, GroupStepLamb, InstanceCountSGD
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -921,6 +921,17 @@ class GroupCounterSkipNonfiniteLoopMachine(GroupCounterLoopMachine):
     skip_nonfinite = True
 
 
+class InstanceCounterLoopMachine(LoopMachine):
+    """The same loops with a class counting steps on itself (``self.t += 1``, in no state
+    dict), declared to step bucket by bucket: a rolled-back backward must leave it as the
+    plain optimizer's, which never ran that step."""
+
+    optimizer_cls = InstanceCountSGD
+    optimizer_kwargs: ClassVar[dict] = {"lr": 0.05}
+    stepping = "dtensor"
+    second_pass_refused = True
+
+
 class JointLoopMachine(LoopMachine):
     """The same loops with an undeclared class clipping by the norm of all its gradients
     inside ``step()``: stepped jointly, once per backward."""
@@ -1028,6 +1039,10 @@ def test_random_loops_clipped_skip_nonfinite():
 
 def test_random_loops_group_counter_skip_nonfinite():
     _run(GroupCounterSkipNonfiniteLoopMachine, examples=8, steps=12)
+
+
+def test_random_loops_instance_counter():
+    _run(InstanceCounterLoopMachine, examples=8, steps=12)
 
 
 def test_random_loops_joint():

@@ -1522,6 +1522,42 @@ def test_step_without_backward_after_a_rollback_counts_as_plain():
     assert_match(model, reference)
 
 
+@pytest.mark.parametrize("failed", [False, True], ids=["finished", "raised"])
+@pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "per-bucket"])
+def test_rollback_undoes_a_counter_on_the_instance(stepping, failed):
+    """A backward rolled back (weights and optimizer state loaded, then ``zero_grad()``) with
+    a class counting steps on itself (``self.t += 1``, outside any state dict): the plain
+    optimizer never ran that step, so its counter stays; here the backward's step had
+    advanced it and the load did not set it back (1.7e-3 apart one step later, no error).
+    Also where the backward raised after stepping some buckets. Equal now."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(
+        model.parameters(), InstanceCountSGD, lr=0.1, bucket_numel=20, stepping=stepping
+    )
+    plain = InstanceCountSGD(reference.parameters(), lr=0.1)
+    _step_both(((model, optim), (reference, plain)), 0, zero=True)
+
+    class BadBatch(RuntimeError):
+        pass
+
+    def bad_batch(*_: object) -> None:
+        raise BadBatch
+
+    for net, opt in ((model, optim), (reference, plain)):
+        saved = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+        handle = net.layers[0].register_full_backward_hook(bad_batch) if failed else None
+        with pytest.raises(BadBatch) if failed else contextlib.nullcontext():
+            loss_fn(net, *_x(1)).backward()
+        if handle is not None:
+            handle.remove()
+        net.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        opt.zero_grad()
+    assert optim.t == plain.t == 1
+    _step_both(((model, optim), (reference, plain)), 2, zero=True)
+    assert_match(model, reference)
+
+
 def test_frozen_parameter_holding_a_gradient_refused():
     """A gradient on a frozen parameter of the optimizer at ``step()`` (set by hand, or kept
     from before it was frozen or added): the plain optimizer steps every parameter holding
