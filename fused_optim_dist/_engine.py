@@ -313,10 +313,15 @@ class BackwardPass:
         return self.phase is Phase.COLLECTING and bool(self._stepped)
 
     @property
+    def raised(self) -> bool:
+        """Whether this pass's backward will never finish it (it raised, and the engine
+        dropped its callbacks)."""
+        return self.phase is Phase.COLLECTING and self._token is not None and self._token() is None
+
+    @property
     def abandoned(self) -> bool:
-        """Whether this pass stepped something in a backward that will never finish it (the
-        backward raised, and the engine dropped its callbacks)."""
-        return self.unfinished and self._token is not None and self._token() is None
+        """Whether this pass stepped something in a backward that raised."""
+        return self.unfinished and self.raised
 
     def arrive(self, param: torch.Tensor) -> None:
         """``param`` holds its gradient: step its bucket if that completes it.

@@ -796,11 +796,12 @@ class OptimizerInBackward(Optimizer):
         # norm is the next step's.
         self._gradients.end_of_step()
         self._arrived_since_step = False
-        if self._pass is not None and self._pass.abandoned:
-            # A backward that raised having only held buckets (to check their class, or to
-            # step it jointly): nothing moved, and the loop drops the gradients, as the plain
-            # loop skipping the batch does; step() must not step them, and steps as after no
-            # backward (a class counting steps in its groups counts this one).
+        if self._pass is not None and self._pass.raised:
+            # A backward that raised having stepped nothing, or only held buckets (to check
+            # their class, or to step it jointly): nothing moved, and the loop drops the
+            # gradients, as the plain loop skipping the batch does; step() must not step
+            # them, and steps as after no backward (a class counting steps in its groups
+            # counts this one).
             self._pass = None
             self._stepped_since_step = False
         params = [p for group in self.param_groups for p in group["params"]]

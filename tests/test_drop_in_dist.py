@@ -500,12 +500,16 @@ def _after_a_failed_held_backward(
     *,
     sharded: bool = False,
     stepping: str | None,
+    bucket_numel: int | None = 20,
 ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     """A first backward raising on ours and on plain ``cls``, where ours only held its
-    buckets (to check the class, or to step it jointly); ``then(optimizer)`` on each, then two
-    ordinary steps, the models equal after each part. Returns ours and the plain one."""
+    buckets (to check the class, or to step it jointly), or, one bucket (``bucket_numel=
+    None``), had completed none; ``then(optimizer)`` on each, then two ordinary steps, the
+    models equal after each part. Returns ours and the plain one."""
     model, reference = _pair(sharded=sharded)
-    optim = OptimizerInBackward(model.parameters(), cls, lr=lr, bucket_numel=20, stepping=stepping)
+    optim = OptimizerInBackward(
+        model.parameters(), cls, lr=lr, bucket_numel=bucket_numel, stepping=stepping
+    )
     plain = cls(reference.parameters(), lr=lr)
     for net, opt in ((model, optim), (reference, plain)):
         handle = _raise_at(net.layers[0])
@@ -582,20 +586,23 @@ def test_failed_held_backward_then_a_new_lr_steps_as_plain(stepping):
     _after_a_failed_held_backward(_PlainSGD, 0.1, new_lr, stepping=stepping)
 
 
+@pytest.mark.parametrize("bucket_numel", [20, None], ids=["held", "one-bucket"])
 @pytest.mark.parametrize("stepping", [None, "dtensor"], ids=["joint", "checked-first"])
-def test_failed_held_backward_skipped_then_a_step_counts_it(stepping):
+def test_failed_held_backward_skipped_then_a_step_counts_it(stepping, bucket_numel):
     """A class counting steps in its groups (timm's LAMB): its first backward raises having
-    only held its buckets, the loop skips the batch with ``zero_grad()`` and calls ``step()``
-    with no gradient, as the plain loop does. The plain step counts the step in every group;
-    here ``step()`` took the dropped backward for this step's and counted nothing (the
-    groups' ``step`` 2 against 3 two steps later, no error). Equal now."""
+    only held its buckets, or, one bucket, before it completed (nothing stepped or held), the
+    loop skips the batch with ``zero_grad()`` and calls ``step()`` with no gradient, as the
+    plain loop does. The plain step counts the step in every group; here ``step()`` took the
+    dropped backward for this step's and counted nothing (the groups' ``step`` 2 against 3
+    two steps later, no error; with one bucket until this was found by the stateful property
+    test, with clipping). Equal now."""
 
     def skip_the_batch(opt: torch.optim.Optimizer) -> None:
         opt.zero_grad()
         opt.step()
 
     optim, plain = _after_a_failed_held_backward(
-        GroupStepLamb, 0.01, skip_the_batch, stepping=stepping
+        GroupStepLamb, 0.01, skip_the_batch, stepping=stepping, bucket_numel=bucket_numel
     )
     assert optim.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
 

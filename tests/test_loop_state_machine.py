@@ -914,10 +914,14 @@ class GroupCounterLoopMachine(LoopMachine):
     second_pass_refused = True
 
 
-class GroupCounterSkipNonfiniteLoopMachine(GroupCounterLoopMachine):
-    """The class counting steps in its groups, with NaN batches: a step every bucket of which
-    is skipped is skipped whole, as the plain loop's (no ``step()``), and counts nothing."""
+class ClippedGroupCounterSkipNonfiniteLoopMachine(GroupCounterLoopMachine):
+    """The class counting steps in its groups, clipped (one bucket), with NaN batches: a step
+    every bucket of which is skipped is skipped whole, as the plain loop's (no ``step()``),
+    and counts nothing; a backward that raised before its bucket completed, dropped with
+    ``zero_grad()``, is no step, and the next ``step()`` counts one."""
 
+    max_grad_norm = 0.05
+    bucket_numel = None
     skip_nonfinite = True
 
 
@@ -1037,8 +1041,8 @@ def test_random_loops_clipped_skip_nonfinite():
     _run(ClippedSkipNonfiniteLoopMachine, examples=8, steps=15)
 
 
-def test_random_loops_group_counter_skip_nonfinite():
-    _run(GroupCounterSkipNonfiniteLoopMachine, examples=8, steps=12)
+def test_random_loops_clipped_group_counter_skip_nonfinite():
+    _run(ClippedGroupCounterSkipNonfiniteLoopMachine, examples=8, steps=12)
 
 
 def test_random_loops_instance_counter():
