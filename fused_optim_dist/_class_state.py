@@ -37,11 +37,12 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   (about 50 us a bucket with NumPy imported; for these classes only); they are the process's,
   so another thread drawing from them meanwhile is refused alike;
 * groups no bucket stepped in this pass get the class's step on their parameters, none of
-  which holds a gradient, as the plain optimizer's ``step()`` visits them; except in a pass
-  every bucket of which was skipped as non-finite (``skip_nonfinite``): that step is skipped
-  whole, as GradScaler skips ``step()``, and no counter advances (a skip decided on the
-  device, by a fused kernel's ``found_inf``, is not known here: those classes count per
-  parameter, and the kernel restores their counts);
+  which holds a gradient, as the plain optimizer's ``step()`` visits them; not the groups of
+  buckets skipped as non-finite (``skip_nonfinite``), whose state stays untouched, and none
+  in a pass every bucket of which was skipped: that step is skipped whole, as GradScaler
+  skips ``step()``, and no counter advances (a skip decided on the device, by a fused
+  kernel's ``found_inf``, is not known here: those classes count per parameter, and the
+  kernel restores their counts);
 * when the pass finishes, the changed values are written back once, into the optimizer's
   groups and the instance (an entry a step removed, ``group.pop("reset")``, is removed);
 * a backward the loop rolls back (the model and the optimizer loaded, then ``zero_grad()``)
@@ -364,18 +365,21 @@ class ClassState:
             for changes in seen.values()
         )
 
-    def finish(self, *, skipped: bool = False) -> None:
+    def finish(self, skipped: set[int], *, whole: bool = False) -> None:
         """Step the tracked groups no bucket stepped, none of whose parameters holds a gradient
         (the plain optimizer's ``step()`` visits them too), then write what the buckets
-        changed back, once. ``skipped``: every bucket that got a gradient was skipped as
-        non-finite, a skipped step, which a loop skipping it (GradScaler's ``step``) never
-        hands to the class: no group is visited, and no counter advances."""
+        changed back, once. ``skipped``: the groups of buckets skipped as non-finite, left
+        untouched as those buckets' state is; ``whole``: every bucket that got a gradient was
+        skipped, a skipped step, which a loop skipping it (GradScaler's ``step``) never hands
+        to the class: no group is visited, and no counter advances."""
         if not self.tracked:
             return
         untouched = [
-            i for i in range(len(self._groups)) if self._tracked[i] and i not in self._group_changes
+            i
+            for i in range(len(self._groups))
+            if self._tracked[i] and i not in self._group_changes and i not in skipped
         ]
-        if skipped:
+        if whole:
             untouched = []
         if untouched:
             groups = [self.group(i) for i in untouched]

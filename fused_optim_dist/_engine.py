@@ -249,10 +249,11 @@ class BackwardPass:
         self._stepped: set[int] = set()
         # Whether this pass updated a parameter (held buckets are stepped, not updated).
         self.updated = False
-        # Whether a bucket was skipped as non-finite on the host, and whether one was stepped
-        # (or held to be): a pass that skipped and stepped nothing is a skipped step, which
-        # no class's step visits (see ClassState.finish).
-        self._skipped = self._stepping = False
+        # The groups of the buckets skipped as non-finite on the host, and whether a bucket
+        # was stepped (or held to be): a pass that skipped and stepped nothing is a skipped
+        # step, which no class's step visits (see ClassState.finish).
+        self._skipped: set[int] = set()
+        self._stepping = False
         # Indices of the units whose closing is registered on FSDP2's post-backward node.
         self._closing: set[int] = set()
         # The FSDP2 units that held all-gathered weights when updated, by id of their group.
@@ -493,7 +494,9 @@ class BackwardPass:
             # after this backward reads the parameters.
             self._stepper.flush()
             self._await_staging()
-            self._class_state.finish(skipped=self._skipped and not self._stepping)
+            self._class_state.finish(
+                self._skipped, whole=bool(self._skipped) and not self._stepping
+            )
             if self._record:
                 self._pending.settle(
                     self._param_groups, self._state, list(self._gathered_when_updated.values())
@@ -537,10 +540,11 @@ class BackwardPass:
                             device_skip=device_skip,
                             alone=len(self._plan.buckets) == 1,
                         )
-                self._skipped = self._skipped or not verdict.step
-                if verdict.step:
+                indices = [index for index, _ in split]
+                if not verdict.step:
+                    self._skipped.update(indices)
+                else:
                     self._stepping = True
-                    indices = [index for index, _ in split]
                     if self._class_state.must_check(indices) or any(
                         self._stepper.is_joint(batch.group) for batch in batches
                     ):

@@ -431,6 +431,43 @@ def test_nonfinite_step_skipped_for_a_class_counting_in_its_groups(cls, stepping
     assert counted(optim) == counted(plain) == 3
 
 
+def test_nonfinite_step_skipped_beside_a_class_skipping_on_the_device():
+    """One optimizer, fused AdamW on the body (skipped on the device through ``found_inf``,
+    not read back) and a class counting steps in its groups on the head (skipped on the
+    host), a NaN loss: the head's group, whose buckets were skipped, counts no step, as the
+    plain loop calling no ``step()`` (it counted one, the device's skips being unknown on the
+    host: 4 against 3 two steps later, no error)."""
+    model, reference = make_models()
+
+    def groups(net: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        body = [p for n, p in net.named_parameters() if not n.startswith("head")]
+        return body, list(net.head.parameters())
+
+    body, head = groups(model)
+    optim = OptimizerInBackward(
+        [
+            {"params": body, "optimizer_cls": torch.optim.AdamW, "fused": True, "lr": 1e-2},
+            {"params": head},
+        ],
+        GroupStepLamb,
+        skip_nonfinite=True,
+        bucket_numel=20,
+        stepping="dtensor",
+    )
+    body, head = groups(reference)
+    plain = [torch.optim.AdamW(body, lr=1e-2, fused=True), GroupStepLamb(head)]
+    for step in range(4):
+        for net, opts in ((model, [optim]), (reference, plain)):
+            loss = loss_fn(net, *_x(step))
+            (loss * float("nan") if step == 1 else loss).backward()
+            for opt in opts:
+                if opt is optim or step != 1:  # the plain loop skips the NaN step
+                    opt.step()
+                opt.zero_grad()
+    assert_match(model, reference)
+    assert optim.param_groups[1]["step"] == plain[1].param_groups[0]["step"] == 3
+
+
 class InstanceNormSGD(torch.optim.Optimizer):
     """SGD noting the norm of all its gradients on itself, for logging."""
 
