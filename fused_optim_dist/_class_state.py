@@ -377,10 +377,8 @@ class ClassState:
         untouched = [
             i
             for i in range(len(self._groups))
-            if self._tracked[i] and i not in self._group_changes and i not in skipped
+            if not whole and self._tracked[i] and i not in self._group_changes and i not in skipped
         ]
-        if whole:
-            untouched = []
         if untouched:
             groups = [self.group(i) for i in untouched]
             self.run(untouched, lambda: self._steppers.step_without_gradients(groups))
