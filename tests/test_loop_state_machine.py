@@ -10,7 +10,7 @@ misses a layer, under ``accumulate()``, with gradients set by hand or none) or n
 optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the load
 then rolled back), activation checkpointing (reentrant or not) and ``save_on_cpu``, ``step()``
 without a backward, LR changes (lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict``
-round trips,
+round trips, a restart (new optimizers loading their predecessors' state dicts),
 ``state.clear()``, the head frozen and unfrozen (also before it is added as a group);
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
@@ -167,6 +167,18 @@ class LoopMachine(RuleBasedStateMachine):
         ours_model, plain_model = self.models
         body = [p for n, p in ours_model.named_parameters() if not n.startswith("head")]
         ref_body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
+        self.ours, self.plain = self._optimizers(body, ref_body)
+        self.head_added = False
+        self.pending = False  # gradients accumulated, not yet stepped
+        self.step = 0
+        self.schedulers: tuple[torch.optim.lr_scheduler.LRScheduler, ...] = ()
+        # Each loop's norm of the gradients of its last step, until compared.
+        self.norms: dict[str, torch.Tensor | None] = {}
+
+    def _optimizers(
+        self, params: list, ref_params: list
+    ) -> tuple[OptimizerInBackward, torch.optim.Optimizer]:
+        """Ours on ``params`` and the plain optimizer on ``ref_params`` (tensors or groups)."""
         cls, kwargs = self.optimizer_cls, self.optimizer_kwargs
         options = InBackwardOptions(
             max_grad_norm=self.max_grad_norm,
@@ -174,14 +186,9 @@ class LoopMachine(RuleBasedStateMachine):
             stepping=self.stepping,
             skip_nonfinite=self.skip_nonfinite,
         )
-        self.ours = OptimizerInBackward(body, cls, options=options, **kwargs)
-        self.plain = cls(ref_body, **kwargs)
-        self.head_added = False
-        self.pending = False  # gradients accumulated, not yet stepped
-        self.step = 0
-        self.schedulers: tuple[torch.optim.lr_scheduler.LRScheduler, ...] = ()
-        # Each loop's norm of the gradients of its last step, until compared.
-        self.norms: dict[str, torch.Tensor | None] = {}
+        return OptimizerInBackward(params, cls, options=options, **kwargs), cls(
+            ref_params, **kwargs
+        )
 
     def _loss(self, model: nn.Module, step: int, scale: float = 1.0) -> torch.Tensor:
         """The loss of ``step``'s batch (this rank's share), its inputs scaled by ``scale``."""
@@ -678,6 +685,23 @@ class LoopMachine(RuleBasedStateMachine):
         """Each optimizer loads (a copy of) its own state dict."""
         for optim in (self.ours, self.plain):
             optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def restart(self) -> None:
+        """A resumed run: new optimizers on the same groups, each loading its predecessor's
+        state dict (ours once the old one is detached, as a restarted process holds none);
+        the schedulers are not rebuilt (the groups' lr is in the state dicts)."""
+        saved = [copy.deepcopy(optim.state_dict()) for optim in (self.ours, self.plain)]
+        groups = [
+            [{"params": list(group["params"])} for group in optim.param_groups]
+            for optim in (self.ours, self.plain)
+        ]
+        self.ours.detach()
+        self.ours, self.plain = self._optimizers(*groups)
+        for optim, state_dict in zip((self.ours, self.plain), saved, strict=True):
+            optim.load_state_dict(state_dict)
+        self.schedulers = ()
 
     @precondition(lambda self: not self.pending)
     @rule()
