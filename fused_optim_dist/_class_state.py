@@ -40,9 +40,9 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   which holds a gradient, as the plain optimizer's ``step()`` visits them; not the groups of
   buckets skipped as non-finite (``skip_nonfinite``), whose state stays untouched, and none
   in a pass every bucket of which was skipped: that step is skipped whole, as GradScaler
-  skips ``step()``, and no counter advances (a skip decided on the device, by a fused
-  kernel's ``found_inf``, is not known here: those classes count per parameter, and the
-  kernel restores their counts);
+  skips ``step()``, and no counter advances (where buckets a fused kernel skips on the
+  device through ``found_inf`` decide it, none stepped otherwise, the pass reads their flags
+  back once at its end: ``BackwardPass._skipped_whole``);
 * when the pass finishes, the changed values are written back once, into the optimizer's
   groups and the instance (an entry a step removed, ``group.pop("reset")``, is removed);
 * a backward the loop rolls back (the model and the optimizer loaded, then ``zero_grad()``)

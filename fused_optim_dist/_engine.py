@@ -249,11 +249,13 @@ class BackwardPass:
         self._stepped: set[int] = set()
         # Whether this pass updated a parameter (held buckets are stepped, not updated).
         self.updated = False
-        # The groups of the buckets skipped as non-finite on the host, and whether a bucket
-        # was stepped (or held to be): a pass that skipped and stepped nothing is a skipped
-        # step, which no class's step visits (see ClassState.finish).
+        # The groups of the buckets skipped as non-finite on the host, whether a bucket was
+        # stepped (or held to be) with no device flag to skip it, and the flags of those a
+        # fused kernel skips on the device (found_inf): a pass every bucket of which was
+        # skipped is a skipped step, which no class's step visits (see ClassState.finish).
         self._skipped: set[int] = set()
         self._stepping = False
+        self._device_flags: list[torch.Tensor] = []
         # Indices of the units whose closing is registered on FSDP2's post-backward node.
         self._closing: set[int] = set()
         # The FSDP2 units that held all-gathered weights when updated, by id of their group.
@@ -494,9 +496,7 @@ class BackwardPass:
             # after this backward reads the parameters.
             self._stepper.flush()
             self._await_staging()
-            self._class_state.finish(
-                self._skipped, whole=bool(self._skipped) and not self._stepping
-            )
+            self._class_state.finish(self._skipped, whole=self._skipped_whole())
             if self._record:
                 self._pending.settle(
                     self._param_groups, self._state, list(self._gathered_when_updated.values())
@@ -544,7 +544,10 @@ class BackwardPass:
                 if not verdict.step:
                     self._skipped.update(indices)
                 else:
-                    self._stepping = True
+                    if verdict.found_inf is None:
+                        self._stepping = True
+                    else:
+                        self._device_flags.append(verdict.found_inf)
                     if self._class_state.must_check(indices) or any(
                         self._stepper.is_joint(batch.group) for batch in batches
                     ):
@@ -560,6 +563,21 @@ class BackwardPass:
                 raise
             finally:
                 self._release(params, grads, moved=moved)
+
+    def _skipped_whole(self) -> bool:
+        """Whether every bucket that got a gradient was skipped as non-finite: a skipped step
+        (see ``ClassState.finish``). Where buckets a fused kernel skips on the device decide
+        it (none was stepped otherwise), and a class keeps state in its groups (skipped on
+        the host, bucket by bucket, so reading flags back is its own cost already), their
+        flags are read back: one host sync, at the end of backward."""
+        if self._stepping or not (self._skipped or self._device_flags):
+            return False
+        if not self._device_flags:
+            return True
+        if not self._class_state.tracked:
+            return False  # nothing visits a group: no need to know
+        flags = self._device_flags
+        return bool(torch.stack([f.reshape(()).to(flags[0].device) for f in flags]).all())
 
     def _update(
         self, indices: list[int], batches: list[Batch], found_inf: torch.Tensor | None

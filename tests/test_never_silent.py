@@ -431,31 +431,38 @@ def test_nonfinite_step_skipped_for_a_class_counting_in_its_groups(cls, stepping
     assert counted(optim) == counted(plain) == 3
 
 
-def test_nonfinite_step_skipped_beside_a_class_skipping_on_the_device():
-    """One optimizer, fused AdamW on the body (skipped on the device through ``found_inf``,
-    not read back) and a class counting steps in its groups on the head (skipped on the
-    host), a NaN loss: the head's group, whose buckets were skipped, counts no step, as the
-    plain loop calling no ``step()`` (it counted one, the device's skips being unknown on the
-    host: 4 against 3 two steps later, no error)."""
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_nonfinite_step_skipped_beside_a_class_skipping_on_the_device(head):
+    """One optimizer, fused AdamW on the body (skipped on the device through ``found_inf``)
+    and a class counting steps in its groups on the head (skipped on the host), a NaN loss:
+    the head's group counts no step, as the plain loop calling no ``step()``. Trained, its
+    buckets were skipped (it counted one, the device's skips being unknown on the host: 4
+    against 3 two steps later, no error). Frozen, it gets no gradient, and a step that
+    stepped something visits it, as the plain ``step()`` does; whether the body's buckets
+    were all skipped is read from the device's flags where that decides (it counted one, 4
+    against 3, no error)."""
     model, reference = make_models()
+    if head == "frozen":
+        model.head.requires_grad_(False)
+        reference.head.requires_grad_(False)
 
     def groups(net: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         body = [p for n, p in net.named_parameters() if not n.startswith("head")]
         return body, list(net.head.parameters())
 
-    body, head = groups(model)
+    body, head_params = groups(model)
     optim = OptimizerInBackward(
         [
             {"params": body, "optimizer_cls": torch.optim.AdamW, "fused": True, "lr": 1e-2},
-            {"params": head},
+            {"params": head_params},
         ],
         GroupStepLamb,
         skip_nonfinite=True,
         bucket_numel=20,
         stepping="dtensor",
     )
-    body, head = groups(reference)
-    plain = [torch.optim.AdamW(body, lr=1e-2, fused=True), GroupStepLamb(head)]
+    body, head_params = groups(reference)
+    plain = [torch.optim.AdamW(body, lr=1e-2, fused=True), GroupStepLamb(head_params)]
     for step in range(4):
         for net, opts in ((model, [optim]), (reference, plain)):
             loss = loss_fn(net, *_x(step))
