@@ -47,6 +47,7 @@ from fused_optim_dist._torch_internals import (
     read_requires_grad,
     storages,
 )
+from fused_optim_dist._validation import refuse_gathered_copies
 
 __all__ = ["Bucket", "BucketPlan"]
 
@@ -107,6 +108,7 @@ class BucketPlan:
         self._in_units = frozenset(id(p) for unit in self.units for p in unit.params)
         self._requires_grad = self._read_requires_grad()
         refuse_shared_memory(param_groups, self._all_params, self._requires_grad)
+        refuse_gathered_copies(self._all_params)  # listed in place since (param_groups edited)
         self._registrations = registrations()
         # What a forward reads directly: trainable parameters outside FSDP2 units.
         self._read_directly = [

@@ -126,9 +126,13 @@ Everything else in the package uses public APIs. What this module relies on, for
   While a unit is unsharded its modules hold FSDP2's
   unsharded parameters (``FSDPParam.unsharded_param``); each all-gather copies the sharded
   parameter's ``requires_grad`` to the unsharded one (``FSDPParam.to_unsharded``), never back.
-  A root unit stays unsharded after a forward that gets no backward, so a
+  A root unit stays unsharded after a forward that gets no backward (an evaluation under
+  ``torch.no_grad()``; so does any unit with ``reshard_after_forward=False``), so a
   ``requires_grad_()`` on its modules then reaches only the unsharded parameters, and decides
-  whether autograd computes their gradient, which FSDP2 reduces into the sharded parameter.
+  whether autograd computes their gradient, which FSDP2 reduces into the sharded parameter;
+  and ``parameters()`` of its modules lists the unsharded parameters (or, resharded after
+  forward to a smaller world, ``FSDPParam._sharded_post_forward_param``), which an optimizer
+  given them would hold in place of the sharded ones (``fsdp_gathered_copies``).
   A unit's ``_training_state`` is ``PRE_BACKWARD`` or ``POST_BACKWARD`` from its unshard in
   backward until FSDP2's final callback; its post-backward reshards it before handing out the
   gradients. FSDP2 runs a sharded parameter's post-accumulate-grad hooks whatever its
@@ -199,6 +203,7 @@ __all__ = [
     "drop_grads",
     "enclosing_backward",
     "flatten",
+    "fsdp_gathered_copies",
     "fsdp_post_backward_node",
     "fsdp_reduced_params",
     "fsdp_sync_off",
@@ -403,6 +408,21 @@ def fsdp_units(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
         if records:
             units.append(FSDPUnit(param_group, records))
     return units
+
+
+def fsdp_gathered_copies(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, FSDPUnit]]:
+    """Those of ``params`` that are FSDP2's all-gathered copies of a sharded parameter (what a
+    unit's modules list while it is unsharded, or resharded after forward to a smaller world),
+    each with its unit (its record the copy's). See [Note: FSDP2's copies and flags]."""
+    wanted = {id(p) for p in params}
+    copies = []
+    for param_group in _fsdp_param_groups():
+        for record in param_group.fsdp_params:
+            for name in ("_unsharded_param", "_sharded_post_forward_param"):
+                alias = getattr(record, name, None)
+                if alias is not None and id(alias) in wanted:
+                    copies.append((alias, FSDPUnit(param_group, [record])))
+    return copies
 
 
 def fsdp_sync_off() -> bool:

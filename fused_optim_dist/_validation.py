@@ -9,7 +9,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["check_param_groups", "resolve_optimizer_class"]
+from fused_optim_dist._torch_internals import fsdp_gathered_copies
+
+__all__ = ["check_param_groups", "refuse_gathered_copies", "resolve_optimizer_class"]
 
 _IN_BACKWARD_METHODS = ("accumulate", "grad_norm")
 """Methods of ``OptimizerInBackward`` that no ``torch.optim`` optimizer has."""
@@ -64,8 +66,34 @@ def resolve_optimizer_class(optimizer_cls: type[Optimizer] | str) -> type[Optimi
     return optimizer_cls
 
 
+def refuse_gathered_copies(params: list[torch.Tensor]) -> None:
+    """Refuse FSDP2's all-gathered copies of sharded parameters in place of the parameters.
+
+    FSDP2 leaves a unit unsharded after a forward that gets no backward (the root unit after
+    an evaluation under ``torch.no_grad()``), and its modules then list the copies. The
+    gradients autograd gives them are reduce-scattered into the sharded parameters' and
+    dropped, and the copies are freed at the next reshard: a plain optimizer holding them
+    trains nothing, in silence. See [Note: FSDP2's copies and flags] in
+    ``_torch_internals.py``."""
+    copies = fsdp_gathered_copies(params)
+    if copies:
+        copy, unit = copies[0]
+        owners = ", ".join(type(m).__name__ for m in unit.modules)
+        raise ValueError(
+            f"a parameter of shape {tuple(copy.shape)} is FSDP2's all-gathered copy of a sharded "
+            f"parameter (of the unit fully_shard made on {owners}), not the parameter: FSDP2 "
+            "leaves a unit unsharded after a forward that gets no backward (the root unit after "
+            "an evaluation under torch.no_grad()), and its modules then list these copies: a "
+            "plain optimizer holding them trains nothing (FSDP2 reduces their gradients into "
+            "the sharded parameters' and frees them). Call "
+            "model.reshard() before building the optimizer or adding the param group, so that "
+            "parameters() gives the sharded parameters"
+        )
+
+
 def check_param_groups(param_groups: list[dict[str, Any]]) -> None:
     """Refuse parameter lists that would train nothing or step a parameter twice."""
+    refuse_gathered_copies([p for group in param_groups for p in group["params"]])
     seen: set[int] = set()
     for index, group in enumerate(param_groups):
         for param in group["params"]:

@@ -360,6 +360,65 @@ def _head_after_root_parity_body() -> None:
     assert_match(ours, ref)
 
 
+def _evaluate(model: nn.Module) -> None:
+    """An evaluation forward under ``torch.no_grad()``: FSDP2 leaves the root unit unsharded
+    (no backward comes to reshard it), its modules listing the all-gathered copies."""
+    model.eval()
+    with torch.no_grad():
+        model(rank_slice(batch(100)[0]))
+    model.train()
+
+
+def _groups_after_an_evaluation_body() -> None:
+    """A plain optimizer given the root unit's parameters after an evaluation holds FSDP2's
+    all-gathered copies and trains nothing for them, in silence; ours refuses them, naming
+    ``model.reshard()``, before anything changes: at construction, in ``add_param_group``, and
+    listed in a group in place (at the next ``step()``). After ``reshard()`` the group added
+    later trains as the plain optimizer's."""
+    trap_model, _ = _pair()
+    _evaluate(trap_model)
+    root = [trap_model.inp.weight, trap_model.head.weight]
+    assert not any(isinstance(p, DTensor) for p in root)
+    before = [p.detach().clone() for p in root]
+    trap = torch.optim.AdamW(trap_model.parameters(), **ADAMW)
+    _plain_step(trap_model, trap, 0)
+    assert all(
+        torch.equal(old, full(p).detach())
+        for old, p in zip(before, (trap_model.inp.weight, trap_model.head.weight), strict=True)
+    )
+
+    model, reference = _pair()
+    body = [p for n, p in model.named_parameters() if not n.startswith("head")]
+    ref_body = [p for n, p in reference.named_parameters() if not n.startswith("head")]
+    optim = OptimizerInBackward(body, torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(ref_body, **ADAMW)
+    _ours_step(model, optim, 0)
+    _plain_step(reference, plain, 0)
+    for m in (model, reference):
+        _evaluate(m)
+    refusal = r"all-gathered copy of a sharded parameter .* model\.reshard\(\)"
+    with pytest.raises(ValueError, match=refusal):
+        OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    with pytest.raises(ValueError, match=refusal):
+        optim.add_param_group({"params": model.head.parameters(), "lr": 0.05})
+    assert len(optim.param_groups) == 1
+    optim.param_groups[0]["params"].append(model.head.weight)
+    with pytest.raises(ValueError, match=refusal):
+        optim.step()
+    optim.param_groups[0]["params"].pop()
+    for m in (model, reference):
+        m.reshard()
+    optim.add_param_group({"params": model.head.parameters(), "lr": 0.05})
+    plain.add_param_group({"params": reference.head.parameters(), "lr": 0.05})
+    for step in range(1, 4):
+        _ours_step(model, optim, step)
+        _plain_step(reference, plain, step)
+        _evaluate(model)
+        _evaluate(reference)
+    assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
+
+
 # ------------------------------------------------------- 10. norms on the parameters' mesh
 
 
@@ -744,6 +803,8 @@ def test_clipping_history_never_reaches_another_bucket():
         (2, _failed_held_backward_body, {"sharded": True, "stepping": "elementwise"}),
         (1, _failed_held_backward_body, {"sharded": False, "stepping": "dtensor"}),
         (1, _failed_held_backward_body, {"sharded": False, "stepping": None}),
+        (2, _groups_after_an_evaluation_body, {}),
+        (3, _groups_after_an_evaluation_body, {}),
     ],
     ids=[
         "1-add-group-generator",
@@ -761,6 +822,8 @@ def test_clipping_history_never_reaches_another_bucket():
         "3-failed-held-backward-elementwise",
         "3-failed-held-backward-dtensor",
         "3-failed-held-backward-joint",
+        "groups-after-an-evaluation-2",
+        "groups-after-an-evaluation-3",
     ],
 )
 def test_drop_in(worlds, world_size, body, kwargs):

@@ -11,7 +11,9 @@ optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each
 then rolled back), activation checkpointing (reentrant or not) and ``save_on_cpu``, ``step()``
 without a backward, LR changes (lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict``
 round trips, a restart (new optimizers loading their predecessors' state dicts),
-``state.clear()``, the head frozen and unfrozen (also before it is added as a group);
+``state.clear()``, the head frozen and unfrozen (also before it is added as a group), an
+evaluation forward under ``torch.no_grad()`` (on FSDP2 a group added after it is refused
+until ``reshard()``);
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
 ``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
@@ -343,10 +345,30 @@ class LoopMachine(RuleBasedStateMachine):
         for model in self.models:
             model.layers[layer].requires_grad_(trainable)
 
+    @rule()
+    def evaluate(self) -> None:
+        """An evaluation forward under ``torch.no_grad()`` (under ``accumulate()`` too): on
+        FSDP2 it leaves the root unit unsharded, its modules listing the all-gathered copies
+        of its parameters until a backward or ``reshard()``."""
+        for model in self.models:
+            model.eval()
+            with torch.no_grad():
+                self._loss(model, self.step + 100)
+            model.train()
+
     @precondition(lambda self: not self.head_added)
     @rule(lr=st.sampled_from([1e-3, 5e-2]))
     def add_head_group(self, lr: float) -> None:
+        """The head added as a group. After an evaluation on FSDP2 its modules list the
+        root unit's all-gathered copies, which a plain optimizer would hold and never step:
+        ours refuses them before anything changes, and the loop calls ``reshard()``."""
         ours_model, plain_model = self.models
+        if self.sharded and not isinstance(ours_model.head.weight, DTensor):
+            with pytest.raises(ValueError, match=r"all-gathered copy .* model\.reshard\(\)"):
+                self.ours.add_param_group({"params": ours_model.head.parameters(), "lr": lr})
+            assert len(self.ours.param_groups) == 1
+            for model in self.models:
+                model.reshard()
         self.ours.add_param_group({"params": ours_model.head.parameters(), "lr": lr})
         self.plain.add_param_group({"params": plain_model.head.parameters(), "lr": lr})
         self.head_added = True
