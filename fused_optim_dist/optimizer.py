@@ -1217,8 +1217,10 @@ class OptimizerInBackward(Optimizer):
     def _check_alive(self, plan: BucketPlan) -> None:
         # Only module parameters (nn.Parameter) are replaced by fully_shard: free tensors
         # (SAC's log_alpha, latent codes) never belong to a module.
+        # FSDP2's sharded parameters are live while their unit is, though its modules list
+        # the all-gathered copies while it is unsharded (after a forward without backward).
         replaceable = [p for p in plan.trainable if isinstance(p, nn.Parameter)]
-        if replaceable and not _held_by_a_module(replaceable):
+        if replaceable and not plan.units and not _held_by_a_module(replaceable):
             raise RuntimeError(
                 "no gradient has reached OptimizerInBackward, and none of its parameters "
                 "belongs to a live module, so nothing would ever train. The usual cause is "

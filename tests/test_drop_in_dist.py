@@ -419,6 +419,26 @@ def _groups_after_an_evaluation_body() -> None:
     assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
 
+def _step_after_an_evaluation_body() -> None:
+    """One unit, evaluated, then ``step()`` with no backward (nothing to step) and training:
+    as plain. The check that refuses an optimizer built before ``fully_shard`` (no gradient
+    ever, no parameter on a live module) took the sharded parameters, which the unsharded
+    unit's modules did not list, for replaced ones, and refused that ``step()``."""
+    model, reference = make_models()
+    fully_shard(model)
+    fully_shard(reference)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for m, o in ((model, optim), (reference, plain)):
+        _evaluate(m)
+        o.step()
+    for step in range(3):
+        _ours_step(model, optim, step)
+        _plain_step(reference, plain, step)
+    assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
+
+
 # ------------------------------------------------------- 10. norms on the parameters' mesh
 
 
@@ -805,6 +825,7 @@ def test_clipping_history_never_reaches_another_bucket():
         (1, _failed_held_backward_body, {"sharded": False, "stepping": None}),
         (2, _groups_after_an_evaluation_body, {}),
         (3, _groups_after_an_evaluation_body, {}),
+        (2, _step_after_an_evaluation_body, {}),
     ],
     ids=[
         "1-add-group-generator",
@@ -824,6 +845,7 @@ def test_clipping_history_never_reaches_another_bucket():
         "3-failed-held-backward-joint",
         "groups-after-an-evaluation-2",
         "groups-after-an-evaluation-3",
+        "step-after-an-evaluation",
     ],
 )
 def test_drop_in(worlds, world_size, body, kwargs):
