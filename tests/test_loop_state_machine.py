@@ -26,7 +26,8 @@ norm of the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the p
 ``clip_grad_norm_``), which must agree where ours gives one.
 It runs on one process (a plain module, many examples) and with FSDP2 (fewer, derandomised so
 that every rank draws the same sequence): on 2 ranks, and with NaN batches on 4 (the last
-rank's shards all empty), a class counting steps in its groups and one stepped jointly on 3.
+rank's shards all empty), a class counting steps in its groups, one stepped jointly, and
+every unit kept unsharded after forward (``reshard_after_forward=False``) on 3.
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def _assert_same_state_dicts(a: dict, b: dict) -> None:
 
 class LoopMachine(RuleBasedStateMachine):
     sharded = False
+    fsdp_kwargs: ClassVar[dict] = {}
+    """``fully_shard``'s keyword arguments, for every unit."""
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW
     optimizer_kwargs: ClassVar[dict] = ADAMW
     dtype = torch.float32
@@ -165,7 +168,7 @@ class LoopMachine(RuleBasedStateMachine):
         )
         if self.sharded:
             for model in self.models:
-                shard(model)
+                shard(model, **self.fsdp_kwargs)
         ours_model, plain_model = self.models
         body = [p for n, p in ours_model.named_parameters() if not n.startswith("head")]
         ref_body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
@@ -1039,6 +1042,14 @@ class ShardedGroupCounterLoopMachine(GroupCounterLoopMachine):
     sharded = True
 
 
+class ShardedKeptAfterForwardLoopMachine(ShardedLoopMachine):
+    """Every unit kept unsharded after forward (``reshard_after_forward=False``, ZeRO-2's
+    layout): the modules list FSDP2's all-gathered copies from each forward to the end of
+    its backward (and after an evaluation, to the next backward)."""
+
+    fsdp_kwargs: ClassVar[dict] = {"reshard_after_forward": False}
+
+
 class ShardedJointLoopMachine(JointLoopMachine):
     """The class clipping by the norm of all its gradients, stepped jointly on FSDP2's
     DTensors at the end of backward."""
@@ -1120,6 +1131,7 @@ def test_random_loops_compact_adamw_bfloat16():
         (ShardedSkipNonfiniteLoopMachine, 4, 4, 16),
         (ShardedGroupCounterLoopMachine, 3, 4, 12),
         (ShardedJointLoopMachine, 3, 4, 12),
+        (ShardedKeptAfterForwardLoopMachine, 3, 4, 16),
     ],
     ids=[
         "adamw",
@@ -1128,6 +1140,7 @@ def test_random_loops_compact_adamw_bfloat16():
         "skip-nonfinite-empty-shards",
         "group-counter",
         "joint",
+        "kept-after-forward",
     ],
 )
 def test_random_loops_fsdp2(worlds, machine, world, examples, steps):
