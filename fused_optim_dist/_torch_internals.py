@@ -280,19 +280,19 @@ class FSDPUnit(NamedTuple):
             return None
         return [record.unsharded_param.requires_grad for record in self.records]
 
+    def unreduced(self) -> list[torch.Tensor]:
+        """The parameters of which FSDP2 holds a gradient accumulated unsharded (micro-batches
+        with gradient sync off), which the next backward that reduces the unit hands to
+        them, whatever their ``requires_grad`` then."""
+        return [r.sharded_param for r in self.records if _holds_unreduced_gradient(r)]
+
     def holds_unreduced_gradients(self) -> bool:
         """Whether FSDP2 holds gradients of the unit it has not reduced (accumulated unsharded
         by backwards with gradient sync off, or reduce-scattered but not all-reduced across
         HSDP's replicas, all-reduce off)."""
         if self.group._partial_reduce_output is not None:  # HSDP, all-reduce off
             return True
-        for record in self.records:
-            if record.unsharded_accumulated_grad is not None:
-                return True
-            unsharded = getattr(record, "_unsharded_param", None)
-            if unsharded is not None and unsharded.grad is not None:
-                return True
-        return False
+        return any(map(_holds_unreduced_gradient, self.records))
 
     def will_get_gradients(self) -> bool:
         """Whether the backward running will give these parameters gradients to reduce: the
@@ -317,6 +317,15 @@ class FSDPUnit(NamedTuple):
                 if alias is not None:
                     tensors.append(alias)
         return tensors
+
+
+def _holds_unreduced_gradient(record: Any) -> bool:
+    """Whether FSDP2 holds a gradient of the parameter of ``record`` (an ``FSDPParam``)
+    accumulated unsharded, not reduced yet."""
+    if record.unsharded_accumulated_grad is not None:
+        return True
+    unsharded = getattr(record, "_unsharded_param", None)
+    return unsharded is not None and unsharded.grad is not None
 
 
 @functools.cache

@@ -1191,27 +1191,40 @@ class OptimizerInBackward(Optimizer):
                 )
         return plan
 
-    def _refuse_frozen_holding_gradients(self, plan: BucketPlan, when: str) -> None:
+    def _refuse_frozen_holding_gradients(
+        self, plan: BucketPlan, when: str, reducing: bool = False
+    ) -> None:
         """Raise if a frozen parameter of ``plan`` holds a gradient: the plain ``step()``
         steps every parameter holding one, this optimizer the trainable ones only. Checked at
         ``step()`` and where a stepping backward starts (``when``), before it moves anything:
         a gradient kept from before the parameter was frozen (a layer frozen between
         micro-batches under :meth:`accumulate`) is known there, before the other
-        parameters' updates."""
+        parameters' updates. ``reducing``: in a backward that reduces FSDP2's units, which
+        hands them the gradients they accumulated with sync off; those count too."""
         frozen = [
             p
             for p, grad in zip(plan.frozen, read_grads(plan.frozen), strict=True)
             if grad is not None and not is_freed(grad)
         ]
+        # FSDP2's micro-batches with gradient sync off hold theirs unsharded, handed to the
+        # parameter by the backward that reduces its unit, after the units reduced before it.
+        if reducing:
+            frozen_ids = {id(p) for p in plan.frozen}
+            frozen += [p for unit in plan.units for p in unit.unreduced() if id(p) in frozen_ids]
         if frozen:
             raise RuntimeError(
                 f"{when}: {describe(frozen[0])} is frozen (requires_grad=False) but holds a "
                 "gradient (set by hand, kept as zeros by zero_grad(set_to_none=False), or kept "
-                "from before it was frozen or added, as under accumulate() by a layer frozen "
-                "between micro-batches): a plain optimizer steps every parameter holding one; "
-                "this one steps the trainable parameters only. Drop it (optim.zero_grad() with "
-                "set_to_none=True, torch's default, or p.grad = None) or unfreeze the "
-                f"parameter before {when}."
+                "from before it was frozen or added: a layer frozen between micro-batches, "
+                "under accumulate() or FSDP2's with gradient sync off, holds the earlier ones'; "
+                "on FSDP2, also a layer unfrozen by requires_grad_(True) while its unit was "
+                "unsharded, after a forward with no backward such as an evaluation, which "
+                "reached only FSDP2's all-gathered copies until the next all-gather reset them "
+                "from the frozen parameter): a plain optimizer steps every parameter holding "
+                "one; this one steps the trainable parameters only. Drop it (optim.zero_grad() "
+                "with set_to_none=True, torch's default, or p.grad = None) or unfreeze the "
+                f"parameter before {when}; freeze layers after step(), and call "
+                "model.reshard() before requires_grad_() on an unsharded FSDP2 unit."
             )
 
     def _check_alive(self, plan: BucketPlan) -> None:
@@ -1607,7 +1620,9 @@ class OptimizerInBackward(Optimizer):
                     "(nothing was stepped)"
                 )
             self._refuse_second_pass()
-            self._refuse_frozen_holding_gradients(self._check_first_backward(), "backward()")
+            self._refuse_frozen_holding_gradients(
+                self._check_first_backward(), "backward()", reducing=True
+            )
             current = self._pass = self._new_pass(backward_id)
             current.queue_finish(enclosing.node)
             self._stepped_since_step = True

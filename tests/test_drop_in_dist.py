@@ -439,6 +439,28 @@ def _step_after_an_evaluation_body() -> None:
     assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
 
+def _frozen_between_sync_off_micro_batches_body(layer: int) -> None:
+    """FSDP2's micro-batches with gradient sync off, ``layer`` frozen after the first: FSDP2
+    holds the layer's gradient unsharded and hands it over in the last micro-batch's
+    backward, and the plain optimizer steps it. Ours refuses that backward where it starts,
+    before anything moves, as for a layer frozen between micro-batches under ``accumulate()``
+    (before, the last layer, reduced first, was refused so; the first, reduced after the
+    others had moved, with an unrelated message)."""
+    model, _ = _pair()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    _ours_step(model, optim, 0)
+    model.set_requires_gradient_sync(False)
+    _backward(model, 1)
+    model.layers[layer].requires_grad_(False)
+    model.set_requires_gradient_sync(True)
+    params = optim.param_groups[0]["params"]  # the sharded ones: the root is unsharded
+    before = [p.to_local().clone() for p in params]
+    with pytest.raises(RuntimeError, match=r"is frozen .* FSDP2's with gradient sync off"):
+        _backward(model, 2)
+    for old, param in zip(before, params, strict=True):
+        assert torch.equal(old, param.to_local())
+
+
 # ------------------------------------------------------- 10. norms on the parameters' mesh
 
 
@@ -826,6 +848,8 @@ def test_clipping_history_never_reaches_another_bucket():
         (2, _groups_after_an_evaluation_body, {}),
         (3, _groups_after_an_evaluation_body, {}),
         (2, _step_after_an_evaluation_body, {}),
+        (2, _frozen_between_sync_off_micro_batches_body, {"layer": 0}),
+        (2, _frozen_between_sync_off_micro_batches_body, {"layer": 2}),
     ],
     ids=[
         "1-add-group-generator",
@@ -846,6 +870,8 @@ def test_clipping_history_never_reaches_another_bucket():
         "groups-after-an-evaluation-2",
         "groups-after-an-evaluation-3",
         "step-after-an-evaluation",
+        "frozen-between-sync-off-micro-batches-first",
+        "frozen-between-sync-off-micro-batches-last",
     ],
 )
 def test_drop_in(worlds, world_size, body, kwargs):
