@@ -1208,7 +1208,7 @@ class OptimizerInBackward(Optimizer):
         ]
         # FSDP2's micro-batches with gradient sync off hold theirs unsharded, handed to the
         # parameter by the backward that reduces its unit, after the units reduced before it.
-        if reducing:
+        if reducing and plan.frozen:
             frozen_ids = {id(p) for p in plan.frozen}
             frozen += [p for unit in plan.units for p in unit.unreduced() if id(p) in frozen_ids]
         if frozen:
