@@ -369,13 +369,17 @@ def _evaluate(model: nn.Module) -> None:
     model.train()
 
 
-def _groups_after_an_evaluation_body() -> None:
+def _groups_after_an_evaluation_body(kept_after_forward: bool) -> None:
     """A plain optimizer given the root unit's parameters after an evaluation holds FSDP2's
     all-gathered copies and trains nothing for them, in silence; ours refuses them, naming
     ``model.reshard()``, before anything changes: at construction, in ``add_param_group``, and
     listed in a group in place (at the next ``step()``). After ``reshard()`` the group added
-    later trains as the plain optimizer's."""
-    trap_model, _ = _pair()
+    later trains as the plain optimizer's. Kept unsharded after forward
+    (``reshard_after_forward=False``), every unit is left so, a block's parameters refused
+    too (by default the root alone)."""
+    fsdp_kwargs = {"reshard_after_forward": False} if kept_after_forward else {}
+    trap_model, _ = make_models()
+    shard(trap_model, **fsdp_kwargs)
     _evaluate(trap_model)
     root = [trap_model.inp.weight, trap_model.head.weight]
     assert not any(isinstance(p, DTensor) for p in root)
@@ -387,7 +391,7 @@ def _groups_after_an_evaluation_body() -> None:
         for old, p in zip(before, (trap_model.inp.weight, trap_model.head.weight), strict=True)
     )
 
-    model, reference = _pair()
+    model, reference = (shard(m, **fsdp_kwargs) for m in make_models())
     body = [p for n, p in model.named_parameters() if not n.startswith("head")]
     ref_body = [p for n, p in reference.named_parameters() if not n.startswith("head")]
     optim = OptimizerInBackward(body, torch.optim.AdamW, **ADAMW)
@@ -399,13 +403,18 @@ def _groups_after_an_evaluation_body() -> None:
     refusal = r"all-gathered copy of a sharded parameter .* model\.reshard\(\)"
     with pytest.raises(ValueError, match=refusal):
         OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    if kept_after_forward:
+        with pytest.raises(ValueError, match=refusal):
+            OptimizerInBackward(model.layers[0].parameters(), torch.optim.AdamW, **ADAMW)
     with pytest.raises(ValueError, match=refusal):
         optim.add_param_group({"params": model.head.parameters(), "lr": 0.05})
     assert len(optim.param_groups) == 1
+    weights = [p.to_local().clone() for p in body]
     optim.param_groups[0]["params"].append(model.head.weight)
     with pytest.raises(ValueError, match=refusal):
         optim.step()
     optim.param_groups[0]["params"].pop()
+    assert all(torch.equal(w, p.to_local()) for w, p in zip(weights, body, strict=True))
     for m in (model, reference):
         m.reshard()
     optim.add_param_group({"params": model.head.parameters(), "lr": 0.05})
@@ -845,8 +854,8 @@ def test_clipping_history_never_reaches_another_bucket():
         (2, _failed_held_backward_body, {"sharded": True, "stepping": "elementwise"}),
         (1, _failed_held_backward_body, {"sharded": False, "stepping": "dtensor"}),
         (1, _failed_held_backward_body, {"sharded": False, "stepping": None}),
-        (2, _groups_after_an_evaluation_body, {}),
-        (3, _groups_after_an_evaluation_body, {}),
+        (2, _groups_after_an_evaluation_body, {"kept_after_forward": False}),
+        (3, _groups_after_an_evaluation_body, {"kept_after_forward": True}),
         (2, _step_after_an_evaluation_body, {}),
         (2, _frozen_between_sync_off_micro_batches_body, {"layer": 0}),
         (2, _frozen_between_sync_off_micro_batches_body, {"layer": 2}),
@@ -868,7 +877,7 @@ def test_clipping_history_never_reaches_another_bucket():
         "3-failed-held-backward-dtensor",
         "3-failed-held-backward-joint",
         "groups-after-an-evaluation-2",
-        "groups-after-an-evaluation-3",
+        "groups-after-an-evaluation-3-kept-after-forward",
         "step-after-an-evaluation",
         "frozen-between-sync-off-micro-batches-first",
         "frozen-between-sync-off-micro-batches-last",
