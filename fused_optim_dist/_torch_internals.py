@@ -435,19 +435,17 @@ def fsdp_gathered_copies(params: Iterable[torch.Tensor]) -> list[tuple[torch.Ten
 
 
 def fsdp_sync_off() -> bool:
-    """Whether an FSDP2 unit of the process with a parameter that requires grad does not
-    reduce its gradients fully: ``set_requires_gradient_sync(False)`` (FSDP2 accumulates them
-    unsharded) or, on a mesh with a replicate dimension (HSDP), ``set_requires_all_reduce
-    (False)`` (FSDP2 keeps the reduce-scatter's output and hands out no gradient). A frozen
-    unit's flags do not count: no gradient of it is accumulated."""
+    """Whether an FSDP2 unit of the process does not reduce its gradients fully:
+    ``set_requires_gradient_sync(False)`` (FSDP2 accumulates them unsharded) or, on a mesh
+    with a replicate dimension (HSDP), ``set_requires_all_reduce(False)`` (FSDP2 keeps the
+    reduce-scatter's output and hands out no gradient). A frozen unit's flags count too: the
+    flag is how a loop says more micro-batches follow, and a loop turning sync off for some
+    units only (a frozen one among them) steps the other units' summed gradients."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
     return any(
-        (
-            not param_group.reduce_grads
-            or (not param_group.all_reduce_grads and isinstance(param_group.mesh_info, DDPMeshInfo))
-        )
-        and any(record.sharded_param.requires_grad for record in param_group.fsdp_params)
+        not param_group.reduce_grads
+        or (not param_group.all_reduce_grads and isinstance(param_group.mesh_info, DDPMeshInfo))
         for param_group in _fsdp_param_groups()
     )
 

@@ -1262,10 +1262,11 @@ class OptimizerInBackward(Optimizer):
         children) add their gradients to their sharded ones each micro-batch, and autograd
         those of parameters outside ``fully_shard``, which the plain optimizer also steps
         summed: stepped as they arrived, they would have moved before the next
-        micro-batch's gradients came. Any unit of the process with a trainable parameter
-        counts, not only this optimizer's (which units a backward reaches is known only as
-        it reaches them): another optimizer's unit with sync off makes the backward a
-        micro-batch for the model's other parameters too, and a model left with sync off
+        micro-batch's gradients came. Any unit of the process counts, not only this
+        optimizer's (which units a backward reaches is known only as it reaches them), and
+        a frozen one too (sync off for a frozen unit alone still marks a micro-batch for the
+        units reducing beside it): another optimizer's unit with sync off makes the backward
+        a micro-batch for the model's other parameters too, and a model left with sync off
         makes every backward one, whose gradients ``step()`` then steps (equal, without the
         saving of stepping in backward).
 

@@ -71,16 +71,24 @@ def _child_only() -> nn.Sequential:
     return model
 
 
+def _frozen_child() -> nn.Sequential:
+    """The model with its child unit frozen (a frozen backbone between trained layers)."""
+    model = _model()
+    model[1].requires_grad_(False)
+    return model
+
+
 def _partial_no_sync_body(unsynced: str) -> None:
     """Micro-batches with gradient sync off for the root unit alone (``recurse=False``), for
     the child alone, or for the only unit beside parameters outside ``fully_shard``: the
     other units (autograd, for those outside) add to their gradients every micro-batch, and
     the plain optimizer steps the sums. Here those were stepped in the first micro-batch and
     the second was refused (after they moved); now such a backward is a micro-batch, as
-    under ``accumulate()``: equal."""
-    ours, plain, (optim,), (reference_optim,) = _both(
-        _child_only if unsynced == "unit beside plain" else _model
-    )
+    under ``accumulate()``: equal. Also with sync off for a frozen child only, whose flag
+    reduces nothing (found by the stateful property test: the root was stepped in the first
+    micro-batch and the second refused, after it moved)."""
+    build = {"unit beside plain": _child_only, "frozen child": _frozen_child}.get(unsynced, _model)
+    ours, plain, (optim,), (reference_optim,) = _both(build)
     before = _off_but_last("set_requires_gradient_sync", unsynced)
     _micro_batches((ours, optim), (plain, reference_optim), before)
 
@@ -403,7 +411,7 @@ def _all_body() -> None:
     _hsdp_branch_skipped_body()
     for unsynced in ("root", "child"):
         _no_all_reduce_body(unsynced)
-    for unsynced in ("root", "child", "unit beside plain"):
+    for unsynced in ("root", "child", "unit beside plain", "frozen child"):
         _partial_no_sync_body(unsynced)
     _no_sync_two_optimizers_body()
     for flag in ("set_requires_gradient_sync", "set_requires_all_reduce"):
