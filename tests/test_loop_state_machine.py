@@ -27,7 +27,10 @@ norm of the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the p
 It runs on one process (a plain module, many examples) and with FSDP2 (fewer, derandomised so
 that every rank draws the same sequence): on 2 ranks, and with NaN batches on 4 (the last
 rank's shards all empty), a class counting steps in its groups, one stepped jointly, and
-every unit kept unsharded after forward (``reshard_after_forward=False``) on 3.
+every unit kept unsharded after forward (``reshard_after_forward=False``) on 3, and with
+matrices sharded by columns (``shard_placement_fn``) on 2. On FSDP2 the accumulation with gradient
+sync off turns it off for the whole model or for part of it (the root unit alone, or the last
+block, frozen or not).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from hypothesis.stateful import (
 )
 from test_never_silent import GlobalClipSGD, GroupStepLamb, InstanceCountSGD
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import InBackwardOptions, OptimizerInBackward
@@ -301,14 +304,23 @@ class LoopMachine(RuleBasedStateMachine):
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
 
     @precondition(lambda self: self.sharded and not self.pending)
-    @rule(micro_batches=st.integers(2, 3))
-    def accumulate_sync_off(self, micro_batches: int) -> None:
+    @rule(micro_batches=st.integers(2, 3), off=st.sampled_from(["model", "root", "layer"]))
+    def accumulate_sync_off(self, micro_batches: int, off: str) -> None:
         """FSDP2's own accumulation, as torchtitan and accelerate write it: every micro-batch's
         backward but the last with gradient sync off (``set_requires_gradient_sync(False)``:
-        each rank sums its unreduced gradients), the last with it on, then ``step()``."""
+        each rank sums its unreduced gradients), the last with it on, then ``step()``. Sync
+        turned off for the whole model, or for part of it only: the root unit alone
+        (``recurse=False``) or the last block (frozen or not), the other units reducing and
+        summing their sharded gradients every micro-batch."""
         for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
             for micro in range(micro_batches):
-                model.set_requires_gradient_sync(micro == micro_batches - 1)
+                last = micro == micro_batches - 1
+                if off == "model":
+                    model.set_requires_gradient_sync(last)
+                elif off == "root":
+                    model.set_requires_gradient_sync(last, recurse=False)
+                else:
+                    model.layers[-1].set_requires_gradient_sync(last)
                 self._backward(model, self.step + micro)
             self._step(optim)
             optim.zero_grad()
@@ -1050,6 +1062,20 @@ class ShardedKeptAfterForwardLoopMachine(ShardedLoopMachine):
     fsdp_kwargs: ClassVar[dict] = {"reshard_after_forward": False}
 
 
+def _columns_where_even(param: torch.Tensor) -> Shard:
+    """FSDP2's placement of ``param``: its columns (``Shard(1)``) for a matrix whose columns
+    divide evenly over the ranks (FSDP2 refuses uneven dim-1 shards), else its rows."""
+    return Shard(1) if param.ndim == 2 and param.size(1) % dist.get_world_size() == 0 else Shard(0)
+
+
+class ShardedColumnsLoopMachine(ShardedLoopMachine):
+    """Matrices sharded by columns where they divide evenly (``shard_placement_fn``, as
+    torchtitan shards experts), beside others sharded by rows: each rank steps its local
+    shards, whatever the placement, as the plain optimizer steps the DTensors."""
+
+    fsdp_kwargs: ClassVar[dict] = {"shard_placement_fn": _columns_where_even}
+
+
 class ShardedJointLoopMachine(JointLoopMachine):
     """The class clipping by the norm of all its gradients, stepped jointly on FSDP2's
     DTensors at the end of backward."""
@@ -1132,6 +1158,7 @@ def test_random_loops_compact_adamw_bfloat16():
         (ShardedGroupCounterLoopMachine, 3, 4, 12),
         (ShardedJointLoopMachine, 3, 4, 12),
         (ShardedKeptAfterForwardLoopMachine, 3, 4, 16),
+        (ShardedColumnsLoopMachine, 2, 4, 16),
     ],
     ids=[
         "adamw",
@@ -1141,6 +1168,7 @@ def test_random_loops_compact_adamw_bfloat16():
         "group-counter",
         "joint",
         "kept-after-forward",
+        "columns",
     ],
 )
 def test_random_loops_fsdp2(worlds, machine, world, examples, steps):
