@@ -10,8 +10,9 @@ misses a layer, under ``accumulate()``, with gradients set by hand or none) or n
 optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the load
 then rolled back), activation checkpointing (reentrant or not) and ``save_on_cpu``, ``step()``
 without a backward, LR changes (lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict``
-round trips, a restart (new optimizers loading their predecessors' state dicts),
-``state.clear()``, the head frozen and unfrozen (also before it is added as a group), an
+and DCP checkpoint round trips (``get_state_dict``'s zero step on an empty state included), a
+restart (new optimizers loading their predecessors' state dicts), ``state.clear()``, the head
+frozen and unfrozen (also before it is added as a group), an
 evaluation forward under ``torch.no_grad()`` (on FSDP2 a group added after it is refused
 until ``reshard()``);
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
@@ -37,7 +38,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import pickle
+import shutil
+import tempfile
 import warnings
 from contextlib import nullcontext
 from typing import ClassVar
@@ -45,6 +49,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _toy import batch, bypassed, loss_fn, make_models, rank_slice, shard
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -58,6 +63,11 @@ from hypothesis.stateful import (
 )
 from test_never_silent import GlobalClipSGD, GroupStepLamb, InstanceCountSGD
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
@@ -715,6 +725,42 @@ class LoopMachine(RuleBasedStateMachine):
         if load:
             for optim, state in zip((self.ours, self.plain), states, strict=True):
                 optim.load_state_dict(copy.deepcopy(state))
+
+    @precondition(lambda self: not self.pending)
+    @rule(clear=st.booleans())
+    def dcp_round_trip(self, clear: bool) -> None:
+        """A checkpoint through DCP, as torchtitan writes one: ``get_state_dict`` (with its
+        zero step where an optimizer holds no state: ``clear`` empties both first),
+        ``dcp.save``, then ``dcp.load`` and ``set_state_dict`` into the same model and
+        optimizer, not strict (a trainable parameter never stepped has no state to load, in
+        both loops)."""
+        first = not self.sharded or dist.get_rank() == 0
+        directory = [tempfile.mkdtemp(prefix="loop-dcp-") if first else None]
+        if self.sharded:
+            dist.broadcast_object_list(directory, src=0)
+        options = StateDictOptions(strict=False)
+        pairs = zip(self.models, (self.ours, self.plain), strict=True)
+        for index, (model, optim) in enumerate(pairs):
+            if clear:
+                optim.state.clear()
+            path = os.path.join(directory[0], str(index))
+            model_state, optim_state = get_state_dict(model, optim)
+            saved = {"model": model_state, "optim": optim_state}
+            dcp.save(saved, checkpoint_id=path, no_dist=not self.sharded)
+            model_state, optim_state = get_state_dict(model, optim)
+            loaded = {"model": model_state, "optim": optim_state}
+            dcp.load(loaded, checkpoint_id=path, no_dist=not self.sharded)
+            set_state_dict(
+                model,
+                optim,
+                model_state_dict=loaded["model"],
+                optim_state_dict=loaded["optim"],
+                options=options,
+            )
+        if self.sharded:
+            dist.barrier()
+        if first:
+            shutil.rmtree(directory[0])
 
     @precondition(lambda self: not self.pending)
     @rule()
