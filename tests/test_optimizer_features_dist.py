@@ -593,6 +593,37 @@ def test_unused_parameters_in_fsdp_units(worlds):
     worlds.run(4, _unused_in_fsdp_unit_body)
 
 
+def _unused_reduced_as_zeros_body() -> None:
+    """FSDP2's ``set_reduce_scatter_unused_params(True)`` (for ranks taking different
+    branches, as mixture-of-experts models do): a unit that ran reduces zeros for the
+    parameters its forward did not use, and the plain optimizer steps them (moments decayed,
+    weight decay applied). Step 1 skips the norm inside Block 1, against plain AdamW on an
+    identical FSDP2 model with the same flag: equal, the norm stepped at every step."""
+    ours_model, _ = make_models()
+    plain_model = copy.deepcopy(ours_model)
+    for net in (ours_model, plain_model):
+        shard(net)
+        net.set_reduce_scatter_unused_params(True)
+    ours = OptimizerInBackward(ours_model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(plain_model.parameters(), **ADAMW)
+    skips = {1: lambda m: [m.layers[1].norm]}
+    for net, optim in ((ours_model, ours), (plain_model, plain)):
+        for step in range(STEPS):
+            _backward(net, step, skips.get(step, lambda m: []))
+            optim.step()
+            optim.zero_grad()
+    assert_match(ours_model, plain_model)
+    assert ours.state[ours_model.layers[1].norm.weight]["step"].item() == STEPS
+    state, plain_state = _local_state(ours), _local_state(plain)
+    for index, entry in plain_state.items():
+        for key, value in entry.items():
+            torch.testing.assert_close(state[index][key], value, atol=1e-6, rtol=1e-5)
+
+
+def test_unused_parameters_reduced_as_zeros(worlds):
+    worlds.run(3, _unused_reduced_as_zeros_body)
+
+
 def _plain_module_body() -> None:
     # No FSDP: every rank trains its own copy on its own data, with small buckets.
     rank = dist.get_rank()
