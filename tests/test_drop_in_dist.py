@@ -455,13 +455,23 @@ def _frozen_between_sync_off_micro_batches_body(layer: int) -> None:
     before anything moves, as for a layer frozen between micro-batches under ``accumulate()``
     (before, the last layer, reduced first, was refused so; the first, reduced after the
     others had moved, with an unrelated message)."""
-    model, _ = _pair()
+    model, reference = _pair()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    _ours_step(model, optim, 0)
-    model.set_requires_gradient_sync(False)
-    _backward(model, 1)
-    model.layers[layer].requires_grad_(False)
-    model.set_requires_gradient_sync(True)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for net in (model, reference):
+        _ours_step(net, optim if net is model else plain, 0)
+        net.set_requires_gradient_sync(False)
+        _backward(net, 1)
+        net.layers[layer].requires_grad_(False)
+        net.set_requires_gradient_sync(True)
+    # The plain loop: the last micro-batch hands the frozen layer its gradient, and step()
+    # steps it.
+    frozen = list(reference.layers[layer].parameters())
+    weights = [p.to_local().clone() for p in frozen]
+    _backward(reference, 2)
+    assert all(p.grad is not None for p in frozen)
+    plain.step()
+    assert all(not torch.equal(w, p.to_local()) for w, p in zip(weights, frozen, strict=True))
     params = optim.param_groups[0]["params"]  # the sharded ones: the root is unsharded
     before = [p.to_local().clone() for p in params]
     with pytest.raises(RuntimeError, match=r"is frozen .* FSDP2's with gradient sync off"):

@@ -112,7 +112,8 @@ def _micro_batches(
     before: Callable[[nn.Module, int], None],
 ) -> None:
     """Three steps of two micro-batches on both loops, ``before(model, i)`` ahead of
-    micro-batch ``i``: equal."""
+    micro-batch ``i``: equal, and every trainable parameter moved (frozen ones did not)."""
+    start = [full(p).detach().clone() for p in ours[0].parameters()]
     for model, opt in (ours, plain):
         for step in range(3):
             x, y = _batch(step)
@@ -122,6 +123,8 @@ def _micro_batches(
             opt.step()
             opt.zero_grad()
     assert_match(ours[0], plain[0])
+    for param, first in zip(ours[0].parameters(), start, strict=True):
+        assert torch.equal(full(param), first) != param.requires_grad
 
 
 def _sync_off_after_a_stepping_backward_body(flag: str) -> None:
@@ -354,11 +357,17 @@ def _hsdp_model() -> nn.Sequential:
 
 def _no_all_reduce_body(unsynced: str) -> None:
     """HSDP micro-batches with ``set_requires_all_reduce(False)`` for the root alone or the
-    child alone: FSDP2 keeps such a unit's reduce-scattered gradients and hands none out until
-    a backward that all-reduces. The units still all-reducing were stepped in the first
-    micro-batch and the second refused after they moved (1.0e-2). Such a backward is now a
-    micro-batch, as with gradient sync off: equal."""
-    ours, plain, (optim,), (reference_optim,) = _both(_hsdp_model)
+    child alone (also frozen): FSDP2 keeps such a unit's reduce-scattered gradients and hands
+    none out until a backward that all-reduces. The units still all-reducing were stepped in
+    the first micro-batch and the second refused after they moved (1.0e-2). Such a backward
+    is now a micro-batch, as with gradient sync off: equal."""
+
+    def build() -> nn.Module:
+        model = _hsdp_model()
+        model[1].requires_grad_(unsynced != "frozen child")
+        return model
+
+    ours, plain, (optim,), (reference_optim,) = _both(build)
     before = _off_but_last("set_requires_all_reduce", unsynced)
     _micro_batches((ours, optim), (plain, reference_optim), before)
 
@@ -409,7 +418,7 @@ def _hsdp_branch_skipped_body() -> None:
 
 def _all_body() -> None:
     _hsdp_branch_skipped_body()
-    for unsynced in ("root", "child"):
+    for unsynced in ("root", "child", "frozen child"):
         _no_all_reduce_body(unsynced)
     for unsynced in ("root", "child", "unit beside plain", "frozen child"):
         _partial_no_sync_body(unsynced)
