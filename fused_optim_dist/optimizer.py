@@ -962,12 +962,18 @@ class OptimizerInBackward(Optimizer):
         finds an entry by its position (a state dict trimmed or edited by index, 4.5e-2
         apart with entries in backward's order). New entries are the entry dicts not seen at
         the last ``step()`` or load (held, so that their ids are not reused): entries
-        re-created after ``state.clear()`` are new too."""
+        re-created after ``state.clear()`` are new too. Only those after the last entry seen
+        move: a key inserted since (an entry created in backward, or deleted by the loop and
+        created again) follows every key kept, while an entry the loop replaced under its key
+        (``optim.state[p] = {}`` to reset a parameter's moments) keeps that key's position, in
+        the plain optimizer's dict too."""
         entries = self._state_entries
         if len(self.state) == len(entries) and all(map(operator.is_, self.state.values(), entries)):
             return  # the same entries in the same order: nothing created (C-level check)
         seen = set(map(id, entries))
-        new = [p for p, entry in self.state.items() if id(entry) not in seen]
+        items = list(self.state.items())
+        kept = max((i for i, (_, entry) in enumerate(items) if id(entry) in seen), default=-1)
+        new = [p for p, _ in items[kept + 1 :]]
         if len(new) > 1:
             params = (p for group in self.param_groups for p in group["params"])
             position = {id(p): i for i, p in enumerate(params)}

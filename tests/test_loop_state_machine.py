@@ -795,6 +795,25 @@ class LoopMachine(RuleBasedStateMachine):
             optim.state.clear()
 
     @precondition(lambda self: not self.pending)
+    @rule(layer=st.integers(0, LAYERS - 1), how=st.sampled_from(["del", "replace", "zero"]))
+    def reset_layer_state(self, layer: int, how: str) -> None:
+        """One layer's optimizer state reset between steps, as a loop re-initialising a layer
+        does: its entries deleted, replaced by empty ones (``optim.state[p] = {}``), or their
+        floating-point values but the step zeroed in place."""
+        for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+            for param in model.layers[layer].parameters():
+                if param not in optim.state:
+                    continue
+                if how == "del":
+                    del optim.state[param]
+                elif how == "replace":
+                    optim.state[param] = {}
+                else:
+                    for key, value in optim.state[param].items():
+                        if key != "step" and torch.is_floating_point(value):
+                            value.zero_()
+
+    @precondition(lambda self: not self.pending)
     @rule(trainable=st.booleans())
     def set_head_requires_grad(self, trainable: bool) -> None:
         """The head frozen or unfrozen, before or after it is added as a group. Frozen, it

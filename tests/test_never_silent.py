@@ -1424,14 +1424,22 @@ def test_state_dict_lists_entries_in_the_plain_order():
     4.5e-2 apart, no error). Entries are now put in the order the plain optimizer creates
     them at each ``step()``: ``param_groups``' order, a parameter unfrozen later at the end,
     entries re-created after ``state.clear()`` in order again; a loaded state dict keeps its
-    order."""
+    order. A layer's moments reset by the loop keep their place where it replaced the entries
+    (``optim.state[p] = {}``: the plain dict keeps the key; they were moved to the end) and
+    go to the end where it deleted them."""
     model, reference = make_models(freeze=("head",))
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(6):
+    for step in range(8):
         if step == 4:
             optim.state.clear()
             plain.state.clear()
+        for net, opt in ((model, optim), (reference, plain)):
+            for param in net.layers[step % 2].parameters():
+                if step == 5:
+                    opt.state[param] = {}
+                elif step == 6:
+                    del opt.state[param]
         if step == 1:
             for net in (model, reference):
                 net.head.requires_grad_(True)
