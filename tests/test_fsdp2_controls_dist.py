@@ -1,16 +1,17 @@
 """Loops that drive FSDP2's own controls, with ours swapped in for the plain optimizer.
 
 ``set_requires_gradient_sync`` (and HSDP's ``set_requires_all_reduce``) on part of the model,
-``unshard()``/``reshard()`` around
-``step()``, and ``requires_grad_()`` while a root unit is unsharded (a forward with no
-backward leaves it so: a GAN's frozen generator, an evaluation before unfreezing a head). Each
-loop runs with plain AdamW and with ours on identical FSDP2 models (2 and 3 gloo ranks):
-equal, or refused at ``step()``. See [Note: FSDP2's copies and flags] in
+``unshard()``/``reshard()`` around ``step()``, ``requires_grad_()`` while a root unit is
+unsharded (a forward with no backward leaves it so: a GAN's frozen generator, an evaluation
+before unfreezing a head), and units built otherwise (``ignored_params``, one unit of several
+modules). Each loop runs with plain AdamW and with ours on identical FSDP2 models (2 and 3
+gloo ranks): equal, or refused at ``step()``. See [Note: FSDP2's copies and flags] in
 ``fused_optim_dist/_torch_internals.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -416,7 +417,57 @@ def _hsdp_branch_skipped_body() -> None:
     assert_match(*models)
 
 
+def _ignored_params() -> nn.Sequential:
+    """The child unit and the root with ``ignored_params``: the child's bias and the root's
+    last bias stay plain tensors inside the units, which FSDP2 neither shards nor reduces
+    (each rank steps its own gradient of them, alike in both loops)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+    )
+    ignored = {model[1][0].bias, model[2].bias}
+    fully_shard(model[1], ignored_params=ignored)
+    fully_shard(model, ignored_params=ignored)
+    return model
+
+
+def _grouped_unit() -> nn.Sequential:
+    """One unit of two modules (``fully_shard([first, child])``: one reduce-scatter for both),
+    then the root."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+    )
+    fully_shard([model[0], model[1]])
+    fully_shard(model)
+    return model
+
+
+def _other_units_body(build: Callable[[], nn.Module]) -> None:
+    """Whole steps, then steps of two micro-batches (ours under ``accumulate()``), on units
+    FSDP2 builds otherwise: equal, every parameter moved."""
+    ours, plain, (optim,), (reference_optim,) = _both(build)
+    start = [full(p).detach().clone() for p in ours.parameters()]
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        for step in range(4):
+            x, y = _batch(step)
+            if step < 2:
+                _loss(model, x, y).backward()
+            else:
+                for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+                    accumulating = opt is optim and i == 0
+                    with optim.accumulate() if accumulating else contextlib.nullcontext():
+                        (_loss(model, xm, ym) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_match(ours, plain)
+    for param, first in zip(ours.parameters(), start, strict=True):
+        assert not torch.equal(full(param), first)
+
+
 def _all_body() -> None:
+    for build in (_ignored_params, _grouped_unit):
+        _other_units_body(build)
     _hsdp_branch_skipped_body()
     for unsynced in ("root", "child", "frozen child"):
         _no_all_reduce_body(unsynced)
