@@ -4,14 +4,15 @@
 ``unshard()``/``reshard()`` around ``step()``, ``requires_grad_()`` while a root unit is
 unsharded (a forward with no backward leaves it so: a GAN's frozen generator, an evaluation
 before unfreezing a head), and units built otherwise (``ignored_params``, one unit of several
-modules). Each loop runs with plain AdamW and with ours on identical FSDP2 models (2 and 3
-gloo ranks): equal, or refused at ``step()``. See [Note: FSDP2's copies and flags] in
-``fused_optim_dist/_torch_internals.py``.
+modules, a full SPMD mesh). Each loop runs with plain AdamW and with ours on identical FSDP2
+models (2 and 3 gloo ranks, 2 and 4 on the SPMD mesh): equal, or refused at ``step()``. See
+[Note: FSDP2's copies and flags] in ``fused_optim_dist/_torch_internals.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,9 @@ import torch
 import torch.distributed as dist
 from _toy import assert_match, full
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fused_optim_dist import OptimizerInBackward
 
@@ -465,6 +468,44 @@ def _other_units_body(build: Callable[[], nn.Module]) -> None:
         assert not torch.equal(full(param), first)
 
 
+def _spmd_mesh_body(shape: tuple[int, ...]) -> None:
+    """FSDP2 on a full SPMD mesh (``dp_mesh_dims``): the parameters are DTensors replicated
+    on the mesh before ``fully_shard``, the batch a DTensor sharded over it, and FSDP2 shards
+    on the mesh's ``dp`` dim (replicating on ``rep``, HSDP's layout, where the mesh is 2-D).
+    Both loops on the same mesh (FSDP2 keeps one mesh per shape: a second, equal mesh is
+    refused as another object): equal, and ours stepped every parameter in backward."""
+    names = ("rep", "dp")[-len(shape) :]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dims = DataParallelMeshDims(shard="dp", replicate="rep" if len(shape) == 2 else None)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+        )
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                replicated = distribute_tensor(param.detach(), mesh, [Replicate()] * mesh.ndim)
+                module.register_parameter(name, nn.Parameter(replicated))
+        fully_shard(model[1], mesh=mesh, dp_mesh_dims=dims)
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        return model
+
+    ours, plain, (optim,), (reference_optim,) = _both(build)
+    batch_placements = [Shard(0)] * mesh.ndim
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        for step in range(3):
+            x, y = (DTensor.from_local(t, mesh, batch_placements) for t in _batch(step))
+            before = [full(p).clone() for p in model.parameters()]
+            _loss(model, x, y).backward()
+            if opt is optim:
+                moved = zip(ours.parameters(), before, strict=True)
+                assert all(not torch.equal(full(p), b) for p, b in moved)
+            opt.step()
+            opt.zero_grad()
+    assert_match(ours, plain)
+
+
 def _all_body() -> None:
     for build in (_ignored_params, _grouped_unit):
         _other_units_body(build)
@@ -485,6 +526,11 @@ def _all_body() -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_controls_equal_plain_or_refused(worlds, world_size):
     worlds.run(world_size, _all_body)
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_spmd_mesh_equal_plain(worlds, shape):
+    worlds.run(math.prod(shape), _spmd_mesh_body, shape=shape)
 
 
 def test_not_last_backward_on_one_rank_equal_plain(worlds):
