@@ -30,12 +30,18 @@ from fused_optim_dist import OptimizerInBackward
 LR = 1e-2
 
 
-def _model(seed: int = 0) -> nn.Sequential:
-    """A child unit between two root layers; 3 output rows, so 3 ranks shard them unevenly."""
+def _layers(seed: int = 0) -> nn.Sequential:
+    """The unwrapped model: a child between two layers; 3 output rows, so 3 ranks shard them
+    unevenly."""
     torch.manual_seed(seed)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
     )
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    """The child a unit between two root layers."""
+    model = _layers(seed)
     fully_shard(model[1])
     fully_shard(model)
     return model
@@ -67,10 +73,7 @@ def _both(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module, list, l
 def _child_only() -> nn.Sequential:
     """The child a unit, the layers around it plain tensors outside ``fully_shard`` (each rank
     steps its own gradient of them, alike in both loops)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
-    )
+    model = _layers()
     fully_shard(model[1])
     return model
 
@@ -350,10 +353,7 @@ def _hsdp_model() -> nn.Sequential:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("rep", "shard"))
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
-    )
+    model = _layers()
     fully_shard(model[1], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -424,10 +424,7 @@ def _ignored_params() -> nn.Sequential:
     """The child unit and the root with ``ignored_params``: the child's bias and the root's
     last bias stay plain tensors inside the units, which FSDP2 neither shards nor reduces
     (each rank steps its own gradient of them, alike in both loops)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
-    )
+    model = _layers()
     ignored = {model[1][0].bias, model[2].bias}
     fully_shard(model[1], ignored_params=ignored)
     fully_shard(model, ignored_params=ignored)
@@ -437,10 +434,7 @@ def _ignored_params() -> nn.Sequential:
 def _grouped_unit() -> nn.Sequential:
     """One unit of two modules (``fully_shard([first, child])``: one reduce-scatter for both),
     then the root."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
-    )
+    model = _layers()
     fully_shard([model[0], model[1]])
     fully_shard(model)
     return model
@@ -479,10 +473,7 @@ def _spmd_mesh_body(shape: tuple[int, ...]) -> None:
     dims = DataParallelMeshDims(shard="dp", replicate="rep" if len(shape) == 2 else None)
 
     def build() -> nn.Module:
-        torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
-        )
+        model = _layers()
         for module in model.modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 replicated = distribute_tensor(param.detach(), mesh, [Replicate()] * mesh.ndim)
