@@ -391,7 +391,9 @@ class GradientProcessor:
                 elif not finite:  # host sync: this optimizer takes no found_inf
                     return BucketVerdict(step=False)
             if self.max_grad_norm is not None:
-                if norms.exact is None and not self._warned_per_bucket:  # clipped per bucket
+                # Clipped per bucket: by the norm seen so far, and the rest's predicted (none
+                # where the bucket is the plan's only one, whose own norm is then the whole).
+                if norms.exact is None and not alone and not self._warned_per_bucket:
                     self._warned_per_bucket = True
                     warnings.warn(PER_BUCKET_CLIPPING, UserWarning, stacklevel=2)
                 coefficient = self._clip_coefficient(norms, bucket.key)

@@ -425,23 +425,31 @@ def test_clipping_exact_after_the_trainable_set_changes(change):
 def test_complex_parameters_clipped_as_clip_grad_norm(rows):
     """A complex gradient's norm counts its imaginary part, as ``clip_grad_norm_``'s does
     (small gradients lost it in a cast: norm 3.18 against 5.20), on both of the norm's paths
-    (concatenated at most 32,768 elements, ``_foreach_norm`` above)."""
+    (concatenated at most 32,768 elements, ``_foreach_norm`` above). Beside a real parameter,
+    in the one bucket of a plain module, with no warning of clipping per bucket (it was given,
+    as if the module were several FSDP units)."""
     torch.manual_seed(0)
     weight = torch.randn(rows, 200, dtype=torch.cfloat)
-    params, ref_params = nn.Parameter(weight.clone()), nn.Parameter(weight.clone())
-    optim = OptimizerInBackward([params], torch.optim.SGD, lr=0.1, max_grad_norm=0.1)
-    ref_optim = torch.optim.SGD([ref_params], lr=0.1)
+    scale = torch.randn(200)
+    params = [nn.Parameter(weight.clone()), nn.Parameter(scale.clone())]
+    ref_params = [nn.Parameter(weight.clone()), nn.Parameter(scale.clone())]
+    optim = OptimizerInBackward(params, torch.optim.SGD, lr=0.1, max_grad_norm=0.1)
+    ref_optim = torch.optim.SGD(ref_params, lr=0.1)
     for step in range(STEPS):
         x = torch.randn(4, rows, generator=torch.Generator().manual_seed(step))
-        for p, opt in ((params, optim), (ref_params, ref_optim)):
-            (x.to(torch.cfloat) @ p).abs().square().mean().backward()
-            if opt is ref_optim:
-                norm = torch.nn.utils.clip_grad_norm_([p], 0.1)
-                assert norm > 0.2, "clipping must engage for the test to see it"
-            opt.step()
+        for (w, s), opt in ((params, optim), (ref_params, ref_optim)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                ((x.to(torch.cfloat) @ w).abs() * s).square().mean().backward()
+                if opt is ref_optim:
+                    norm = torch.nn.utils.clip_grad_norm_([w, s], 0.1)
+                    assert norm > 0.2, "clipping must engage for the test to see it"
+                opt.step()
             opt.zero_grad()
-        torch.testing.assert_close(optim.grad_norm(), norm)
-    torch.testing.assert_close(params.detach(), ref_params.detach(), atol=1e-6, rtol=1e-5)
+        # Summed in another order than clip_grad_norm_'s stack of its two dtypes' norms.
+        torch.testing.assert_close(optim.grad_norm(), norm, rtol=1e-5, atol=0)
+    for p, ref in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p.detach(), ref.detach(), atol=1e-6, rtol=1e-5)
 
 
 CLIP_SGD_LR = 0.1
