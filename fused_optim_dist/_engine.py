@@ -476,7 +476,11 @@ class BackwardPass:
         if self.phase is Phase.FINISHED:
             return
         self.phase = Phase.FINISHED
-        with self._autocast_off(), traced("fused_optim_dist::end_of_backward"):
+        # Without gradients, as every update: at step() (gradients held under accumulate(),
+        # or set by hand) grad mode is on, and whole-tensor stepping writes each parameter's
+        # rows through ``to_local()``, which autograd refuses in place on a parameter that
+        # requires grad.
+        with torch.no_grad(), self._autocast_off(), traced("fused_optim_dist::end_of_backward"):
             # Buckets with a parameter that got no gradient (unused in this forward), then
             # gradients that reached a trainable parameter without a hook (accumulated under
             # accumulate() and unused now, set by hand, or on a parameter unfrozen after this

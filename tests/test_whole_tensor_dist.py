@@ -259,6 +259,65 @@ def test_muon_gradient_accumulation(worlds):
     worlds.run(3, _accumulate_body)
 
 
+def _held_and_create_graph_body() -> None:
+    """Whole-tensor updates made outside a backward's no-grad mode: at ``step()``, where every
+    micro-batch ran under ``accumulate()`` (the loop that clips exactly over several units),
+    and in a ``backward(create_graph=True)`` (a gradient penalty's, MAML's). Both raised, after
+    the units before the last had moved: the last unit's rows were written through
+    ``to_local()`` with grad mode on, which autograd refuses on a parameter that requires
+    grad. Adafactor on every parameter, clipped when held, against one process on the global
+    batch; Muon with AdamW, fed the gradients the sharded run consumed."""
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.Adafactor, lr=1e-2, max_grad_norm=0.5
+    )
+    plain = torch.optim.Adafactor(reference.parameters(), lr=1e-2)
+    norms = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        for xm, ym in zip(rank_slice(x).chunk(2), rank_slice(y).chunk(2), strict=True):
+            with optim.accumulate():
+                (loss_fn(model, xm, ym) / 2).backward()
+        optim.step()
+        optim.zero_grad()
+        norms.append(float(optim.grad_norm()))
+    ref_norms = _reference_run(reference, plain, range(STEPS), clip=0.5)
+    _assert_params(model, reference, ATOL_FP32)
+    assert norms == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > 0.5
+
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss_fn(model, rank_slice(x), rank_slice(y)).backward(create_graph=True)
+        assert not any(holds_gradient(p) for p in model.parameters())
+        optim.step()
+        optim.zero_grad()
+    _reference_run(reference, torch.optim.Adafactor(reference.parameters(), lr=1e-2), range(STEPS))
+    _assert_params(model, reference, ATOL_FP32)
+
+    muon_kwargs = MUON_CONFIGS[0]
+    model, reference = make_models()
+    shard(model)
+    grads = _capture(model)
+    optims = _muon_adamw(model, muon_kwargs)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        with optims[0].accumulate(), optims[1].accumulate():
+            loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    _replay(reference, grads, range(STEPS), _reference_optims(reference, muon_kwargs))
+    _assert_params(model, reference, ATOL_MUON)
+
+
+def test_updates_at_step_and_under_create_graph(worlds):
+    worlds.run(2, _held_and_create_graph_body)
+
+
 def _save_body(path: str, muon_kwargs: dict) -> dict:
     model, _ = make_models()
     shard(model)
