@@ -6,7 +6,6 @@ import contextlib
 import copy
 import gc
 import inspect
-import operator
 import warnings
 import weakref
 from collections import OrderedDict, defaultdict
@@ -480,8 +479,9 @@ class OptimizerInBackward(Optimizer):
         # Whether a gradient reached a parameter since the last step() or zero_grad(). See
         # [Note: gradients held for step()].
         self._arrived_since_step = False
-        # The state entries there were at the last step() or load (see _order_new_state).
-        self._note_state()
+        # The state's keys when the first pass since the last step() began (see
+        # _order_new_state); None before one.
+        self._keys_before: set[int] | None = None
         self._accumulate_depth = 0
         # The backward taken as a micro-batch, if the last one was. See [Note: FSDP2's
         # micro-batches].
@@ -579,6 +579,8 @@ class OptimizerInBackward(Optimizer):
                 self._hook_ids[id(param)] = handle.id
 
     def _new_pass(self, backward_id: int | None, *, record: bool = True) -> BackwardPass:
+        if self._keys_before is None:
+            self._keys_before = set(map(id, self.state))
         return BackwardPass(
             backward_id,
             self._current_plan(),
@@ -730,7 +732,6 @@ class OptimizerInBackward(Optimizer):
         self._refuse_overridden("load_state_dict", "load")
         self._refuse_shared_state(state_dict)
         super().load_state_dict(state_dict)
-        self._note_state()
         if self._pending:
             self._pending.loaded()
 
@@ -773,6 +774,10 @@ class OptimizerInBackward(Optimizer):
         for name in OPTIMIZER_HOOKS:
             setattr(self, name, OrderedDict())
         self._attach_hooks()
+        if self._keys_before is not None:
+            # Ids of the original's keys. Copied between passes that only held gradients
+            # (those that stepped refuse a copy), none created an entry since they began.
+            self._keys_before = set(map(id, self.state))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; with ``set_to_none`` (the default), without
@@ -956,34 +961,25 @@ class OptimizerInBackward(Optimizer):
         self._order_new_state()
 
     def _order_new_state(self) -> None:
-        """Move the state entries created since the last ``step()`` into ``param_groups``'
-        order, the order the plain optimizer creates them in (here they were created in
-        backward's): ``state_dict()`` then lists them as the plain one does, for code that
-        finds an entry by its position (a state dict trimmed or edited by index, 4.5e-2
-        apart with entries in backward's order). New entries are the entry dicts not seen at
-        the last ``step()`` or load (held, so that their ids are not reused): entries
-        re-created after ``state.clear()`` are new too. Only those after the last entry seen
-        move: a key inserted since (an entry created in backward, or deleted by the loop and
-        created again) follows every key kept, while an entry the loop replaced under its key
-        (``optim.state[p] = {}`` to reset a parameter's moments) keeps that key's position, in
-        the plain optimizer's dict too."""
-        entries = self._state_entries
-        if len(self.state) == len(entries) and all(map(operator.is_, self.state.values(), entries)):
-            return  # the same entries in the same order: nothing created (C-level check)
-        seen = set(map(id, entries))
-        items = list(self.state.items())
-        kept = max((i for i, (_, entry) in enumerate(items) if id(entry) in seen), default=-1)
-        new = [p for p, _ in items[kept + 1 :]]
+        """Move the state entries this step's passes created to the end in ``param_groups``'
+        order, the order the plain optimizer's ``step()`` creates them in (here they were
+        created in backward's): ``state_dict()`` then lists them as the plain one does, for
+        code that finds an entry by its position (a state dict trimmed or edited by index, 4.5e-2
+        apart with entries in backward's order). The entries created are those under keys that
+        were not in the state when the first pass since the last ``step()`` began (held by the
+        state, so their ids are not reused): entries re-created after ``state.clear()`` or a
+        key deleted by the loop are created too; an entry the loop replaced under its key
+        before that (``optim.state[p] = {}`` to reset a parameter's moments) keeps its place,
+        in the plain optimizer's dict too."""
+        before, self._keys_before = self._keys_before, None
+        if before is None or len(self.state) == len(before):
+            return  # no pass, or nothing created: passes only add keys
+        new = [p for p in self.state if id(p) not in before]
         if len(new) > 1:
             params = (p for group in self.param_groups for p in group["params"])
             position = {id(p): i for i, p in enumerate(params)}
             for param in sorted(new, key=lambda p: position.get(id(p), len(position))):
                 self.state[param] = self.state.pop(param)
-        self._note_state()
-
-    def _note_state(self) -> None:
-        """Note the state entries there are now (see :meth:`_order_new_state`)."""
-        self._state_entries = list(self.state.values())
 
     def _creates_state_only(self, plan: BucketPlan, ready: list[torch.Tensor]) -> bool:
         """Whether this ``step()`` is the one ``torch.distributed.checkpoint`` runs to create

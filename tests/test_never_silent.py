@@ -1425,8 +1425,9 @@ def test_state_dict_lists_entries_in_the_plain_order():
     them at each ``step()``: ``param_groups``' order, a parameter unfrozen later at the end,
     entries re-created after ``state.clear()`` in order again; a loaded state dict keeps its
     order. A layer's moments reset by the loop keep their place where it replaced the entries
-    (``optim.state[p] = {}``: the plain dict keeps the key; they were moved to the end) and
-    go to the end where it deleted them."""
+    (``optim.state[p] = {}``: the plain dict keeps the key; they were moved to the end, and
+    then, where they were the last entries, sorted into ``param_groups``' order) and go to the
+    end where it deleted them."""
     model, reference = make_models(freeze=("head",))
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -1435,11 +1436,16 @@ def test_state_dict_lists_entries_in_the_plain_order():
             optim.state.clear()
             plain.state.clear()
         for net, opt in ((model, optim), (reference, plain)):
-            for param in net.layers[step % 2].parameters():
-                if step == 5:
+            if step == 5:
+                for param in net.layers[1].parameters():
                     opt.state[param] = {}
-                elif step == 6:
+            elif step == 6:
+                for param in net.layers[0].parameters():
                     del opt.state[param]
+            elif step == 7:  # every entry after layer 1's, layer 0's last since step 6
+                for module in (net.layers[2], net.head, net.layers[0]):
+                    for param in module.parameters():
+                        opt.state[param] = {}
         if step == 1:
             for net in (model, reference):
                 net.head.requires_grad_(True)
