@@ -29,9 +29,10 @@ It runs on one process (a plain module, many examples) and with FSDP2 (fewer, de
 that every rank draws the same sequence): on 2 ranks, and with NaN batches on 4 (the last
 rank's shards all empty), a class counting steps in its groups, one stepped jointly, and
 every unit kept unsharded after forward (``reshard_after_forward=False``) on 3, and with
-matrices sharded by columns (``shard_placement_fn``) on 2. On FSDP2 the accumulation with gradient
-sync off turns it off for the whole model or for part of it (the root unit alone, or the last
-block, frozen or not).
+matrices sharded by columns (``shard_placement_fn``) on 2, and with Adafactor stepped whole-tensor
+on 2 against plain Adafactor on an unsharded copy fed the global batch. On FSDP2 the accumulation
+with gradient sync off turns it off for the whole model or for part of it (the root unit alone,
+or the last block, frozen or not).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import InBackwardOptions, OptimizerInBackward
@@ -94,6 +95,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if isinstance(actual, DTensor) and not isinstance(expected, DTensor):
+        actual = actual.full_tensor()  # against a one-process reference (collective)
     torch.testing.assert_close(
         _local(actual).detach(), _local(expected).detach(), atol=1e-6, rtol=1e-5, msg=what
     )
@@ -209,11 +212,20 @@ class LoopMachine(RuleBasedStateMachine):
         )
 
     def _loss(self, model: nn.Module, step: int, scale: float = 1.0) -> torch.Tensor:
-        """The loss of ``step``'s batch (this rank's share), its inputs scaled by ``scale``."""
+        """The loss of ``step``'s batch (this rank's share on FSDP2), its inputs scaled by
+        ``scale``."""
         x, y = (t.to(self.dtype) for t in batch(step))
-        if self.sharded:
+        if self._sharded(model):
             x, y = rank_slice(x), rank_slice(y)
         return loss_fn(model, x * scale, y)
+
+    def _sharded(self, model: nn.Module) -> bool:
+        """Whether ``model`` is sharded by FSDP2 (each rank its share of a batch)."""
+        return self.sharded
+
+    def _mean_loss(self, model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as both loops compare it: the global batch's where only ours is sharded."""
+        return loss
 
     def _backward(self, model: nn.Module, step: int, scale: float = 1.0) -> None:
         self._loss(model, step, scale).backward()
@@ -283,7 +295,7 @@ class LoopMachine(RuleBasedStateMachine):
         plain_loss.backward()
         self._step(self.plain)
         self.plain.zero_grad()
-        torch.testing.assert_close(loss.detach(), plain_loss.detach())
+        torch.testing.assert_close(self._mean_loss(ours_model, loss.detach()), plain_loss.detach())
         self.pending = False
         self.step += 1
 
@@ -325,7 +337,9 @@ class LoopMachine(RuleBasedStateMachine):
         for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
             for micro in range(micro_batches):
                 last = micro == micro_batches - 1
-                if off == "model":
+                if not self._sharded(model):
+                    pass  # a plain module sums its gradients
+                elif off == "model":
                     model.set_requires_gradient_sync(last)
                 elif off == "root":
                     model.set_requires_gradient_sync(last, recurse=False)
@@ -910,6 +924,8 @@ class LoopMachine(RuleBasedStateMachine):
 
         def set_grads(model: nn.Module) -> None:
             for param, grad in zip(model.layers[layer].parameters(), grads, strict=True):
+                if isinstance(param, DTensor) and not isinstance(grad, DTensor):
+                    grad = distribute_tensor(grad, param.device_mesh, param.placements)
                 param.grad = grad.clone()
 
         if with_backward:
@@ -1148,6 +1164,52 @@ class ShardedJointLoopMachine(JointLoopMachine):
     sharded = True
 
 
+class ShardedAdafactorLoopMachine(ShardedLoopMachine):
+    """Adafactor on FSDP2, stepped whole-tensor (each parameter's update on an owner rank, its
+    rows sent back), against plain Adafactor on an unsharded copy of the model fed the global
+    batch: plain Adafactor cannot step DTensors. On 2 ranks (the batch splits evenly, so the
+    ranks' mean loss is the global one). The evaluation reshards ours: FSDP2 keeps the root
+    unit's gathered copy, which the reference does not have; the rule loading each loop's
+    state dict into the other, and DCP's round trip, need both sides sharded alike."""
+
+    optimizer_cls = torch.optim.Adafactor
+    optimizer_kwargs: ClassVar[dict] = {"lr": 1e-2}
+
+    @initialize()
+    def build(self) -> None:
+        super().build()
+        ours_model, _ = self.models
+        _, plain_model = make_models()
+        body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
+        self.plain = self.optimizer_cls(body, **self.optimizer_kwargs)
+        self.models = (ours_model, plain_model)
+
+    def _sharded(self, model: nn.Module) -> bool:
+        return model is self.models[0]
+
+    def _mean_loss(self, model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        if not self._sharded(model):
+            return loss
+        total = loss.clone()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
+
+    @rule()
+    def evaluate(self) -> None:
+        super().evaluate()
+        self.models[0].reshard()
+
+    @precondition(lambda self: False)
+    @rule()
+    def load_state_dicts(self) -> None:
+        pass
+
+    @precondition(lambda self: False)
+    @rule(clear=st.booleans())
+    def dcp_round_trip(self, clear: bool) -> None:
+        pass
+
+
 def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
     # One intra-op thread: on tensors this small, handing ops to a thread pool costs more than
     # the ops (several times the whole run on a busy machine); the ranks of a world run so.
@@ -1224,6 +1286,7 @@ def test_random_loops_compact_adamw_bfloat16():
         (ShardedJointLoopMachine, 3, 4, 12),
         (ShardedKeptAfterForwardLoopMachine, 3, 4, 16),
         (ShardedColumnsLoopMachine, 2, 4, 16),
+        (ShardedAdafactorLoopMachine, 2, 6, 20),
     ],
     ids=[
         "adamw",
@@ -1234,6 +1297,7 @@ def test_random_loops_compact_adamw_bfloat16():
         "joint",
         "kept-after-forward",
         "columns",
+        "adafactor-whole-tensor",
     ],
 )
 def test_random_loops_fsdp2(worlds, machine, world, examples, steps):
