@@ -479,8 +479,8 @@ class OptimizerInBackward(Optimizer):
         # Whether a gradient reached a parameter since the last step() or zero_grad(). See
         # [Note: gradients held for step()].
         self._arrived_since_step = False
-        # The state's keys when the first pass since the last step() began (see
-        # _order_new_state); None before one.
+        # The state's keys when the first pass since the last step() (or a discarded
+        # backward) began (see _order_new_state); None before one.
         self._keys_before: set[int] | None = None
         self._accumulate_depth = 0
         # The backward taken as a micro-batch, if the last one was. See [Note: FSDP2's
@@ -579,7 +579,9 @@ class OptimizerInBackward(Optimizer):
                 self._hook_ids[id(param)] = handle.id
 
     def _new_pass(self, backward_id: int | None, *, record: bool = True) -> BackwardPass:
-        if self._keys_before is None:
+        if self._keys_before is None or not self._stepped_since_step:
+            # The first pass since step(), or since a backward was discarded (rolled back, or
+            # raised having stepped nothing): what the state holds now was not made by a pass.
             self._keys_before = set(map(id, self.state))
         return BackwardPass(
             backward_id,

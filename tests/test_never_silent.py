@@ -1460,6 +1460,29 @@ def test_state_dict_lists_entries_in_the_plain_order():
     assert_match(model, reference)
 
 
+def test_state_created_after_a_rolled_back_backward_lists_in_the_plain_order():
+    """A backward rolled back (the model and the optimizer loaded, then ``zero_grad()``), the
+    state cleared, then a step: the entries the step creates were taken for entries there
+    before, the keys the rolled-back backward found having been kept as this step's, and
+    ``state_dict()`` listed them in backward's order (found by the stateful test on 4 ranks).
+    The keys are now those the step's own first pass finds."""
+    model, reference = make_models()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    loops = ((model, optim), (reference, plain))
+    _step_both(loops, 0, zero=True)
+    for net, opt in loops:
+        weights, state = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+        loss_fn(net, *_x(1)).backward()
+        net.load_state_dict(weights)
+        opt.load_state_dict(state)
+        opt.zero_grad()
+        opt.state.clear()
+    _step_both(loops, 2, zero=True)
+    assert list(optim.state_dict()["state"]) == list(plain.state_dict()["state"])
+    assert_match(model, reference)
+
+
 def test_frozen_between_forward_and_backward_equal():
     """``requires_grad_(False)`` between forward and backward: autograd accumulates no
     gradient into the frozen parameters (it still runs their post-accumulate-grad hooks), so
