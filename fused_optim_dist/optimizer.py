@@ -964,18 +964,18 @@ class OptimizerInBackward(Optimizer):
 
     def _order_new_state(self) -> None:
         """Move the state entries this step's passes created to the end in ``param_groups``'
-        order, the order the plain optimizer's ``step()`` creates them in (here they were
-        created in backward's): ``state_dict()`` then lists them as the plain one does, for
-        code that finds an entry by its position (a state dict trimmed or edited by index, 4.5e-2
-        apart with entries in backward's order). The entries created are those under keys that
-        were not in the state when the first pass since the last ``step()`` began (held by the
-        state, so their ids are not reused): entries re-created after ``state.clear()`` or a
-        key deleted by the loop are created too; an entry the loop replaced under its key
-        before that (``optim.state[p] = {}`` to reset a parameter's moments) keeps its place,
-        in the plain optimizer's dict too."""
+        order, the order the plain optimizer's ``step()`` creates them in (here they were created in
+        backward's): ``state_dict()`` then lists them as the plain one does, for code that
+        finds an entry by its position (a state dict trimmed or edited by index, 4.5e-2
+        apart with entries in backward's order). The entries created are those under keys
+        that were not in the state when the first pass since the last ``step()`` began
+        (parameters, held by the groups, so their ids are not reused): entries re-created
+        after ``state.clear()`` or a key deleted by the loop are created too; an entry the
+        loop replaced under its key before that (``optim.state[p] = {}`` to reset a
+        parameter's moments) keeps its place, in the plain optimizer's dict too."""
         before, self._keys_before = self._keys_before, None
-        if before is None or len(self.state) == len(before):
-            return  # no pass, or nothing created: passes only add keys
+        if before is None or before.issuperset(map(id, self.state)):
+            return  # no pass, or no key it did not find (a C-level check)
         new = [p for p in self.state if id(p) not in before]
         if len(new) > 1:
             params = (p for group in self.param_groups for p in group["params"])

@@ -169,6 +169,10 @@ class LoopMachine(RuleBasedStateMachine):
     skip_nonfinite: bool = False
     """Ours skips non-finite buckets; the plain loop skips a step whose gradients are not all
     finite (the same where a non-finite loss reaches every bucket)."""
+    reference_sharded = True
+    """With ``sharded``: whether the plain loop's model is sharded as ours is. If not (a class
+    plain PyTorch cannot step on DTensors), it is an unsharded copy fed the global batch, and
+    the rule loading each loop's state dict into the other is off."""
     second_pass_refused = False
     """Whether ours refuses a second pass (a backward, or ``step()`` stepping gradients set by
     hand) after a backward's updates before ``step()``: when clipping by norm, with a class
@@ -182,8 +186,8 @@ class LoopMachine(RuleBasedStateMachine):
             ours_model.to(self.dtype),
             plain_model.to(self.dtype),
         )
-        if self.sharded:
-            for model in self.models:
+        for model in self.models:
+            if self._sharded(model):
                 shard(model, **self.fsdp_kwargs)
         ours_model, plain_model = self.models
         body = [p for n, p in ours_model.named_parameters() if not n.startswith("head")]
@@ -221,11 +225,16 @@ class LoopMachine(RuleBasedStateMachine):
 
     def _sharded(self, model: nn.Module) -> bool:
         """Whether ``model`` is sharded by FSDP2 (each rank its share of a batch)."""
-        return self.sharded
+        return self.sharded and (self.reference_sharded or model is self.models[0])
 
     def _mean_loss(self, model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` as both loops compare it: the global batch's where only ours is sharded."""
-        return loss
+        """``loss`` as both loops compare it: the global batch's where only ours is sharded
+        (the ranks' shares are equal)."""
+        if not self._sharded(model) or self.reference_sharded:
+            return loss
+        total = loss.clone()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
 
     def _backward(self, model: nn.Module, step: int, scale: float = 1.0) -> None:
         self._loss(model, step, scale).backward()
@@ -388,12 +397,15 @@ class LoopMachine(RuleBasedStateMachine):
     def evaluate(self) -> None:
         """An evaluation forward under ``torch.no_grad()`` (under ``accumulate()`` too): on
         FSDP2 it leaves the root unit unsharded, its modules listing the all-gathered copies
-        of its parameters until a backward or ``reshard()``."""
+        of its parameters until a backward or ``reshard()``. Against an unsharded reference,
+        which holds no such copy, ours is resharded after it."""
         for model in self.models:
             model.eval()
             with torch.no_grad():
                 self._loss(model, self.step + 100)
             model.train()
+        if self.sharded and not self.reference_sharded:
+            self.models[0].reshard()
 
     @precondition(lambda self: not self.head_added)
     @rule(lr=st.sampled_from([1e-3, 5e-2]))
@@ -417,7 +429,7 @@ class LoopMachine(RuleBasedStateMachine):
         for optim in (self.ours, self.plain):
             optim.param_groups[0]["lr"] = lr
 
-    @precondition(lambda self: not self.pending)
+    @precondition(lambda self: not self.pending and self.reference_sharded)
     @rule()
     def load_state_dicts(self) -> None:
         # Ours loads the plain optimizer's state dict (interchangeable), and the reverse.
@@ -1168,46 +1180,11 @@ class ShardedAdafactorLoopMachine(ShardedLoopMachine):
     """Adafactor on FSDP2, stepped whole-tensor (each parameter's update on an owner rank, its
     rows sent back), against plain Adafactor on an unsharded copy of the model fed the global
     batch: plain Adafactor cannot step DTensors. On 2 ranks (the batch splits evenly, so the
-    ranks' mean loss is the global one). The evaluation reshards ours: FSDP2 keeps the root
-    unit's gathered copy, which the reference does not have; the rule loading each loop's
-    state dict into the other, and DCP's round trip, need both sides sharded alike."""
+    ranks' mean loss is the global one)."""
 
     optimizer_cls = torch.optim.Adafactor
     optimizer_kwargs: ClassVar[dict] = {"lr": 1e-2}
-
-    @initialize()
-    def build(self) -> None:
-        super().build()
-        ours_model, _ = self.models
-        _, plain_model = make_models()
-        body = [p for n, p in plain_model.named_parameters() if not n.startswith("head")]
-        self.plain = self.optimizer_cls(body, **self.optimizer_kwargs)
-        self.models = (ours_model, plain_model)
-
-    def _sharded(self, model: nn.Module) -> bool:
-        return model is self.models[0]
-
-    def _mean_loss(self, model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
-        if not self._sharded(model):
-            return loss
-        total = loss.clone()
-        dist.all_reduce(total)
-        return total / dist.get_world_size()
-
-    @rule()
-    def evaluate(self) -> None:
-        super().evaluate()
-        self.models[0].reshard()
-
-    @precondition(lambda self: False)
-    @rule()
-    def load_state_dicts(self) -> None:
-        pass
-
-    @precondition(lambda self: False)
-    @rule(clear=st.booleans())
-    def dcp_round_trip(self, clear: bool) -> None:
-        pass
+    reference_sharded = False
 
 
 def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:

@@ -1464,7 +1464,8 @@ def test_state_created_after_a_rolled_back_backward_lists_in_the_plain_order():
     """A backward rolled back (the model and the optimizer loaded, then ``zero_grad()``), the
     state cleared, then a step: the entries the step creates were taken for entries there
     before, the keys the rolled-back backward found having been kept as this step's, and
-    ``state_dict()`` listed them in backward's order (found by the stateful test on 4 ranks).
+    ``state_dict()`` listed them in backward's order (found by a longer run of the stateful
+    property test's Adafactor machine, on 4 ranks).
     The keys are now those the step's own first pass finds."""
     model, reference = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=20)

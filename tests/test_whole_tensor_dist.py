@@ -261,12 +261,13 @@ def test_muon_gradient_accumulation(worlds):
 
 def _held_and_create_graph_body() -> None:
     """Whole-tensor updates made outside a backward's no-grad mode: at ``step()``, where every
-    micro-batch ran under ``accumulate()`` (the loop that clips exactly over several units),
-    and in a ``backward(create_graph=True)`` (a gradient penalty's, MAML's). Both raised, after
-    the units before the last had moved: the last unit's rows were written through
-    ``to_local()`` with grad mode on, which autograd refuses on a parameter that requires
-    grad. Adafactor on every parameter, clipped when held, against one process on the global
-    batch; Muon with AdamW, fed the gradients the sharded run consumed."""
+    micro-batch ran under ``accumulate()`` (the loop that clips exactly over several units) or
+    the gradients were set by hand, and in a ``backward(create_graph=True)`` (a gradient
+    penalty's, MAML's). Each raised, after the units before the last had moved: the last
+    unit's rows were written through ``to_local()`` with grad mode on, which autograd refuses
+    on a parameter that requires grad. Adafactor on every parameter, clipped when held,
+    against one process on the global batch; Muon with AdamW, fed the gradients the sharded
+    run consumed."""
     model, reference = make_models()
     shard(model)
     optim = OptimizerInBackward(
@@ -296,6 +297,19 @@ def _held_and_create_graph_body() -> None:
         optim.step()
         optim.zero_grad()
     _reference_run(reference, torch.optim.Adafactor(reference.parameters(), lr=1e-2), range(STEPS))
+    _assert_params(model, reference, ATOL_FP32)
+
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    plain = torch.optim.Adafactor(reference.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            ref.grad = torch.cos(3 * ref.detach() + step)
+            param.grad = distribute_tensor(ref.grad, param.device_mesh, param.placements)
+        for opt in (optim, plain):
+            opt.step()
+            opt.zero_grad()
     _assert_params(model, reference, ATOL_FP32)
 
     muon_kwargs = MUON_CONFIGS[0]
