@@ -3,10 +3,13 @@
 ``set_requires_gradient_sync`` (and HSDP's ``set_requires_all_reduce``) on part of the model,
 ``unshard()``/``reshard()`` around ``step()``, ``requires_grad_()`` while a root unit is
 unsharded (a forward with no backward leaves it so: a GAN's frozen generator, an evaluation
-before unfreezing a head), and units built otherwise (``ignored_params``, one unit of several
-modules, a full SPMD mesh). Each loop runs with plain AdamW and with ours on identical FSDP2
-models (2 and 3 gloo ranks, 2 and 4 on the SPMD mesh): equal, or refused at ``step()``. See
-[Note: FSDP2's copies and flags] in ``fused_optim_dist/_torch_internals.py``.
+before unfreezing a head), units built otherwise (``ignored_params``, one unit of several
+modules, a full SPMD mesh), the controls of the gradient reduction (an all-reduce hook, sum
+reductions, more input buffers, a separate reduce-scatter group) and the recovery from a failed
+backward (``reset_iter_state()``). Each loop runs with plain AdamW and with ours on identical
+FSDP2 models (2 and 3 gloo ranks, 2 and 4 on the SPMD mesh): equal, or refused at ``step()``
+(``zero_grad()`` after a failed backward). See [Note: FSDP2's copies and flags] in
+``fused_optim_dist/_torch_internals.py``.
 """
 
 from __future__ import annotations
@@ -497,9 +500,107 @@ def _spmd_mesh_body(shape: tuple[int, ...]) -> None:
     assert_match(ours, plain)
 
 
+def _reduction_controls(control: str) -> Callable[[], nn.Module]:
+    """The model with one of FSDP2's controls of its gradient reduction set on every unit."""
+
+    def build() -> nn.Module:
+        model = _model()
+        for unit in (model, model[1]):
+            if control == "all-reduce hook":  # edits the reduced gradient in place
+                unit.set_all_reduce_hook(lambda output: output.mul_(0.5).add_(1e-3))
+            elif control == "sum reductions":
+                unit.set_force_sum_reduction_for_comms(True)
+            elif control == "input buffers":
+                unit.set_reduce_scatter_max_input_buffers(2, recurse=False)
+            elif control == "reduce-scatter group":
+                unit.set_separate_reduce_scatter_group(True, recurse=False)
+        return model
+
+    return build
+
+
+class _Failing(torch.autograd.Function):
+    """The identity, whose backward raises while ``failing[0]`` is set."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, failing: list[bool]) -> torch.Tensor:
+        ctx.failing = failing
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.failing[0]:
+            raise _BackwardFailed
+        return grad, None
+
+
+class _BackwardFailed(RuntimeError):
+    pass
+
+
+class _FailingAt(nn.Module):
+    """The model's layers with :class:`_Failing` after layer ``at``: a backward failing there
+    has reduced and stepped the units after it (the child, where ``at`` is 0) and none
+    before."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.layers = _layers()
+        self.at = at
+        self.failing = [False]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == self.at:
+                x = _Failing.apply(x, self.failing)
+        return x
+
+
+def _reset_iter_state_body(at: int, keep: bool) -> None:
+    """FSDP2's recovery from a failed backward (torch 2.13): catch it, ``reset_iter_state()`` on
+    the root, go on with the next iteration (``zero_grad()`` first), or keep what the failed
+    backward reduced with ``step()`` (``keep``). Two of five backwards fail. Equal where the
+    failure came before any unit was reduced (after the last layer or the child) or the loop
+    keeps the partial step; where the child unit was stepped before the failure (``at=0``)
+    and the loop discards it, ``zero_grad()`` refuses, before anything else moves (the plain
+    optimizer would drop the child's gradients, which ours stepped in backward)."""
+
+    def build() -> nn.Module:
+        model = _FailingAt(at)
+        fully_shard(model.layers[1])
+        fully_shard(model)
+        return model
+
+    ours, plain, (optim,), (reference_optim,) = _both(build)
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        for step in range(5):
+            x, y = _batch(step)
+            model.failing[0] = step in (1, 3)
+            opt.zero_grad()
+            try:
+                _loss(model, x, y).backward()
+            except _BackwardFailed:
+                model.reset_iter_state()
+                if keep:
+                    opt.step()
+                elif opt is optim and at == 0:
+                    with pytest.raises(RuntimeError, match="A backward raised after updating"):
+                        optim.zero_grad()
+                    optim.step()  # what the message offers: keep the partial step
+                    return
+                continue
+            opt.step()
+    assert_match(ours, plain)
+
+
 def _all_body() -> None:
-    for build in (_ignored_params, _grouped_unit):
+    controls = ("all-reduce hook", "sum reductions", "input buffers", "reduce-scatter group")
+    for build in (_ignored_params, _grouped_unit, *map(_reduction_controls, controls)):
         _other_units_body(build)
+    for at in (0, 1, 2):
+        for keep in (False, True):
+            _reset_iter_state_body(at, keep)
     _hsdp_branch_skipped_body()
     for unsynced in ("root", "child", "frozen child"):
         _no_all_reduce_body(unsynced)
