@@ -235,9 +235,11 @@ class _ParamView:
         self.local = local_tensor(param)
         self.shard = self.local.detach() if self.dtensor else param
         # The facade's state entry, and the state the step sees: the same dict for a plain
-        # parameter (the step updates the facade's entry directly), local tensors otherwise.
+        # parameter (the step updates the facade's entry directly), a dict of local tensors
+        # otherwise, its own even where the entry is empty (``optim.state[p] = {}``): the
+        # step fills it with local tensors, which the facade holds placed like ``param``.
         self.entry = entry
-        if not self.dtensor or not entry:
+        if not self.dtensor or entry is None:
             self.state = entry
         else:
             self.state = {k: local_tensor(v) for k, v in entry.items()}
@@ -589,7 +591,12 @@ class BucketStepper:
 
     @staticmethod
     def _write_back(views: _LocalViews, state: defaultdict[torch.Tensor, dict]) -> bool:
-        """Bring state the step created or replaced into the facade's ``state``; whether any."""
+        """Bring state the step created, replaced, added or removed into the facade's
+        ``state``; whether any.
+
+        The step may change the local dict it was handed in place (``state[p]["buf"] = buf *
+        beta + grad``, a key added at a later step, an entry left empty by hand filled), so
+        each local value is compared with what the facade holds, not with the dict."""
         changed = False
         local_state = views.state_dict
         for view in views.params:
@@ -601,13 +608,14 @@ class BucketStepper:
                     state[view.param] = after
                     changed = True
                 continue
-            before = view.state or {}
-            if len(after) == len(before) and all(before.get(k) is v for k, v in after.items()):
-                continue
             entry = state[view.param]
+            if len(after) == len(entry) and all(map(_holds, map(entry.get, after), after.values())):
+                continue
             for k, value in after.items():
-                if before.get(k) is not value:
+                if not _holds(entry.get(k), value):
                     entry[k] = _placed_like(value, view.param, view.shard)
+            for k in entry.keys() - after.keys():
+                del entry[k]
             changed = True
         return changed
 
@@ -629,6 +637,13 @@ class BucketStepper:
             # Drop the references so the stepper never keeps a bucket's tensors alive.
             optimizer.param_groups, optimizer.state = [], defaultdict(dict)
             optimizer.found_inf = None
+
+
+def _holds(facade_value: Any, local_value: Any) -> bool:
+    """Whether the facade's state value is ``local_value``, or a DTensor over it."""
+    return facade_value is local_value or (
+        type(facade_value) is DTensor and facade_value._local_tensor is local_value
+    )
 
 
 def _handed(

@@ -843,6 +843,62 @@ def test_clipping_history_never_reaches_another_bucket():
     assert again.gradient_state_dict() == history
 
 
+# ------------------------------------------------------- state written by hand or by the class
+
+
+@declare_stepping("elementwise")
+class _OutOfPlaceMomentum(torch.optim.Optimizer):
+    """SGD with momentum as hand-written optimizers often are: the buffer and a step count
+    replaced out of place at every step, and an average of the weights added to the state at
+    the second step."""
+
+    def __init__(self, params, lr: float = 1e-2, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["buf"] = torch.zeros_like(param)
+                    state["count"] = 0
+                state["buf"] = state["buf"] * group["beta"] + param.grad
+                state["count"] = state["count"] + 1
+                if state["count"] == 2:
+                    state["average"] = param.clone()
+                elif "average" in state:
+                    state["average"] = (state["average"] + param) / 2
+                param.sub_(group["lr"] * state["buf"])
+
+
+def _state_values_body(cls: type[torch.optim.Optimizer], reset: str) -> None:
+    """A layer's state entries emptied between steps (``optim.state[p] = {}``, or
+    ``optim.state[p].clear()``), and a class replacing its state values out of place and
+    adding one at a later step: the plain optimizer holds each value as the step left it,
+    DTensors placed like their parameter; so does ours, hence its ``state_dict()``, DCP
+    checkpoints and the plain optimizer loading them. Before, an emptied entry was filled with
+    the step's local shards as plain tensors (a checkpoint would have saved one rank's shard as
+    the whole tensor), and a value the class replaced or added in an entry it already had never
+    reached ``state``, with no error."""
+    model, reference = _pair()
+    optim = OptimizerInBackward(model.parameters(), cls, lr=1e-2)
+    plain = cls(reference.parameters(), lr=1e-2)
+    for net, opt, step_of in ((model, optim, _ours_step), (reference, plain, _plain_step)):
+        for step in range(4):
+            step_of(net, opt, step)
+            if step == 1 and reset:
+                for param in net.layers[2].parameters():
+                    if reset == "empty":
+                        opt.state[param] = {}
+                    else:
+                        opt.state[param].clear()
+    assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
+
+
 # ------------------------------------------------------- the world tests
 
 
@@ -869,6 +925,10 @@ def test_clipping_history_never_reaches_another_bucket():
         (2, _step_after_an_evaluation_body, {}),
         (2, _frozen_between_sync_off_micro_batches_body, {"layer": 0}),
         (2, _frozen_between_sync_off_micro_batches_body, {"layer": 2}),
+        (2, _state_values_body, {"cls": torch.optim.AdamW, "reset": "empty"}),
+        (3, _state_values_body, {"cls": torch.optim.AdamW, "reset": "clear"}),
+        (2, _state_values_body, {"cls": _OutOfPlaceMomentum, "reset": None}),
+        (3, _state_values_body, {"cls": _OutOfPlaceMomentum, "reset": "empty"}),
     ],
     ids=[
         "1-add-group-generator",
@@ -891,6 +951,10 @@ def test_clipping_history_never_reaches_another_bucket():
         "step-after-an-evaluation",
         "frozen-between-sync-off-micro-batches-first",
         "frozen-between-sync-off-micro-batches-last",
+        "state-emptied-by-hand",
+        "state-cleared-by-hand-3",
+        "state-replaced-by-the-class",
+        "state-replaced-by-the-class-emptied-3",
     ],
 )
 def test_drop_in(worlds, world_size, body, kwargs):

@@ -95,6 +95,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if isinstance(expected, DTensor):  # placed alike, not only the same local values
+        assert isinstance(actual, DTensor), f"{what}: a {type(actual).__name__}, not a DTensor"
+        assert actual.placements == expected.placements, what
     if isinstance(actual, DTensor) and not isinstance(expected, DTensor):
         actual = actual.full_tensor()  # against a one-process reference (collective)
     torch.testing.assert_close(
@@ -821,11 +824,14 @@ class LoopMachine(RuleBasedStateMachine):
             optim.state.clear()
 
     @precondition(lambda self: not self.pending)
-    @rule(layer=st.integers(0, LAYERS - 1), how=st.sampled_from(["del", "replace", "zero"]))
+    @rule(
+        layer=st.integers(0, LAYERS - 1),
+        how=st.sampled_from(["del", "replace", "clear", "zero"]),
+    )
     def reset_layer_state(self, layer: int, how: str) -> None:
         """One layer's optimizer state reset between steps, as a loop re-initialising a layer
-        does: its entries deleted, replaced by empty ones (``optim.state[p] = {}``), or their
-        floating-point values but the step zeroed in place."""
+        does: its entries deleted, replaced by empty ones (``optim.state[p] = {}``) or emptied
+        in place, or their floating-point values but the step zeroed in place."""
         for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
             for param in model.layers[layer].parameters():
                 if param not in optim.state:
@@ -834,6 +840,8 @@ class LoopMachine(RuleBasedStateMachine):
                     del optim.state[param]
                 elif how == "replace":
                     optim.state[param] = {}
+                elif how == "clear":
+                    optim.state[param].clear()
                 else:
                     for key, value in optim.state[param].items():
                         if key != "step" and torch.is_floating_point(value):
