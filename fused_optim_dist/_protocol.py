@@ -518,7 +518,10 @@ class PendingUpdates:
                 "unreduced gradients): its forward ran on the updated weights, where a plain "
                 "optimizer's ran on those of before step(). Turn sync off for the micro-batches "
                 "before the last of a step, not after it "
-                "(set_requires_gradient_sync(i == last)). Restart from the last checkpoint."
+                "(set_requires_gradient_sync(i == last)). Restart from the last checkpoint. "
+                "(After a backward that raised, FSDP2's reset_iter_state() keeps the gradients "
+                "a unit had not reduced, which its next reduction adds in: restart from the "
+                "last checkpoint there too.)"
             )
 
     def refuse_second_gradient(self, param: torch.Tensor) -> None:

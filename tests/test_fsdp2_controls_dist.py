@@ -564,7 +564,9 @@ def _reset_iter_state_body(at: int, keep: bool) -> None:
     failure came before any unit was reduced (after the last layer or the child) or the loop
     keeps the partial step; where the child unit was stepped before the failure (``at=0``)
     and the loop discards it, ``zero_grad()`` refuses, before anything else moves (the plain
-    optimizer would drop the child's gradients, which ours stepped in backward)."""
+    optimizer would drop the child's gradients, which ours stepped in backward). Where the
+    failure came after the root's last layer (``at=1``), the root keeps that layer's unreduced
+    gradients through the reset and adds them to its next reduction, in both loops."""
 
     def build() -> nn.Module:
         model = _FailingAt(at)

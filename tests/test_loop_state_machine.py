@@ -457,12 +457,15 @@ class LoopMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.pending and not self.sharded)
     @rule(layer=st.integers(0, LAYERS - 1), new_lr=st.booleans())
     def failing_backward(self, layer: int, new_lr: bool) -> None:
-        """A backward that raises part-way, on both sides. Ours refuses to discard the updates
-        it made (zero_grad() raises); step() accepts them, as the plain optimizer steps the
-        same partial gradients (FSDP2 itself does not recover from an exception inside its
-        backward). With ``new_lr``, the loop then triples every group's lr: ours refuses that
-        step() where the backward made updates (with the old lr), and the loop sets the lr
-        back and steps; where it made none, both step with the new lr."""
+        """A backward that raises part-way, on both sides. Ours refuses to discard the
+        updates it made (zero_grad() raises); step() accepts them, as the plain optimizer
+        steps the same partial gradients. Not on FSDP2 models: torch 2.13's
+        ``reset_iter_state()`` recovers from it, but keeps the gradients units had not
+        reduced, which the next backward adds in (both loops;
+        ``tests/test_fsdp2_controls_dist.py`` tests it apart). With ``new_lr``, the loop
+        then triples every group's lr: ours refuses that step() where the backward made
+        updates (with the old lr), and the loop sets the lr back and steps; where it made
+        none, both step with the new lr."""
 
         self._failing_backward(layer)
         if self.ours._pending:
