@@ -608,7 +608,9 @@ class BucketStepper:
                     state[view.param] = after
                     changed = True
                 continue
-            entry = state[view.param]
+            # The facade's entry the views were checked against before this step (no lookup:
+            # hashing a DTensor is a Python call); a new one where there was none.
+            entry = view.entry if view.entry is not None else state[view.param]
             if len(after) == len(entry) and all(map(_holds, map(entry.get, after), after.values())):
                 continue
             for k, value in after.items():
