@@ -88,6 +88,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam
+from torch.utils._pytree import tree_map_only
 
 from fused_optim_dist._freed import freed_hidden
 from fused_optim_dist._kinds import keeps_state_per_parameter
@@ -129,6 +130,18 @@ _Key = tuple[tuple[int, ...], ...]
 """The parameters of a step by id, per batch."""
 
 
+_CONTAINERS = (list, tuple, dict)
+"""State values holding tensors inside them, which the step sees local and the facade placed."""
+
+
+def _local_value(value: Any) -> Any:
+    """A facade state value as the local step sees it: a DTensor's local tensor, also inside
+    a list, tuple or dict."""
+    if isinstance(value, _CONTAINERS):
+        return tree_map_only(DTensor, local_tensor, value)
+    return local_tensor(value)
+
+
 def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> Any:
     """Return a local state value as the plain optimizer would hold it for ``param``.
 
@@ -141,7 +154,11 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
     A state tensor with one entry per row of the shard (dim 0 the shard's rows, other dims its
     own, e.g. ``CompactAdamW``'s per-row quantization scales) is placed like ``param`` too,
     with ``param``'s row count as its global dim 0, when ``param`` is sharded along dim 0 only.
+    Tensors in a list, tuple or dict (a class keeping its last gradients in a list) are placed
+    one by one.
     """
+    if isinstance(value, _CONTAINERS):
+        return tree_map_only(torch.Tensor, lambda v: _placed_like(v, param, local_param), value)
     if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0):
         return value
     if value.shape == local_param.shape:
@@ -242,7 +259,7 @@ class _ParamView:
         if not self.dtensor or entry is None:
             self.state = entry
         else:
-            self.state = {k: local_tensor(v) for k, v in entry.items()}
+            self.state = {k: _local_value(v) for k, v in entry.items()}
 
     def replace(self, key: str, value: torch.Tensor) -> None:
         """Hold the plain tensor ``value`` as state ``key``, in the facade's entry too."""

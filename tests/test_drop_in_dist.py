@@ -849,8 +849,8 @@ def test_clipping_history_never_reaches_another_bucket():
 @declare_stepping("elementwise")
 class _OutOfPlaceMomentum(torch.optim.Optimizer):
     """SGD with momentum as hand-written optimizers often are: the buffer and a step count
-    replaced out of place at every step, and an average of the weights added to the state at
-    the second step."""
+    replaced out of place at every step, the last two gradients kept in a list, and an
+    average of the weights added to the state at the second step."""
 
     def __init__(self, params, lr: float = 1e-2, beta: float = 0.9) -> None:
         super().__init__(params, {"lr": lr, "beta": beta})
@@ -865,6 +865,8 @@ class _OutOfPlaceMomentum(torch.optim.Optimizer):
                 if not state:
                     state["buf"] = torch.zeros_like(param)
                     state["count"] = 0
+                    state["recent"] = []
+                state["recent"] = [*state["recent"][-1:], param.grad.clone()]
                 state["buf"] = state["buf"] * group["beta"] + param.grad
                 state["count"] = state["count"] + 1
                 if state["count"] == 2:
@@ -876,13 +878,13 @@ class _OutOfPlaceMomentum(torch.optim.Optimizer):
 
 def _state_values_body(cls: type[torch.optim.Optimizer], reset: str) -> None:
     """A layer's state entries emptied between steps (``optim.state[p] = {}``, or
-    ``optim.state[p].clear()``), and a class replacing its state values out of place and
-    adding one at a later step: the plain optimizer holds each value as the step left it,
-    DTensors placed like their parameter; so does ours, hence its ``state_dict()``, DCP
-    checkpoints and the plain optimizer loading them. Before, an emptied entry was filled with
-    the step's local shards as plain tensors (a checkpoint would have saved one rank's shard as
-    the whole tensor), and a value the class replaced or added in an entry it already had never
-    reached ``state``, with no error."""
+    ``optim.state[p].clear()``), and a class replacing its state values out of place, keeping
+    tensors in a list and adding a value at a later step: the plain optimizer holds each value
+    as the step left it, DTensors placed like their parameter (in the list too); so does ours,
+    hence its ``state_dict()``, DCP checkpoints and the plain optimizer loading them. Before,
+    an emptied entry was filled with the step's local shards as plain tensors, a value the
+    class replaced or added in an entry it already had never reached ``state``, and a list
+    held local shards, with no error."""
     model, reference = _pair()
     optim = OptimizerInBackward(model.parameters(), cls, lr=1e-2)
     plain = cls(reference.parameters(), lr=1e-2)
