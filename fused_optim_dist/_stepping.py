@@ -469,8 +469,11 @@ class BucketStepper:
                 source = local_tensor(param) if self.local_shards else param
                 clone = source.detach().clone()
                 clone.grad = (grad if self.local_shards else param.grad).clone()
-                if param in state:
-                    copies[clone] = copy.deepcopy(state[param])
+                entry = state.get(param)
+                if entry is not None:
+                    if self.local_shards:  # as the real step sees it: local values
+                        entry = {k: _local_value(v) for k, v in entry.items()}
+                    copies[clone] = copy.deepcopy(entry)
                 params.append(clone)
             groups.append(_handed(batch.group, params, batch.params))
         return self._run(groups, copies, None)

@@ -901,6 +901,31 @@ def _state_values_body(cls: type[torch.optim.Optimizer], reset: str) -> None:
     assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
 
+def _declared_class_resumed_body() -> None:
+    """A class of one's own declared ``"elementwise"`` resumed on FSDP2: a new optimizer
+    loading the state dict of one that stepped, as after a restart. Its first backward checks
+    the class on copies of its shards and state (see [Note: group and instance state] in
+    ``_class_state.py``); the copies of the loaded state were DTensors handed to a step on
+    local shards, so that backward raised (mixed ``torch.Tensor`` and ``DTensor``) and no run
+    of such a class could resume. Equal to the plain optimizer resumed alike."""
+    model, reference = _pair()
+    optim = OptimizerInBackward(model.parameters(), _OutOfPlaceMomentum, lr=1e-2)
+    plain = _OutOfPlaceMomentum(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        _ours_step(model, optim, step)
+        _plain_step(reference, plain, step)
+    optim.detach()  # the run that stopped
+    optim = OptimizerInBackward(model.parameters(), _OutOfPlaceMomentum, lr=1e-2)
+    optim.load_state_dict(copy.deepcopy(plain.state_dict()))
+    plain_again = _OutOfPlaceMomentum(reference.parameters(), lr=1e-2)
+    plain_again.load_state_dict(plain.state_dict())
+    for step in range(2, 4):
+        _ours_step(model, optim, step)
+        _plain_step(reference, plain_again, step)
+    assert_match(model, reference)
+    assert_same_state_dict(optim.state_dict(), plain_again.state_dict(), atol=PLAIN_ATOL)
+
+
 # ------------------------------------------------------- the world tests
 
 
@@ -931,6 +956,7 @@ def _state_values_body(cls: type[torch.optim.Optimizer], reset: str) -> None:
         (3, _state_values_body, {"cls": torch.optim.AdamW, "reset": "clear"}),
         (2, _state_values_body, {"cls": _OutOfPlaceMomentum, "reset": None}),
         (3, _state_values_body, {"cls": _OutOfPlaceMomentum, "reset": "empty"}),
+        (2, _declared_class_resumed_body, {}),
     ],
     ids=[
         "1-add-group-generator",
@@ -957,6 +983,7 @@ def _state_values_body(cls: type[torch.optim.Optimizer], reset: str) -> None:
         "state-cleared-by-hand-3",
         "state-replaced-by-the-class",
         "state-replaced-by-the-class-emptied-3",
+        "declared-class-resumed",
     ],
 )
 def test_drop_in(worlds, world_size, body, kwargs):
