@@ -28,7 +28,7 @@ from _toy import (
     rank_slice,
     shard,
 )
-from test_never_silent import GlobalClipSGD, GroupStepLamb
+from test_never_silent import GlobalClipSGD, GroupStepLamb, OutOfPlaceMomentum
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -846,36 +846,6 @@ def test_clipping_history_never_reaches_another_bucket():
 # ------------------------------------------------------- state written by hand or by the class
 
 
-@declare_stepping("elementwise")
-class _OutOfPlaceMomentum(torch.optim.Optimizer):
-    """SGD with momentum as hand-written optimizers often are: the buffer and a step count
-    replaced out of place at every step, the last two gradients kept in a list, and an
-    average of the weights added to the state at the second step."""
-
-    def __init__(self, params, lr: float = 1e-2, beta: float = 0.9) -> None:
-        super().__init__(params, {"lr": lr, "beta": beta})
-
-    @torch.no_grad()
-    def step(self, closure=None) -> None:
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["buf"] = torch.zeros_like(param)
-                    state["count"] = 0
-                    state["recent"] = []
-                state["recent"] = [*state["recent"][-1:], param.grad.clone()]
-                state["buf"] = state["buf"] * group["beta"] + param.grad
-                state["count"] = state["count"] + 1
-                if state["count"] == 2:
-                    state["average"] = param.clone()
-                elif "average" in state:
-                    state["average"] = (state["average"] + param) / 2
-                param.sub_(group["lr"] * state["buf"])
-
-
 def _state_values_body(cls: type[torch.optim.Optimizer], reset: str) -> None:
     """A layer's state entries emptied between steps (``optim.state[p] = {}``, or
     ``optim.state[p].clear()``), and a class replacing its state values out of place, keeping
@@ -909,15 +879,15 @@ def _declared_class_resumed_body() -> None:
     local shards, so that backward raised (mixed ``torch.Tensor`` and ``DTensor``) and no run
     of such a class could resume. Equal to the plain optimizer resumed alike."""
     model, reference = _pair()
-    optim = OptimizerInBackward(model.parameters(), _OutOfPlaceMomentum, lr=1e-2)
-    plain = _OutOfPlaceMomentum(reference.parameters(), lr=1e-2)
+    optim = OptimizerInBackward(model.parameters(), OutOfPlaceMomentum, lr=1e-2)
+    plain = OutOfPlaceMomentum(reference.parameters(), lr=1e-2)
     for step in range(2):
         _ours_step(model, optim, step)
         _plain_step(reference, plain, step)
     optim.detach()  # the run that stopped
-    optim = OptimizerInBackward(model.parameters(), _OutOfPlaceMomentum, lr=1e-2)
+    optim = OptimizerInBackward(model.parameters(), OutOfPlaceMomentum, lr=1e-2)
     optim.load_state_dict(copy.deepcopy(plain.state_dict()))
-    plain_again = _OutOfPlaceMomentum(reference.parameters(), lr=1e-2)
+    plain_again = OutOfPlaceMomentum(reference.parameters(), lr=1e-2)
     plain_again.load_state_dict(plain.state_dict())
     for step in range(2, 4):
         _ours_step(model, optim, step)
@@ -954,8 +924,8 @@ def _declared_class_resumed_body() -> None:
         (2, _frozen_between_sync_off_micro_batches_body, {"layer": 2}),
         (2, _state_values_body, {"cls": torch.optim.AdamW, "reset": "empty"}),
         (3, _state_values_body, {"cls": torch.optim.AdamW, "reset": "clear"}),
-        (2, _state_values_body, {"cls": _OutOfPlaceMomentum, "reset": None}),
-        (3, _state_values_body, {"cls": _OutOfPlaceMomentum, "reset": "empty"}),
+        (2, _state_values_body, {"cls": OutOfPlaceMomentum, "reset": None}),
+        (3, _state_values_body, {"cls": OutOfPlaceMomentum, "reset": "empty"}),
         (2, _declared_class_resumed_body, {}),
     ],
     ids=[

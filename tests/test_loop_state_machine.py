@@ -45,7 +45,7 @@ import shutil
 import tempfile
 import warnings
 from contextlib import nullcontext
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -62,7 +62,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_never_silent import GlobalClipSGD, GroupStepLamb, InstanceCountSGD
+from test_never_silent import GlobalClipSGD, GroupStepLamb, InstanceCountSGD, OutOfPlaceMomentum
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -94,7 +94,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def _is_float_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and torch.is_floating_point(value)
+
+
+def _assert_close(actual: Any, expected: Any, what: str) -> None:
+    if isinstance(expected, list | tuple):  # a class's list of tensors
+        assert type(actual) is type(expected) and len(actual) == len(expected), what
+        for a, e in zip(actual, expected, strict=True):
+            _assert_close(a, e, what)
+        return
+    if not isinstance(expected, torch.Tensor):  # a Python number a class keeps
+        assert actual == expected, (what, actual, expected)
+        return
     if isinstance(expected, DTensor):  # placed alike, not only the same local values
         assert isinstance(actual, DTensor), f"{what}: a {type(actual).__name__}, not a DTensor"
         assert actual.placements == expected.placements, what
@@ -847,7 +859,7 @@ class LoopMachine(RuleBasedStateMachine):
                     optim.state[param].clear()
                 else:
                     for key, value in optim.state[param].items():
-                        if key != "step" and torch.is_floating_point(value):
+                        if key != "step" and _is_float_tensor(value):
                             value.zero_()
 
     @precondition(lambda self: not self.pending)
@@ -1187,6 +1199,16 @@ class ShardedJointLoopMachine(JointLoopMachine):
     sharded = True
 
 
+class ShardedOutOfPlaceLoopMachine(ShardedLoopMachine):
+    """A class of one's own declared ``"elementwise"``, written as hand-written optimizers
+    often are (state values replaced out of place, a Python count, tensors in a list, a value
+    added at a later step), on FSDP2: its state must reach the optimizer's placed like the
+    parameter, as the plain optimizer holds it, and resume from a state dict."""
+
+    optimizer_cls = OutOfPlaceMomentum
+    optimizer_kwargs: ClassVar[dict] = {"lr": 1e-2}
+
+
 class ShardedAdafactorLoopMachine(ShardedLoopMachine):
     """Adafactor on FSDP2, stepped whole-tensor (each parameter's update on an owner rank, its
     rows sent back), against plain Adafactor on an unsharded copy of the model fed the global
@@ -1275,6 +1297,7 @@ def test_random_loops_compact_adamw_bfloat16():
         (ShardedKeptAfterForwardLoopMachine, 3, 4, 16),
         (ShardedColumnsLoopMachine, 2, 4, 16),
         (ShardedAdafactorLoopMachine, 2, 6, 20),
+        (ShardedOutOfPlaceLoopMachine, 2, 6, 16),
     ],
     ids=[
         "adamw",
@@ -1286,6 +1309,7 @@ def test_random_loops_compact_adamw_bfloat16():
         "kept-after-forward",
         "columns",
         "adafactor-whole-tensor",
+        "out-of-place-class",
     ],
 )
 def test_random_loops_fsdp2(worlds, machine, world, examples, steps):

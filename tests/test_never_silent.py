@@ -282,6 +282,36 @@ class GroupStepLamb(torch.optim.Optimizer):
                 p.add_(update * ratio, alpha=-group["lr"])
 
 
+@declare_stepping("elementwise")
+class OutOfPlaceMomentum(torch.optim.Optimizer):
+    """SGD with momentum as hand-written optimizers often are: the buffer and a step count
+    replaced out of place at every step, the last two gradients kept in a list, and an
+    average of the weights added to the state at the second step."""
+
+    def __init__(self, params, lr: float = 1e-2, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["buf"] = torch.zeros_like(param)
+                    state["count"] = 0
+                    state["recent"] = []
+                state["recent"] = [*state["recent"][-1:], param.grad.clone()]
+                state["buf"] = state["buf"] * group["beta"] + param.grad
+                state["count"] = state["count"] + 1
+                if state["count"] == 2:
+                    state["average"] = param.clone()
+                elif "average" in state:
+                    state["average"] = (state["average"] + param) / 2
+                param.sub_(group["lr"] * state["buf"])
+
+
 class InstanceCountSGD(torch.optim.Optimizer):
     """SGD whose lr decays with a counter kept on the instance (``self.t += 1``)."""
 
