@@ -134,12 +134,15 @@ _CONTAINERS = (list, tuple, dict)
 """State values holding tensors inside them, which the step sees local and the facade placed."""
 
 
-def _local_value(value: Any) -> Any:
-    """A facade state value as the local step sees it: a DTensor's local tensor, also inside
-    a list, tuple or dict."""
-    if isinstance(value, _CONTAINERS):
-        return tree_map_only(DTensor, local_tensor, value)
-    return local_tensor(value)
+def _local_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A facade state entry as the local step sees it, a dict of its own: each DTensor value
+    its local tensor, also inside a list, tuple or dict."""
+    return {
+        key: tree_map_only(DTensor, local_tensor, value)
+        if isinstance(value, _CONTAINERS)
+        else local_tensor(value)
+        for key, value in entry.items()
+    }
 
 
 def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> Any:
@@ -259,7 +262,7 @@ class _ParamView:
         if not self.dtensor or entry is None:
             self.state = entry
         else:
-            self.state = {k: _local_value(v) for k, v in entry.items()}
+            self.state = _local_entry(entry)
 
     def replace(self, key: str, value: torch.Tensor) -> None:
         """Hold the plain tensor ``value`` as state ``key``, in the facade's entry too."""
@@ -472,7 +475,7 @@ class BucketStepper:
                 entry = state.get(param)
                 if entry is not None:
                     if self.local_shards:  # as the real step sees it: local values
-                        entry = {k: _local_value(v) for k, v in entry.items()}
+                        entry = _local_entry(entry)
                     copies[clone] = copy.deepcopy(entry)
                 params.append(clone)
             groups.append(_handed(batch.group, params, batch.params))
@@ -621,7 +624,7 @@ class BucketStepper:
         local_state = views.state_dict
         for view in views.params:
             after = local_state.get(view.shard)
-            if not after:
+            if after is None:  # never looked up (one looked up and left empty is kept, as plain's)
                 continue
             if view.shard is view.param:  # a plain parameter: ``after`` is its state entry
                 if state.get(view.param) is not after:
@@ -631,10 +634,11 @@ class BucketStepper:
             # The facade's entry the views were checked against before this step (no lookup:
             # hashing a DTensor is a Python call); a new one where there was none.
             entry = view.entry if view.entry is not None else state[view.param]
-            if len(after) == len(entry) and all(map(_holds, map(entry.get, after), after.values())):
+            same_keys = after.keys() == entry.keys()
+            if same_keys and all(map(_holds, map(entry.__getitem__, after), after.values())):
                 continue
             for k, value in after.items():
-                if not _holds(entry.get(k), value):
+                if k not in entry or not _holds(entry[k], value):
                     entry[k] = _placed_like(value, view.param, view.shard)
             for k in entry.keys() - after.keys():
                 del entry[k]
@@ -663,9 +667,7 @@ class BucketStepper:
 
 def _holds(facade_value: Any, local_value: Any) -> bool:
     """Whether the facade's state value is ``local_value``, or a DTensor over it."""
-    return facade_value is local_value or (
-        type(facade_value) is DTensor and facade_value._local_tensor is local_value
-    )
+    return local_tensor(facade_value) is local_value
 
 
 def _handed(

@@ -853,8 +853,9 @@ def _state_values_body(cls: type[torch.optim.Optimizer], reset: str) -> None:
     as the step left it, DTensors placed like their parameter (in the list too); so does ours,
     hence its ``state_dict()``, DCP checkpoints and the plain optimizer loading them. Before,
     an emptied entry was filled with the step's local shards as plain tensors, a value the
-    class replaced or added in an entry it already had never reached ``state``, and a list
-    held local shards, with no error."""
+    class replaced or added in an entry it already had never reached ``state``, a list held
+    local shards, and an entry the class looked up and left empty (its vectors') was missing,
+    with no error."""
     model, reference = _pair()
     optim = OptimizerInBackward(model.parameters(), cls, lr=1e-2)
     plain = cls(reference.parameters(), lr=1e-2)

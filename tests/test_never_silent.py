@@ -284,9 +284,10 @@ class GroupStepLamb(torch.optim.Optimizer):
 
 @declare_stepping("elementwise")
 class OutOfPlaceMomentum(torch.optim.Optimizer):
-    """SGD with momentum as hand-written optimizers often are: the buffer and a step count
-    replaced out of place at every step, the last two gradients kept in a list, and an
-    average of the weights added to the state at the second step."""
+    """SGD with momentum on matrices as hand-written optimizers often are: the buffer and a
+    step count replaced out of place at every step, the last two gradients kept in a list, an
+    average of the weights added to the state at the second step; a vector's entry looked up
+    and left empty (plain SGD for it)."""
 
     def __init__(self, params, lr: float = 1e-2, beta: float = 0.9) -> None:
         super().__init__(params, {"lr": lr, "beta": beta})
@@ -298,6 +299,9 @@ class OutOfPlaceMomentum(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 state = self.state[param]
+                if param.dim() < 2:
+                    param.sub_(group["lr"] * param.grad)
+                    continue
                 if not state:
                     state["buf"] = torch.zeros_like(param)
                     state["count"] = 0
