@@ -78,7 +78,7 @@ from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
 from fused_optim_dist._stepping import Batch
 from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
 
-__all__ = ["ClassState", "instance_attrs", "same_value"]
+__all__ = ["ClassState", "OutsideState", "instance_attrs", "same_value"]
 
 # Attributes torch.optim.Optimizer itself keeps on an instance, and those the stepping engine
 # sets for one call: never the class's own state.
@@ -208,11 +208,7 @@ class ClassState:
         self._steppers = steppers
         # The snapshot: each tracked group without its params, and each tracked class
         # instance's own attributes (by id of the instance).
-        groups = {
-            i: {k: v for k, v in g.items() if k not in _PARAMS}
-            for i, g in enumerate(param_groups)
-            if self._tracked[i]
-        }
+        groups = {i: _without_params(g) for i, g in enumerate(param_groups) if self._tracked[i]}
         self._instances = {
             id(owner): owner for i, owner in enumerate(self._owners) if self._tracked[i]
         }
@@ -298,7 +294,7 @@ class ClassState:
                 params, grads = batch.params, batch.grads
                 part = Batch(self.group(index), [params[i] for i in cut], [grads[i] for i in cut])
                 (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
-                after = {k: v for k, v in group.items() if k not in _PARAMS}
+                after = _without_params(group)
                 changes = _changes(self._group_snapshot[index], after)
                 self._agree(groups, index, changes, f"in param group {index}")
                 changes = _changes(
@@ -314,12 +310,7 @@ class ClassState:
     def _restore(self, instances: set[int]) -> None:
         """Reset the attributes of the tracked instances ``instances`` to the snapshot."""
         for key in instances:
-            instance = self._instances[key]
-            snapshot = _copy(self._instance_snapshot[key], self._shared)
-            for name in instance_attrs(instance).keys() - snapshot.keys():
-                delattr(instance, name)  # set by a bucket's step since
-            for name, value in snapshot.items():
-                setattr(instance, name, value)
+            _set_attrs(self._instances[key], _copy(self._instance_snapshot[key], self._shared))
 
     def _collect(
         self,
@@ -331,7 +322,7 @@ class ClassState:
         for index, group in zip(indices, handed, strict=True):
             if index in tracked:
                 assert group is not None
-                after = {k: v for k, v in group.items() if k not in _PARAMS}
+                after = _without_params(group)
                 changes = _changes(self._group_snapshot[index], after)
                 self._agree(self._group_changes, index, changes, f"in param group {index}")
         for key in instances:
@@ -424,6 +415,70 @@ _DRAWS = (
     "the end of backward, so the loop must draw nothing between backward and step()), or use "
     "the plain optimizer"
 )
+
+
+class OutsideState:
+    """What one call of a class's step does outside ``state[p]``: values it writes into the
+    groups it is handed or onto its instance, numbers it draws from the default generators.
+    Taken for classes declared ``"whole_tensor"`` (not torch.optim's), which must keep all
+    their state in ``state[p]``: see [Note: whole-tensor classes keep their state per
+    parameter] in ``_whole_tensor.py``.
+
+    Args:
+        optimizer: the class's instance, whose attributes are taken now.
+        groups: the groups the step will be handed, taken now (deep copies: a step may change
+            a value in place).
+        state: the state the step will read; its tensors are shared, not copied.
+    """
+
+    WROTE_GROUPS = 1
+    WROTE_INSTANCE = 2
+    DREW = 4
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        groups: Sequence[dict[str, Any]],
+        state: dict[torch.Tensor, dict],
+    ) -> None:
+        self._optimizer = optimizer
+        values = [_without_params(group) for group in groups]
+        attrs = instance_attrs(optimizer)
+        self._shared = _shared_objects([*values, attrs], state)
+        self._groups = [_copy(value, self._shared) for value in values]
+        self._attrs = _copy(attrs, self._shared)
+        self._generators = GeneratorStates()
+
+    def undo(self, handed: Sequence[dict[str, Any]]) -> int:
+        """What the step did, the codes above or-ed (0: nothing outside ``state[p]``), given
+        the groups it was handed; if anything, the instance's attributes and the generators
+        are set back to what they were."""
+        code = 0
+        if any(
+            _changes(before, _without_params(group))
+            for before, group in zip(self._groups, handed, strict=True)
+        ):
+            code |= self.WROTE_GROUPS
+        if _changes(self._attrs, instance_attrs(self._optimizer)):
+            code |= self.WROTE_INSTANCE
+        if self._generators.drawn():
+            code |= self.DREW
+        if code:
+            _set_attrs(self._optimizer, _copy(self._attrs, self._shared))
+            self._generators.restore()
+        return code
+
+
+def _without_params(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _PARAMS}
+
+
+def _set_attrs(instance: Optimizer, attrs: dict[str, Any]) -> None:
+    """Set the instance's own attributes to ``attrs``, deleting those set since."""
+    for name in instance_attrs(instance).keys() - attrs.keys():
+        delattr(instance, name)
+    for name, value in attrs.items():
+        setattr(instance, name, value)
 
 
 def instance_attrs(optimizer: Optimizer) -> dict[str, Any]:

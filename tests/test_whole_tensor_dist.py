@@ -9,6 +9,8 @@ float32 and are compared with single-process runs on the global batch.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -458,6 +460,99 @@ def _shared_momentum_body() -> None:
 
 def test_shared_momentum_refused_before_the_written_unit_moves(worlds):
     worlds.run(2, _shared_momentum_body)
+
+
+class _OutsideState(Lamb):
+    """The LAMB above keeping state where a class stepped by owners cannot: ``where`` says
+    what its step does, from its ``since``-th step on (counted per parameter)."""
+
+    where = "group"
+    since = 1
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        late = any(
+            self.state[p].get("step", 0) + 1 >= self.since
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        )
+        if late and self.where == "group":
+            for group in self.param_groups:
+                group["k"] = group.get("k", 0) + 1  # timm's LAMB counts its steps so
+        if late and self.where == "instance":
+            self.t = getattr(self, "t", 0) + 1
+        if late and self.where == "draw":
+            torch.rand(())
+        if late and self.where == "key":
+            for p in self.state:
+                self.state[p]["extra"] = torch.zeros(())
+        return super().step(closure)
+
+
+OUTSIDE_STATE = [
+    ("group", 1, "wrote values into its param groups"),
+    ("instance", 1, "set attributes on the optimizer instance"),
+    ("draw", 1, "drew random numbers"),
+    ("group", 2, "wrote values into its param groups"),
+    ("key", 2, "changed the keys, shapes or dtypes of its state"),
+]
+
+
+def _full_state(optim: OptimizerInBackward) -> list[dict[str, torch.Tensor]]:
+    return [
+        {key: full(value).clone() for key, value in optim.state[p].items()}
+        for group in optim.param_groups
+        for p in group["params"]
+    ]
+
+
+def _outside_state_body(freeze: tuple[str, ...]) -> None:
+    """Each case's first step that keeps state outside ``state[p]`` is refused on every rank,
+    before any parameter moves, the instance and the generators as before it; a unit one rank
+    owns alone (``freeze`` leaves layers.2, the first unit stepped, one parameter) included.
+    Before, such a class trained differently with no error (a counter in its groups: 1.3e-4
+    from the plain class after three steps; on the instance, 3.7e-3)."""
+    for where, since, message in OUTSIDE_STATE:
+        cls = type(f"_{where.title()}Lamb", (_OutsideState,), {"where": where, "since": since})
+        declare_stepping("whole_tensor")(cls)
+        model, _ = make_models(freeze=freeze)
+        shard(model)
+        optim = OptimizerInBackward([p for p in model.parameters() if p.requires_grad], cls)
+        _train(model, [optim], range(since - 1))
+        before = [full(p).detach().clone() for p in model.parameters()]
+        state = _full_state(optim)
+        rng = torch.get_rng_state()
+        x, y = _batch(since)
+        with pytest.raises(RuntimeError, match=f"declared 'whole_tensor', but its step {message}"):
+            loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+        for param, value in zip(model.parameters(), before, strict=True):
+            assert torch.equal(full(param).detach(), value), (where, since)
+        assert_same_state_dict(_full_state(optim), state)
+        assert not hasattr(optim, "t"), "the instance's counter stayed advanced"
+        assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "freeze"),
+    [(1, ()), (3, ()), (3, ("layers.2.norm", "layers.2.up", "layers.2.down.bias"))],
+    ids=["1", "3", "3-one-owner"],
+)
+def test_state_outside_state_p_refused_before_anything_moves(worlds, world_size, freeze):
+    worlds.run(world_size, _outside_state_body, freeze=freeze)
+
+
+def test_state_outside_state_p_refused_on_a_plain_module():
+    """Parameters whole on every rank (a plain module): the first step runs on copies."""
+    declared = declare_stepping("whole_tensor")(type("_GroupLamb", (_OutsideState,), {}))
+    model, _ = make_models()
+    before = copy.deepcopy(model.state_dict())
+    optim = OptimizerInBackward(model.parameters(), declared, bucket_numel=1)
+    x, y = _batch(0)
+    with pytest.raises(RuntimeError, match="wrote values into its param groups"):
+        loss_fn(model, x, y).backward()
+    assert_same_state_dict(model.state_dict(), before)
+    assert not optim.state
 
 
 def _refusal_body() -> None:
