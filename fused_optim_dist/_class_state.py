@@ -51,6 +51,21 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   snapshot (it stayed advanced before: a class decaying its lr by its own count 1.7e-3 apart
   one step later, no error).
 
+[Note: rows stepped apart]
+A class declared ``"elementwise"`` promises that each element's update reads that element
+alone, and each rank then steps its local shards of a parameter. A class reading more of the
+parameter (LAMB's trust ratio, a norm of the whole tensor; a factorization) would step each
+shard by the shard's norm, and train differently with no error (LAMB: 1e-3 and more from the
+plain one after three steps on 2 and 3 ranks). So the check before such a class's first real
+update also steps, on copies, the local shard with the most rows among its held buckets
+whole, then its two halves of rows in two calls of their own (each with those rows of its
+state), and refuses the class if the halves moved the parameter, or a state tensor with its
+rows, otherwise than the whole did: by more than 1e-4 of the largest move, as kernels
+rounding an element differently at another offset (a vectorized loop and its tail) do. On
+one rank too: a class stepped so is exact there, but its declaration is not what it does.
+What the check cannot see: an update that reads other elements only where the first step
+does not show it (an lr of 0, a norm clipped only above some value), and a shard of one row.
+
 [Note: what a snapshot shares]
 A snapshot copies values a step advances (counters, flags, small tensors), not what they refer
 to: a class keeping its parameters on itself (``self.params = params``, stepped from there),
@@ -70,13 +85,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from fused_optim_dist._classes import ClassSteppers
 from fused_optim_dist._generators import GeneratorStates
 from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
-from fused_optim_dist._stepping import Batch
-from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS
+from fused_optim_dist._stepping import Batch, has_rows
+from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS, local_tensor
 
 __all__ = ["ClassState", "OutsideState", "instance_attrs", "same_value"]
 
@@ -303,9 +320,74 @@ class ClassState:
                 self._agree(objects, owner, changes, "on the optimizer instance")
             if generators.drawn():
                 raise RuntimeError(_DRAWS)
+            self._check_rows(chosen)
         finally:
             generators.restore()
             self._restore(set(self._instances))
+
+    def _check_rows(self, chosen: Sequence[tuple[int, Batch]]) -> None:
+        """Refuse a class stepped on local shards whose update of a row depends on the
+        parameter's other rows. See [Note: rows stepped apart]."""
+        # Per class (in the same order on every rank): its group index, a DTensor parameter
+        # whose mesh the verdict is agreed on, and the local shard with the most rows.
+        classes: dict[str | None, tuple[int, DTensor | None, tuple | None]] = {}
+        for index, batch in chosen:
+            if not self._steppers.tracked(batch.group).local_shards:
+                continue
+            key = self._steppers.key_of(batch.group)
+            _, mesh_param, probe = classes.get(key, (index, None, None))
+            for param, grad in zip(batch.params, batch.grads, strict=True):
+                if mesh_param is None and isinstance(param, DTensor):
+                    mesh_param = param
+                shard = local_tensor(param)
+                rows = shard.shape[0] if shard.dim() > 0 else 0
+                if rows >= 2 and rows > (probe[0] if probe else 1):
+                    probe = (rows, param, grad)
+            classes[key] = (index, mesh_param, probe)
+        for index, mesh_param, probe in classes.values():
+            seen = None if probe is None else self._rows_apart(index, *probe)
+            if mesh_param is not None:
+                seen = _agreed(seen, mesh_param)
+            if seen is not None:
+                raise RuntimeError(
+                    f"{type(self._owners[index]).__name__} is declared 'elementwise', but its "
+                    f"step of the two halves of {seen} apart changed it otherwise than its "
+                    "step of the whole: its update of an element reads other elements of the "
+                    "parameter (a norm, as LAMB's trust ratio; a factorization), so stepping "
+                    "each rank's local shards would train differently from the plain step(). "
+                    "Nothing has moved. Declare it 'whole_tensor' (each parameter stepped whole "
+                    "on an owner rank) or 'dtensor' (every reduction within a parameter made "
+                    "global), or leave it undeclared (stepped jointly)."
+                )
+
+    def _rows_apart(
+        self, index: int, rows: int, param: torch.Tensor, grad: torch.Tensor
+    ) -> str | None:
+        """Step ``param``'s local shard whole, then its two halves of rows apart, on copies;
+        what the halves changed otherwise than the whole, or ``None``."""
+        stepper = self._steppers.tracked(self._groups[index])
+        stepped = []
+        for part in (slice(None), slice(0, rows // 2), slice(rows // 2, None)):
+            self._restore({id(self._owners[index])})
+            stepped.append(stepper.step_rows(self.group(index), param, grad, part, self._state))
+        (whole, state), (top, top_state), (bottom, bottom_state) = stepped
+        shard = local_tensor(param)
+        before = {k: local_tensor(v) for k, v in self._state.get(param, {}).items()}
+        apart = [("the rows of a shard", whole, top, bottom, shard)] + [
+            (
+                f"the rows of its state {key!r}",
+                value,
+                top_state[key],
+                bottom_state[key],
+                before.get(key),
+            )
+            for key, value in state.items()
+            if has_rows(value, whole) and key in top_state and key in bottom_state
+        ]
+        for what, together, first, second, start in apart:
+            if _rows_disagree(together, torch.cat([first, second]), start):
+                return f"{what} of shape {tuple(shard.shape)}"
+        return None
 
     def _restore(self, instances: set[int]) -> None:
         """Reset the attributes of the tracked instances ``instances`` to the snapshot."""
@@ -404,6 +486,38 @@ class ClassState:
                     setattr(instance, name, before[name])
                 elif hasattr(instance, name):
                     delattr(instance, name)
+
+
+def _agreed(seen: str | None, param: DTensor) -> str | None:
+    """``seen`` agreed by every rank of ``param``'s mesh: a verdict of another rank's (one of
+    them seeing a shard of two rows or more, which another may not hold) for ``None``. A
+    collective, made by every rank in the same order."""
+    flag = torch.tensor([seen is not None], dtype=torch.int32, device=local_tensor(param).device)
+    mesh = param.device_mesh
+    for dim in range(mesh.ndim):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if seen is None and bool(flag):
+        return "the rows of a shard on another rank"
+    return seen
+
+
+def _rows_disagree(
+    together: torch.Tensor, apart: torch.Tensor, before: torch.Tensor | None
+) -> bool:
+    """Whether rows stepped ``apart`` moved otherwise than stepped ``together`` from
+    ``before`` (zeros for a state tensor the step created): by more than 1e-4 of the largest
+    move, so that kernels rounding an element differently at another offset (a vectorized loop
+    and its tail) pass."""
+    if together.shape != apart.shape:
+        return True
+    if not together.is_floating_point():
+        return not torch.equal(together, apart)
+    together, apart = together.float(), apart.float()
+    start = torch.zeros_like(together) if before is None else before.float()
+    if start.shape != together.shape:
+        start = torch.zeros_like(together)
+    largest = (together - start).abs().max()
+    return bool((together - apart).abs().max() > 1e-4 * largest)
 
 
 _DRAWS = (

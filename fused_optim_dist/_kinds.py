@@ -178,9 +178,22 @@ def declare_stepping(kind: str | Stepping) -> Callable[[_Cls], _Cls]:
 
 
 def stepping_of(optimizer_cls: type[Optimizer], override: str | Stepping | None) -> Stepping:
-    """The stepping of ``optimizer_cls``: ``override`` if given, else declared, else default."""
+    """The stepping of ``optimizer_cls``: ``override`` if given, else declared, else default.
+
+    Raises ``ValueError`` for ``"elementwise"`` asked of a torch.optim class that needs each
+    whole parameter (Muon, Adafactor): each rank would step its shards apart, a different
+    update with no error. (A class of the user's declared so is checked before its first
+    update: [Note: rows stepped apart] in ``_class_state.py``.)"""
     if override is not None:
-        return _parse(override)
+        stepping = _parse(override)
+        if stepping is Stepping.ELEMENTWISE and _KNOWN.get(optimizer_cls) is Stepping.WHOLE_TENSOR:
+            raise ValueError(
+                f"{optimizer_cls.__name__} needs each whole parameter (its update reads all of "
+                "it), so stepping='elementwise' would step each rank's shards apart and train "
+                "differently from the plain optimizer with no error; leave stepping unset (each "
+                "parameter is stepped whole on an owner rank)"
+            )
+        return stepping
     declared = _DECLARED.get(optimizer_cls)
     if declared is not None:
         return declared

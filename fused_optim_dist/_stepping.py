@@ -103,7 +103,7 @@ from fused_optim_dist._torch_internals import (
     traced,
 )
 
-__all__ = ["Batch", "BucketStepper", "Stepper", "local_gradients"]
+__all__ = ["Batch", "BucketStepper", "Stepper", "has_rows", "local_gradients"]
 
 # Classes whose fused kernels skip the update (parameters, state and step count) on the device
 # when ``found_inf`` is nonzero, as ``torch.amp.GradScaler`` uses them. Fused SGD with momentum
@@ -145,6 +145,16 @@ def _local_entry(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def has_rows(value: Any, shard: torch.Tensor) -> bool:
+    """Whether a state value is a tensor with one entry per row of ``shard`` (dim 0 its rows)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and shard.dim() > 0
+        and value.shape[0] == shard.shape[0]
+    )
+
+
 def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> Any:
     """Return a local state value as the plain optimizer would hold it for ``param``.
 
@@ -166,10 +176,8 @@ def _placed_like(value: Any, param: torch.Tensor, local_param: torch.Tensor) -> 
         return value
     if value.shape == local_param.shape:
         shape, stride = param.shape, param.stride()
-    elif (
-        local_param.dim() > 0
-        and value.shape[0] == local_param.shape[0]
-        and all(not p.is_shard() or p.is_shard(0) for p in param.placements)
+    elif has_rows(value, local_param) and all(
+        not p.is_shard() or p.is_shard(0) for p in param.placements
     ):
         shape = torch.Size((param.shape[0], *value.shape[1:]))
         stride = torch.empty(shape, device="meta").stride()
@@ -480,6 +488,32 @@ class BucketStepper:
                 params.append(clone)
             groups.append(_handed(batch.group, params, batch.params))
         return self._run(groups, copies, None)
+
+    @torch.no_grad()
+    def step_rows(
+        self,
+        group: dict[str, Any],
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        rows: slice,
+        state: dict,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Run the class's ``step`` on a copy of ``rows`` of ``param``'s local shard alone (its
+        gradient ``grad``, the local tensor), with copies of those rows of its state (state
+        tensors with the shard's rows; any other value copied whole), never the originals:
+        the stepped copy and its state. For the check that a class declared ``"elementwise"``
+        steps rows apart as it steps them together (``ClassState.check``)."""
+        shard = local_tensor(param)
+        clone = shard[rows].clone()
+        clone.grad = grad[rows].clone()
+        copies: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+        for key, value in _local_entry(state.get(param, {})).items():
+            if has_rows(value, shard):
+                copies[clone][key] = value[rows].clone()
+            else:
+                copies[clone][key] = copy.deepcopy(value)
+        self._run([_handed(group, [clone], [param])], copies, None)
+        return clone, copies.get(clone, {})
 
     @torch.no_grad()
     def step(

@@ -218,17 +218,23 @@ def _non_elementwise_body() -> None:
     shard(model)
     shard(forced)
     optim = OptimizerInBackward(model.parameters(), NormalizedSGD, lr=0.05)
-    wrong = OptimizerInBackward(forced.parameters(), NormalizedSGD, stepping="elementwise", lr=0.05)
     for step in range(STEPS):
-        for net, opt in ((model, optim), (forced, wrong)):
-            _backward(net, step)
-            _assert_grads_freed(net)
-            opt.step()
-            opt.zero_grad()
+        _backward(model, step)
+        _assert_grads_freed(model)
+        optim.step()
+        optim.zero_grad()
     train_reference(reference, NormalizedSGD(reference.parameters(), lr=0.05), STEPS)
     assert_match(model, reference)
-    # Each rank normalised its own shard by the shard's norm: a different update.
-    assert _max_diff(forced, reference) > DIFFERENT
+    # Declared elementwise, each rank would normalise its shard by the shard's norm (a
+    # different update, no error, before): refused on every rank (on 4 ranks some hold no
+    # shard of two rows to show it), before anything moves.
+    wrong = OptimizerInBackward(forced.parameters(), NormalizedSGD, stepping="elementwise", lr=0.05)
+    before = [full(p).detach().clone() for p in forced.parameters()]
+    with pytest.raises(RuntimeError, match="declared 'elementwise', but its step of the two"):
+        _backward(forced, 0)
+    for param, value in zip(forced.parameters(), before, strict=True):
+        assert torch.equal(full(param).detach(), value)
+    del wrong
 
 
 def test_non_elementwise_optimizer_steps_dtensors(worlds):
@@ -243,7 +249,7 @@ def _adafactor_body() -> None:
     # (tests/test_whole_tensor_dist.py); on local shards, or on the DTensors, it must not run
     # silently wrong.
     plain_model, _ = make_models()
-    model, reference = make_models()
+    model, _ = make_models()
     forced, _ = make_models()
     for net in (plain_model, model, forced):
         shard(net)
@@ -258,17 +264,13 @@ def _adafactor_body() -> None:
     with pytest.raises(RuntimeError, match=r"aten.pow_.Scalar: in-place operations that require"):
         _backward(model, 0)
 
-    # Forced onto local shards it runs, but each rank factors its own rows: a wrong result.
-    # (On 4 ranks some shards are empty, and Adafactor divides by their numel.)
-    wrong = OptimizerInBackward(
-        forced.parameters(), torch.optim.Adafactor, stepping="elementwise", lr=1e-2
-    )
-    for step in range(STEPS):
-        _backward(forced, step)
-        wrong.step()
-        wrong.zero_grad()
-    train_reference(reference, torch.optim.Adafactor(reference.parameters(), lr=1e-2), STEPS)
-    assert _max_diff(forced, reference) > DIFFERENT
+    # Forced onto local shards, each rank would factor its own rows (a wrong result, no error,
+    # before): refused at construction, before any hook is registered.
+    with pytest.raises(ValueError, match="needs each whole parameter"):
+        OptimizerInBackward(
+            forced.parameters(), torch.optim.Adafactor, stepping="elementwise", lr=1e-2
+        )
+    assert all(not p._post_accumulate_grad_hooks for p in forced.parameters())
     del on_dtensors
 
 

@@ -214,32 +214,34 @@ def _fp32_body() -> None:
 
     # LAMB (declared whole_tensor): exact, with the norm clipped and measured in backward
     # (one FSDP unit, so the in-backward coefficient is the global one).
-    world = dist.get_world_size()
-    for stepping, exact in (("whole_tensor", True), ("elementwise", False)):
-        torch.manual_seed(0)
-        model, reference = make_models()
-        fully_shard(model)
-        options = InBackwardOptions(stepping=stepping, max_grad_norm=0.5)
-        optim = OptimizerInBackward(model.parameters(), Lamb, options=options)
-        norms = []
-        for step in range(STEPS):
-            _train(model, [optim], range(step, step + 1))
-            norms.append(float(optim.grad_norm()))
-        ref_norms = _reference_run(reference, Lamb(reference.parameters()), range(STEPS), 0.5)
-        if exact:
-            _assert_params(model, reference, ATOL_FP32)
-            assert norms == pytest.approx(ref_norms, rel=1e-5)
-            assert min(ref_norms) > 0.5, "clipping must be active for this check"
-        elif world > 1:
-            # The trust ratio of a shard is not the parameter's: the local-shard path is wrong.
-            worst = max(
-                (full(p) - r).abs().max().item()
-                for p, r in zip(model.parameters(), reference.parameters(), strict=True)
-            )
-            assert worst > 1e-3, worst
+    torch.manual_seed(0)
+    model, reference = make_models()
+    fully_shard(model)
+    options = InBackwardOptions(stepping="whole_tensor", max_grad_norm=0.5)
+    optim = OptimizerInBackward(model.parameters(), Lamb, options=options)
+    norms = []
+    for step in range(STEPS):
+        _train(model, [optim], range(step, step + 1))
+        norms.append(float(optim.grad_norm()))
+    ref_norms = _reference_run(reference, Lamb(reference.parameters()), range(STEPS), 0.5)
+    _assert_params(model, reference, ATOL_FP32)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert min(ref_norms) > 0.5, "clipping must be active for this check"
+
+    # Declared elementwise, each rank would scale its shard by the shard's trust ratio (1e-3
+    # and more from the plain LAMB after three steps, no error, before): refused at the first
+    # backward, before anything moves, on one rank too.
+    model, _ = make_models()
+    fully_shard(model)
+    optim = OptimizerInBackward(model.parameters(), Lamb, stepping="elementwise")
+    before = [full(p).detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="declared 'elementwise', but its step of the two"):
+        _train(model, [optim], range(1))
+    for param, value in zip(model.parameters(), before, strict=True):
+        assert torch.equal(full(param).detach(), value)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_adafactor_and_lamb_equal_one_process(worlds, world_size):
     worlds.run(world_size, _fp32_body)
 
