@@ -22,8 +22,12 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   (parameters, gradients, state) from the snapshot. If the halves change the groups or the
   instance differently, the class writes something that depends on the parameters stepped (a
   norm, a count of parameters) and is refused with nothing moved; otherwise the held buckets
-  are stepped. One whose writes depend on gradient values in a way the halves do not show can
-  still disagree in a later backward, and is refused then. A class whose step draws random
+  are stepped. The verdict is agreed over the parameters' mesh (one all-reduce): what a rank
+  sees depends on its shards (one whose shards of the held buckets are empty sees its halves
+  write alike), and a rank going on alone would wait at the next collective. One whose
+  writes depend on gradient values in a way the halves do not show can still disagree in a
+  later backward, and is refused then, on the ranks that see it (agreeing there would cost a
+  collective per bucket). A class whose step draws random
   numbers (SGLD's noise) is refused there too, the generators restored: stepped per bucket it
   would draw them in another order, and on local shards in other shapes, than its plain
   ``step()``. Only classes declared
@@ -304,6 +308,7 @@ class ClassState:
         groups: dict[int, dict[str, Any]] = {}
         objects: dict[int, dict[str, Any]] = {}
         generators = GeneratorStates()
+        refusal: Exception | None = None
         try:
             for index, batch, cut in pieces:
                 owner = id(self._owners[index])
@@ -321,33 +326,36 @@ class ClassState:
             if generators.drawn():
                 raise RuntimeError(_DRAWS)
             self._check_rows(chosen)
+        except Exception as e:  # agreed below, so that every rank raises
+            refusal = e
         finally:
             generators.restore()
             self._restore(set(self._instances))
+        mesh_param = next(
+            (p for _, batch in chosen for p in batch.params if isinstance(p, DTensor)), None
+        )
+        if mesh_param is not None:
+            names = sorted({type(self._owners[index]).__name__ for index, _ in chosen})
+            refusal = _agreed(refusal, mesh_param, " and ".join(names))
+        if refusal is not None:
+            raise refusal
 
     def _check_rows(self, chosen: Sequence[tuple[int, Batch]]) -> None:
         """Refuse a class stepped on local shards whose update of a row depends on the
         parameter's other rows. See [Note: rows stepped apart]."""
-        # Per class (in the same order on every rank): its group index, a DTensor parameter
-        # whose mesh the verdict is agreed on, and the local shard with the most rows.
-        classes: dict[str | None, tuple[int, DTensor | None, tuple | None]] = {}
+        # Per class: its group index and the local shard with the most rows (two or more).
+        probes: dict[str | None, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         for index, batch in chosen:
             if not self._steppers.tracked(batch.group).local_shards:
                 continue
             key = self._steppers.key_of(batch.group)
-            _, mesh_param, probe = classes.get(key, (index, None, None))
             for param, grad in zip(batch.params, batch.grads, strict=True):
-                if mesh_param is None and isinstance(param, DTensor):
-                    mesh_param = param
                 shard = local_tensor(param)
                 rows = shard.shape[0] if shard.dim() > 0 else 0
-                if rows >= 2 and rows > (probe[0] if probe else 1):
-                    probe = (rows, param, grad)
-            classes[key] = (index, mesh_param, probe)
-        for index, mesh_param, probe in classes.values():
-            seen = None if probe is None else self._rows_apart(index, *probe)
-            if mesh_param is not None:
-                seen = _agreed(seen, mesh_param)
+                if rows >= 2 and rows > probes.get(key, (1,))[0]:
+                    probes[key] = (rows, index, param, grad)
+        for rows, index, param, grad in probes.values():
+            seen = self._rows_apart(index, rows, param, grad)
             if seen is not None:
                 raise RuntimeError(
                     f"{type(self._owners[index]).__name__} is declared 'elementwise', but its "
@@ -488,17 +496,22 @@ class ClassState:
                     delattr(instance, name)
 
 
-def _agreed(seen: str | None, param: DTensor) -> str | None:
-    """``seen`` agreed by every rank of ``param``'s mesh: a verdict of another rank's (one of
-    them seeing a shard of two rows or more, which another may not hold) for ``None``. A
-    collective, made by every rank in the same order."""
-    flag = torch.tensor([seen is not None], dtype=torch.int32, device=local_tensor(param).device)
+def _agreed(refusal: Exception | None, param: DTensor, checked: str) -> Exception | None:
+    """``refusal`` agreed by every rank of ``param``'s mesh: another rank's (what it checked
+    depends on its shards: one holding no shard of two rows, or empty ones whose halves
+    write alike, sees nothing) for ``None``, so that every rank raises instead of one going
+    on to the next collective alone. A collective, made by every rank in the same order."""
     mesh = param.device_mesh
+    # On the mesh's device type: a shard offloaded to the host has a device-side group.
+    flag = torch.tensor([refusal is not None], dtype=torch.int32, device=mesh.device_type)
     for dim in range(mesh.ndim):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    if seen is None and bool(flag):
-        return "the rows of a shard on another rank"
-    return seen
+    if refusal is None and bool(flag):
+        return RuntimeError(
+            f"the check before the first update of {checked} refused it on another rank (that "
+            "rank's error says why); nothing has moved"
+        )
+    return refusal
 
 
 def _rows_disagree(

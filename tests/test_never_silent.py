@@ -846,6 +846,26 @@ def test_group_state_depending_on_parameters_refused_per_bucket_equal_jointly():
     assert_match(model, reference)
 
 
+def _refused_on_every_rank_body() -> None:
+    """``NormInGroup`` declared elementwise on 4 ranks of FSDP2: the check before its first
+    update sees the halves of a bucket write different norms on the ranks holding rows, but
+    alike (zero) on the last rank, whose shards of the first bucket are empty; every rank now
+    raises (before, the last rank went on alone to the next collective and waited there)."""
+    model, _ = make_models()
+    shard(model)
+    _optim = OptimizerInBackward(model.parameters(), NormInGroup, lr=0.1, stepping="elementwise")
+    before = [full(p).detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    with pytest.raises(RuntimeError, match=r"wrote different values|refused it on another rank"):
+        loss_fn(model, rank_slice(x), rank_slice(y)).backward()
+    for param, value in zip(model.parameters(), before, strict=True):
+        assert torch.equal(full(param).detach(), value)
+
+
+def test_a_class_refused_by_some_ranks_is_refused_by_every_rank(worlds):
+    worlds.run(4, _refused_on_every_rank_body)
+
+
 def _lamb_body(stepping: str | None) -> None:
     _counters(True, GroupStepLamb, stepping)
 

@@ -230,7 +230,7 @@ def _non_elementwise_body() -> None:
     # shard of two rows to show it), before anything moves.
     wrong = OptimizerInBackward(forced.parameters(), NormalizedSGD, stepping="elementwise", lr=0.05)
     before = [full(p).detach().clone() for p in forced.parameters()]
-    with pytest.raises(RuntimeError, match="declared 'elementwise', but its step of the two"):
+    with pytest.raises(RuntimeError, match=r"'elementwise', but its step of the two|another rank"):
         _backward(forced, 0)
     for param, value in zip(forced.parameters(), before, strict=True):
         assert torch.equal(full(param).detach(), value)
