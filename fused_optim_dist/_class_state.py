@@ -67,8 +67,9 @@ state), and refuses the class if the halves moved the parameter, or a state tens
 rows, otherwise than the whole did: by more than 1e-4 of the largest move, as kernels
 rounding an element differently at another offset (a vectorized loop and its tail) do. On
 one rank too: a class stepped so is exact there, but its declaration is not what it does.
-What the check cannot see: an update that reads other elements only where the first step
-does not show it (an lr of 0, a norm clipped only above some value), and a shard of one row.
+Where the group's lr is 0 (a warmup from lr 0 moves nothing), the copies step at 1e-3. What
+the check cannot see: an update that reads other elements only where the first step does not
+show it (a norm clipped only above some value), and a shard of one row.
 
 [Note: what a snapshot shares]
 A snapshot copies values a step advances (counters, flags, small tensors), not what they refer
@@ -377,7 +378,12 @@ class ClassState:
         stepped = []
         for part in (slice(None), slice(0, rows // 2), slice(rows // 2, None)):
             self._restore({id(self._owners[index])})
-            stepped.append(stepper.step_rows(self.group(index), param, grad, part, self._state))
+            group = self.group(index)
+            lr = group.get("lr")
+            if _is_zero(lr):
+                # A warmup from lr 0 moves nothing to compare: these copies step at another.
+                group["lr"] = torch.full_like(lr, _PROBE_LR) if torch.is_tensor(lr) else _PROBE_LR
+            stepped.append(stepper.step_rows(group, param, grad, part, self._state))
         (whole, state), (top, top_state), (bottom, bottom_state) = stepped
         shard = local_tensor(param)
         before = {k: local_tensor(v) for k, v in self._state.get(param, {}).items()}
@@ -512,6 +518,17 @@ def _agreed(refusal: Exception | None, param: DTensor, checked: str) -> Exceptio
             "rank's error says why); nothing has moved"
         )
     return refusal
+
+
+_PROBE_LR = 1e-3
+"""The lr the rows check's copies step at where the group's is 0 (a warmup from lr 0)."""
+
+
+def _is_zero(value: Any) -> bool:
+    """Whether ``value`` is a number (or a one-element tensor) equal to 0."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(value == 0)
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
 
 
 def _rows_disagree(

@@ -230,15 +230,17 @@ def _fp32_body() -> None:
 
     # Declared elementwise, each rank would scale its shard by the shard's trust ratio (1e-3
     # and more from the plain LAMB after three steps, no error, before): refused at the first
-    # backward, before anything moves, on one rank too.
-    model, _ = make_models()
-    fully_shard(model)
-    optim = OptimizerInBackward(model.parameters(), Lamb, stepping="elementwise")
-    before = [full(p).detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="declared 'elementwise', but its step of the two"):
-        _train(model, [optim], range(1))
-    for param, value in zip(model.parameters(), before, strict=True):
-        assert torch.equal(full(param).detach(), value)
+    # backward, before anything moves, on one rank too; also where that backward's lr is 0 (a
+    # warmup from lr 0, which moves nothing to compare).
+    for lr in (1e-2, 0.0):
+        model, _ = make_models()
+        fully_shard(model)
+        optim = OptimizerInBackward(model.parameters(), Lamb, stepping="elementwise", lr=lr)
+        before = [full(p).detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match="declared 'elementwise', but its step of the two"):
+            _train(model, [optim], range(1))
+        for param, value in zip(model.parameters(), before, strict=True):
+            assert torch.equal(full(param).detach(), value)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
