@@ -593,12 +593,12 @@ class OutsideState:
         self._attrs = _copy(attrs, self._shared)
         self._generators = GeneratorStates()
 
-    def undo(self, handed: Sequence[dict[str, Any]]) -> int:
+    def undo(self, handed: Sequence[dict[str, Any]] | None) -> int:
         """What the step did, the codes above or-ed (0: nothing outside ``state[p]``), given
-        the groups it was handed; if anything, the instance's attributes and the generators
-        are set back to what they were."""
+        the groups it was handed (``None``: the step raised); if anything, or if it raised,
+        the instance's attributes and the generators are set back to what they were."""
         code = 0
-        if any(
+        if handed is not None and any(
             _changes(before, _without_params(group))
             for before, group in zip(self._groups, handed, strict=True)
         ):
@@ -607,7 +607,7 @@ class OutsideState:
             code |= self.WROTE_INSTANCE
         if self._generators.drawn():
             code |= self.DREW
-        if code:
+        if code or handed is None:
             _set_attrs(self._optimizer, _copy(self._attrs, self._shared))
             self._generators.restore()
         return code

@@ -56,8 +56,10 @@ results: in the first step's gathered layouts, then as a one-byte flag before ea
 results (read on the host: one synchronization per unit for such classes on GPUs), so every
 rank raises together, before any rank writes its rows of the unit back; the owner's step ran
 on copies (the gathered tensors, its replicated state cloned), so nothing of the unit has
-moved. Parameters whole on every rank are stepped by every rank: their first step runs on
-copies first.
+moved. A step that raises on an owner (a class rejecting a shape) is raised there after the
+others learn of it through the same paths (before, they went on alone to the next
+collective). Parameters whole on every rank are stepped by every rank: their first step runs
+on copies first.
 """
 
 from __future__ import annotations
@@ -160,12 +162,19 @@ _MOVED = {
 
 _LAYOUT_CHANGED = 8
 """An owner's step changed a parameter's state layout (besides ``OutsideState``'s codes)."""
+_RAISED = 16
+"""An owner's step raised (its exception is raised on that rank, this code on the others)."""
 
 
 def _outside_state_error(cls: type[Optimizer], code: int, moved: bool = False) -> RuntimeError:
     """The refusal of a class declared ``whole_tensor`` whose step did ``code`` (see [Note:
     whole-tensor classes keep their state per parameter]); ``moved``: the parameters it
     stepped have moved (whole on every rank, watched after their first step)."""
+    if code & _RAISED:
+        return RuntimeError(
+            f"{cls.__name__}'s step raised on another rank, the owner of parameters of this "
+            "unit (that rank's error says why). No parameter of this unit has moved."
+        )
     done = [
         text
         for bit, text in (
@@ -273,6 +282,8 @@ class WholeTensorStepper:
         # whole-tensor classes keep their state per parameter].
         self._watch = not keeps_state_per_parameter(type(optimizer))
         self._probed = False
+        # The exception this rank's step raised on the unit being completed, if any.
+        self._raised: Exception | None = None
         # The unit whose exchange is in flight, completed by the next step() or flush().
         self._pending: _InFlight | None = None
 
@@ -338,7 +349,7 @@ class WholeTensorStepper:
             watch = OutsideState(self.optimizer, groups, state)
             code = watch.undo(self._whole.step_copies(batches, state))
             if code:
-                raise _outside_state_error(type(self.optimizer), code)
+                raise self._refusal(code)
             self._probed = True
         watch = OutsideState(self.optimizer, groups, state)
         handed = self._whole.step(batches, state)
@@ -346,6 +357,12 @@ class WholeTensorStepper:
         code = watch.undo(handed)
         if code:
             raise _outside_state_error(type(self.optimizer), code, moved=True)
+
+    def _refusal(self, code: int) -> Exception:
+        """What every rank raises for ``code`` (what the owners' steps of a unit did): this
+        rank's own exception where its step raised."""
+        raised, self._raised = self._raised, None
+        return raised if raised is not None else _outside_state_error(type(self.optimizer), code)
 
     def flush(self) -> None:
         """Complete the unit in flight, if any."""
@@ -508,7 +525,7 @@ class WholeTensorStepper:
             if error is not None:
                 raise TypeError(error)
             if code:
-                raise _outside_state_error(type(self.optimizer), code)
+                raise self._refusal(code)
         sends: list[list[torch.Tensor]] = [[] for _ in range(owned.size)]
         for index, (full, entry) in results.items() if not code else ():
             layout = _layout(entry, owned.params[index])
@@ -560,7 +577,7 @@ class WholeTensorStepper:
             flags = [pieces.pop(0) for pieces in back if pieces]
             code = functools.reduce(operator.or_, torch.cat(flags).tolist(), 0)
             if code:
-                raise _outside_state_error(type(self.optimizer), code)
+                raise self._refusal(code)
         for source, pieces in enumerate(back):
             it = iter(pieces)
             for index, owner in enumerate(owned.owners):
@@ -632,7 +649,16 @@ class WholeTensorStepper:
                 if self._watch
                 else None
             )
-            handed = self._whole.step(batches, full_state)
+            try:
+                handed = self._whole.step(batches, full_state)
+            except Exception as e:
+                if watch is None:
+                    raise
+                # Raised here, after the other ranks learn of it. See [Note: whole-tensor
+                # classes keep their state per parameter].
+                watch.undo(None)
+                self._raised = e
+                return {}, _RAISED
             if watch is not None:
                 assert handed is not None, "a step on whole tensors hands the class its groups"
                 code = watch.undo(handed)

@@ -491,6 +491,10 @@ class _OutsideState(Lamb):
         if late and self.where == "key":
             for p in self.state:
                 self.state[p]["extra"] = torch.zeros(())
+        # Shapes of layers.2 (stepped first), one owner's parameters on 3 ranks.
+        shapes = {p.numel() for g in self.param_groups for p in g["params"]}
+        if late and self.where == "raise" and shapes & {3, 18}:
+            raise RuntimeError("this class rejects a parameter of this shape")
         return super().step(closure)
 
 
@@ -500,6 +504,8 @@ OUTSIDE_STATE = [
     ("draw", 1, "drew random numbers"),
     ("group", 2, "wrote values into its param groups"),
     ("key", 2, "changed the keys, shapes or dtypes of its state"),
+    ("raise", 1, "rejects a parameter|step raised on another rank"),
+    ("raise", 2, "rejects a parameter|step raised on another rank"),
 ]
 
 
@@ -515,6 +521,8 @@ def _outside_state_body(freeze: tuple[str, ...]) -> None:
     """Each case's first step that keeps state outside ``state[p]`` is refused on every rank,
     before any parameter moves, the instance and the generators as before it; a unit one rank
     owns alone (``freeze`` leaves layers.2, the first unit stepped, one parameter) included.
+    A step that raises on its owner raises there and on every other rank (before, they went
+    on alone to the next collective).
     Before, such a class trained differently with no error (a counter in its groups: 1.3e-4
     from the plain class after three steps; on the instance, 3.7e-3)."""
     for where, since, message in OUTSIDE_STATE:
@@ -528,7 +536,9 @@ def _outside_state_body(freeze: tuple[str, ...]) -> None:
         state = _full_state(optim)
         rng = torch.get_rng_state()
         x, y = _batch(since)
-        with pytest.raises(RuntimeError, match=f"declared 'whole_tensor', but its step {message}"):
+        if where != "raise":
+            message = f"declared 'whole_tensor', but its step {message}"
+        with pytest.raises(RuntimeError, match=message):
             loss_fn(model, rank_slice(x), rank_slice(y)).backward()
         for param, value in zip(model.parameters(), before, strict=True):
             assert torch.equal(full(param).detach(), value), (where, since)
