@@ -523,6 +523,7 @@ class WholeTensorStepper:
                 for index, layout in part.items():
                     layouts[index] = layout
             if error is not None:
+                self._raised = None
                 raise TypeError(error)
             if code:
                 raise self._refusal(code)
