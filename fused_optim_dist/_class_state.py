@@ -16,23 +16,26 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   advanced by one is the same in every bucket); a class whose buckets disagree writes something
   that depends on the parameters stepped, which stepping per bucket cannot reproduce, and is
   refused with an error at the first bucket that disagrees;
-* before a class's first real update: in the first backward that steps it, its buckets are
-  held (with their gradients, as a plain optimizer holds them) until the end of backward;
-  then their parameters are split in two halves and each half is stepped on copies
-  (parameters, gradients, state) from the snapshot. If the halves change the groups or the
-  instance differently, the class writes something that depends on the parameters stepped (a
-  norm, a count of parameters) and is refused with nothing moved; otherwise the held buckets
-  are stepped. The verdict is agreed over the parameters' mesh (one all-reduce): what a rank
-  sees depends on its shards (one whose shards of the held buckets are empty sees its halves
-  write alike), and a rank going on alone would wait at the next collective. One whose
-  writes depend on gradient values in a way the halves do not show can still disagree in a
-  later backward, and is refused then, on the ranks that see it (agreeing there would cost a
-  collective per bucket). A class whose step draws random
-  numbers (SGLD's noise) is refused there too, the generators restored: stepped per bucket it
-  would draw them in another order, and on local shards in other shapes, than its plain
-  ``step()``. Only classes declared
-  ``"elementwise"`` or ``"dtensor"`` are checked: a class stepped jointly runs its step once
-  per backward, at its end (see [Note: classes stepped jointly] and, for its draws, [Note:
+* before a class's first real update: in the first backward that steps it, its buckets are held
+  (with their gradients, as a plain optimizer holds them) until the end of backward; then their
+  parameters are split in two halves and each half is stepped on copies (parameters, gradients,
+  state) from the snapshot. If the halves change the groups or the instance differently, the
+  class writes something that depends on the parameters stepped (a norm, a count of parameters)
+  and is refused with nothing moved. Each held bucket of two parameters or more is also stepped
+  whole on copies: where the halves moved its parameters otherwise (by more than 1e-4 of the
+  largest move), the update of a parameter reads others (a norm over all gradients clipping
+  inside ``step()``, where the first update shows it) and the class is refused too; and a class
+  stepped on local shards has a shard's rows checked alike ([Note: rows stepped apart]).
+  Otherwise the held buckets are stepped. The verdict is agreed over the parameters' mesh (one
+  all-reduce): what a rank sees depends on its shards (one whose shards of the held buckets are
+  empty sees its halves write alike), and a rank going on alone would wait at the next
+  collective. One whose writes depend on gradient values in a way the halves do not show can
+  still disagree in a later backward, and is refused then, on the ranks that see it (agreeing
+  there would cost a collective per bucket). A class whose step draws random numbers (SGLD's
+  noise) is refused there too, the generators restored: stepped per bucket it would draw them in
+  another order, and on local shards in other shapes, than its plain ``step()``. Only classes
+  declared ``"elementwise"`` or ``"dtensor"`` are checked: a class stepped jointly runs its step
+  once per backward, at its end (see [Note: classes stepped jointly] and, for its draws, [Note:
   random numbers drawn jointly] in ``_engine.py``);
 * every later bucket of such a class is watched for draws too: a class that starts drawing
   after its first backward (noise after a burn-in) is refused at the first bucket that draws.
@@ -310,6 +313,8 @@ class ClassState:
         objects: dict[int, dict[str, Any]] = {}
         generators = GeneratorStates()
         refusal: Exception | None = None
+        # Each batch's parameters as its halves' steps left them (copies), in order.
+        apart: dict[int, list[torch.Tensor]] = {}
         try:
             for index, batch, cut in pieces:
                 owner = id(self._owners[index])
@@ -317,6 +322,7 @@ class ClassState:
                 params, grads = batch.params, batch.grads
                 part = Batch(self.group(index), [params[i] for i in cut], [grads[i] for i in cut])
                 (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
+                apart.setdefault(id(batch), []).extend(group["params"])
                 after = _without_params(group)
                 changes = _changes(self._group_snapshot[index], after)
                 self._agree(groups, index, changes, f"in param group {index}")
@@ -326,6 +332,7 @@ class ClassState:
                 self._agree(objects, owner, changes, "on the optimizer instance")
             if generators.drawn():
                 raise RuntimeError(_DRAWS)
+            self._check_together(chosen, apart)
             self._check_rows(chosen)
         except Exception as e:  # agreed below, so that every rank raises
             refusal = e
@@ -340,6 +347,34 @@ class ClassState:
             refusal = _agreed(refusal, mesh_param, " and ".join(names))
         if refusal is not None:
             raise refusal
+
+    def _check_together(
+        self, chosen: Sequence[tuple[int, Batch]], apart: dict[int, list[torch.Tensor]]
+    ) -> None:
+        """Refuse a class whose step of a batch's parameters together moves them otherwise
+        than its steps of the batch's halves apart (``apart``): its update of a parameter
+        reads others (a norm over all of them, as timm's LAMB clips inside ``step()``), which
+        stepping bucket by bucket cannot reproduce. See [Note: group and instance state]."""
+        for index, batch in chosen:
+            if len(batch.params) < 2:
+                continue
+            self._restore({id(self._owners[index])})
+            stepper = self._steppers.tracked(batch.group)
+            (group,) = stepper.step_copies([Batch(self.group(index), *batch[1:])], self._state)
+            for param, together, alone in zip(
+                batch.params, group["params"], apart[id(batch)], strict=True
+            ):
+                if _rows_disagree(local_tensor(together), local_tensor(alone), local_tensor(param)):
+                    raise RuntimeError(
+                        f"{type(self._owners[index]).__name__} is declared to step bucket by "
+                        "bucket, but its step of half a bucket's parameters apart moved them "
+                        "otherwise than its step of them together: its update of a parameter "
+                        "reads other parameters (a norm over all its gradients, as timm's LAMB "
+                        "clips inside step()), so stepping bucket by bucket would train "
+                        "differently from the plain step(). Nothing has moved. Leave the class "
+                        "undeclared (stepped jointly, once per backward, exact whatever its "
+                        "step() reduces over)."
+                    )
 
     def _check_rows(self, chosen: Sequence[tuple[int, Batch]]) -> None:
         """Refuse a class stepped on local shards whose update of a row depends on the
@@ -540,6 +575,8 @@ def _rows_disagree(
     and its tail) pass."""
     if together.shape != apart.shape:
         return True
+    if together.numel() == 0:
+        return False
     if not together.is_floating_point():
         return not torch.equal(together, apart)
     together, apart = together.float(), apart.float()

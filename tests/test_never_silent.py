@@ -932,6 +932,32 @@ def _global_clip_body() -> None:
     _global_clip(sharded=True)
 
 
+def _global_clip_declared(sharded: bool) -> None:
+    """The same class declared to step bucket by bucket: each bucket's step would clip by
+    that bucket's norm (no error before; 1.1e-4 and more apart). The check before its first
+    update steps each held bucket's halves apart and together on copies and refuses it, on
+    every rank, before anything moves."""
+    for stepping in ("dtensor", "elementwise"):
+        model, _ = make_models()
+        if sharded:
+            shard(model)
+        _optim = OptimizerInBackward(
+            model.parameters(), GlobalClipSGD, bucket_numel=20, stepping=stepping
+        )
+        before = _snapshot(model)
+        with pytest.raises(RuntimeError, match=r"moved them otherwise|another rank"):
+            loss_fn(model, *_x(0, sharded)).backward()
+        _assert_unchanged(model, before)
+
+
+def test_class_clipping_inside_its_step_declared_is_refused():
+    _global_clip_declared(sharded=False)
+
+
+def _global_clip_declared_body() -> None:
+    _global_clip_declared(sharded=True)
+
+
 # --------------------------------------------------------- 3. a warmup from lr 0
 
 
@@ -2602,6 +2628,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(2, _lamb_body, stepping="dtensor")
     worlds.run(3, _lamb_body, stepping=None)
     worlds.run(3, _global_clip_body)
+    worlds.run(3, _global_clip_declared_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _grad_scaler_body)
