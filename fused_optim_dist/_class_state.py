@@ -21,22 +21,22 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   parameters are split in two halves and each half is stepped on copies (parameters, gradients,
   state) from the snapshot. If the halves change the groups or the instance differently, the
   class writes something that depends on the parameters stepped (a norm, a count of parameters)
-  and is refused with nothing moved. Each held bucket of two parameters or more is also stepped
-  whole on copies: where the halves moved its parameters otherwise (by more than 1e-4 of the
-  largest move), the update of a parameter reads others (a norm over all gradients clipping
-  inside ``step()``, where the first update shows it) and the class is refused too; and a class
-  stepped on local shards has a shard's rows checked alike ([Note: rows stepped apart]).
-  Otherwise the held buckets are stepped. The verdict is agreed over the parameters' mesh (one
-  all-reduce): what a rank sees depends on its shards (one whose shards of the held buckets are
-  empty sees its halves write alike), and a rank going on alone would wait at the next
-  collective. One whose writes depend on gradient values in a way the halves do not show can
-  still disagree in a later backward, and is refused then, on the ranks that see it (agreeing
-  there would cost a collective per bucket). A class whose step draws random numbers (SGLD's
-  noise) is refused there too, the generators restored: stepped per bucket it would draw them in
-  another order, and on local shards in other shapes, than its plain ``step()``. Only classes
-  declared ``"elementwise"`` or ``"dtensor"`` are checked: a class stepped jointly runs its step
-  once per backward, at its end (see [Note: classes stepped jointly] and, for its draws, [Note:
-  random numbers drawn jointly] in ``_engine.py``);
+  and is refused with nothing moved. Two parameters of each held bucket of two or more, the
+  smallest of each half, are also stepped together on copies: where they moved otherwise than in
+  their halves (by more than 1e-4 of the largest move), the update of a parameter reads others
+  (a norm over all gradients clipping inside ``step()``, where the first update shows it) and
+  the class is refused too; and a class stepped on local shards has a shard's rows checked alike
+  ([Note: rows stepped apart]). Otherwise the held buckets are stepped. The verdict is agreed
+  over the parameters' mesh (one all-reduce): what a rank sees depends on its shards (one whose
+  shards of the held buckets are empty sees its halves write alike), and a rank going on alone
+  would wait at the next collective. One whose writes depend on gradient values in a way the
+  halves do not show can still disagree in a later backward, and is refused then, on the ranks
+  that see it (agreeing there would cost a collective per bucket). A class whose step draws
+  random numbers (SGLD's noise) is refused there too, the generators restored: stepped per
+  bucket it would draw them in another order, and on local shards in other shapes, than its
+  plain ``step()``. Only classes declared ``"elementwise"`` or ``"dtensor"`` are checked: a
+  class stepped jointly runs its step once per backward, at its end (see [Note: classes stepped
+  jointly] and, for its draws, [Note: random numbers drawn jointly] in ``_engine.py``);
 * every later bucket of such a class is watched for draws too: a class that starts drawing
   after its first backward (noise after a burn-in) is refused at the first bucket that draws.
   That bucket has moved (what a step will draw is not knowable before it runs); the others
@@ -351,26 +351,37 @@ class ClassState:
     def _check_together(
         self, chosen: Sequence[tuple[int, Batch]], apart: dict[int, list[torch.Tensor]]
     ) -> None:
-        """Refuse a class whose step of a batch's parameters together moves them otherwise
-        than its steps of the batch's halves apart (``apart``): its update of a parameter
-        reads others (a norm over all of them, as timm's LAMB clips inside ``step()``), which
-        stepping bucket by bucket cannot reproduce. See [Note: group and instance state]."""
+        """Refuse a class whose step of two parameters together moves them otherwise than its
+        steps of the batch's halves they were in (``apart``): its update of a parameter reads
+        others (a norm over all of them clipping inside ``step()``), which stepping bucket by
+        bucket cannot reproduce. The pair is the smallest non-empty parameter of each half,
+        so that the copies cost little. See [Note: group and instance state]."""
         for index, batch in chosen:
-            if len(batch.params) < 2:
+            n = len(batch.params)
+            if n < 2:
                 continue
+            pair = [
+                min(half, key=lambda i: (_numel(batch, i) == 0, _numel(batch, i)))
+                for half in (range(n // 2), range(n // 2, n))
+            ]
             self._restore({id(self._owners[index])})
             stepper = self._steppers.tracked(batch.group)
-            (group,) = stepper.step_copies([Batch(self.group(index), *batch[1:])], self._state)
-            for param, together, alone in zip(
-                batch.params, group["params"], apart[id(batch)], strict=True
-            ):
-                if _rows_disagree(local_tensor(together), local_tensor(alone), local_tensor(param)):
+            both = Batch(
+                self.group(index), [batch.params[i] for i in pair], [batch.grads[i] for i in pair]
+            )
+            (group,) = stepper.step_copies([both], self._state)
+            for i, together in zip(pair, group["params"], strict=True):
+                if _rows_disagree(
+                    local_tensor(together),
+                    local_tensor(apart[id(batch)][i]),
+                    local_tensor(batch.params[i]),
+                ):
                     raise RuntimeError(
                         f"{type(self._owners[index]).__name__} is declared to step bucket by "
-                        "bucket, but its step of half a bucket's parameters apart moved them "
-                        "otherwise than its step of them together: its update of a parameter "
-                        "reads other parameters (a norm over all its gradients, as timm's LAMB "
-                        "clips inside step()), so stepping bucket by bucket would train "
+                        "bucket, but its step of two parameters together moved them otherwise "
+                        "than its steps of the halves of their bucket: its update of a "
+                        "parameter reads other parameters (a norm over all its gradients, "
+                        "clipping inside step()), so stepping bucket by bucket would train "
                         "differently from the plain step(). Nothing has moved. Leave the class "
                         "undeclared (stepped jointly, once per backward, exact whatever its "
                         "step() reduces over)."
@@ -553,6 +564,10 @@ def _agreed(refusal: Exception | None, param: DTensor, checked: str) -> Exceptio
             "rank's error says why); nothing has moved"
         )
     return refusal
+
+
+def _numel(batch: Batch, i: int) -> int:
+    return local_tensor(batch.params[i]).numel()
 
 
 _PROBE_LR = 1e-3
