@@ -163,7 +163,8 @@ _MOVED = {
 _LAYOUT_CHANGED = 8
 """An owner's step changed a parameter's state layout (besides ``OutsideState``'s codes)."""
 _RAISED = 16
-"""An owner's step raised (its exception is raised on that rank, this code on the others)."""
+"""An owner's step raised (its exception is raised on that rank, this code's error on the
+others)."""
 
 
 def _outside_state_error(cls: type[Optimizer], code: int, moved: bool = False) -> RuntimeError:
@@ -282,8 +283,6 @@ class WholeTensorStepper:
         # whole-tensor classes keep their state per parameter].
         self._watch = not keeps_state_per_parameter(type(optimizer))
         self._probed = False
-        # The exception this rank's step raised on the unit being completed, if any.
-        self._raised: Exception | None = None
         # The unit whose exchange is in flight, completed by the next step() or flush().
         self._pending: _InFlight | None = None
 
@@ -349,7 +348,7 @@ class WholeTensorStepper:
             watch = OutsideState(self.optimizer, groups, state)
             code = watch.undo(self._whole.step_copies(batches, state))
             if code:
-                raise self._refusal(code)
+                raise _outside_state_error(type(self.optimizer), code)
             self._probed = True
         watch = OutsideState(self.optimizer, groups, state)
         handed = self._whole.step(batches, state)
@@ -357,12 +356,6 @@ class WholeTensorStepper:
         code = watch.undo(handed)
         if code:
             raise _outside_state_error(type(self.optimizer), code, moved=True)
-
-    def _refusal(self, code: int) -> Exception:
-        """What every rank raises for ``code`` (what the owners' steps of a unit did): this
-        rank's own exception where its step raised."""
-        raised, self._raised = self._raised, None
-        return raised if raised is not None else _outside_state_error(type(self.optimizer), code)
 
     def flush(self) -> None:
         """Complete the unit in flight, if any."""
@@ -499,7 +492,7 @@ class WholeTensorStepper:
         layouts: list[_Layout | None],
     ) -> None:
         """Owners run the class's step on full tensors; every rank gets its rows back."""
-        results, code = self._step_owned(owned, received, layouts)
+        results, code, raised = self._step_owned(owned, received, layouts)
         del received
         if any(layout is None for layout in layouts):
             # First step of some parameter: only its owner knows the state the step created.
@@ -523,10 +516,9 @@ class WholeTensorStepper:
                 for index, layout in part.items():
                     layouts[index] = layout
             if error is not None:
-                self._raised = None
                 raise TypeError(error)
             if code:
-                raise self._refusal(code)
+                raise raised or _outside_state_error(type(self.optimizer), code)
         sends: list[list[torch.Tensor]] = [[] for _ in range(owned.size)]
         for index, (full, entry) in results.items() if not code else ():
             layout = _layout(entry, owned.params[index])
@@ -578,7 +570,7 @@ class WholeTensorStepper:
             flags = [pieces.pop(0) for pieces in back if pieces]
             code = functools.reduce(operator.or_, torch.cat(flags).tolist(), 0)
             if code:
-                raise self._refusal(code)
+                raise raised or _outside_state_error(type(self.optimizer), code)
         for source, pieces in enumerate(back):
             it = iter(pieces)
             for index, owner in enumerate(owned.owners):
@@ -612,10 +604,11 @@ class WholeTensorStepper:
         owned: _Owned,
         received: list[list[torch.Tensor]],
         layouts: list[_Layout | None],
-    ) -> tuple[dict[int, tuple[torch.Tensor, dict[str, Any]]], int]:
+    ) -> tuple[dict[int, tuple[torch.Tensor, dict[str, Any]]], int, Exception | None]:
         """Assemble the owned parameters and step them: index -> (full parameter, its state),
-        and what the step did outside ``state[p]`` (``OutsideState``'s codes; 0 for a class
-        not watched)."""
+        what the step did outside ``state[p]`` (``OutsideState``'s codes; 0 for a class not
+        watched), and the exception it raised (``_RAISED``), which this rank raises once every
+        rank has learnt of it."""
         sources = [iter(pieces) for pieces in received]
         full_state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         batches: list[Batch] = []
@@ -655,15 +648,14 @@ class WholeTensorStepper:
             except Exception as e:
                 if watch is None:
                     raise
-                # Raised here, after the other ranks learn of it. See [Note: whole-tensor
-                # classes keep their state per parameter].
+                # Raised after the other ranks learn of it. See [Note: whole-tensor classes
+                # keep their state per parameter].
                 watch.undo(None)
-                self._raised = e
-                return {}, _RAISED
+                return {}, _RAISED, e
             if watch is not None:
                 assert handed is not None, "a step on whole tensors hands the class its groups"
                 code = watch.undo(handed)
         for index, (full, _) in list(results.items()):
             full.grad = None
             results[index] = (full, full_state[full])
-        return results, code
+        return results, code, None

@@ -980,9 +980,11 @@ def test_declared_elementwise_subclasses_of_fused_kernels_pass_the_check(cls, kw
 
 def _global_clip_declared(sharded: bool) -> None:
     """The same class declared to step bucket by bucket: each bucket's step would clip by
-    that bucket's norm (no error before; 1.1e-4 and more apart). The check before its first
-    update steps each held bucket's halves apart and together on copies and refuses it, on
-    every rank, before anything moves."""
+    that bucket's norm (measured on the code before, four steps, ``bucket_numel=20``: 1.9e-2
+    from the plain class on one process, 1.4e-2 declared "dtensor" and 2.4e-2 "elementwise"
+    on 3 ranks, no error). The check before its first update steps two parameters of a held
+    bucket together on copies, compares them with the bucket's halves stepped apart, and
+    refuses it, on every rank, before anything moves."""
     for stepping in ("dtensor", "elementwise"):
         model, _ = make_models()
         if sharded:

@@ -557,7 +557,10 @@ def test_state_outside_state_p_refused_before_anything_moves(worlds, world_size,
 
 
 def test_state_outside_state_p_refused_on_a_plain_module():
-    """Parameters whole on every rank (a plain module): the first step runs on copies."""
+    """Parameters whole on every rank (a plain module): the first step runs on copies, so a
+    class writing into its groups from its first step is refused with nothing moved; one that
+    starts writing at its second step is refused at the first bucket that writes, that bucket
+    moved (one parameter, ``bucket_numel=1``), the others not."""
     declared = declare_stepping("whole_tensor")(type("_GroupLamb", (_OutsideState,), {}))
     model, _ = make_models()
     before = copy.deepcopy(model.state_dict())
@@ -567,6 +570,17 @@ def test_state_outside_state_p_refused_on_a_plain_module():
         loss_fn(model, x, y).backward()
     assert_same_state_dict(model.state_dict(), before)
     assert not optim.state
+
+    late = declare_stepping("whole_tensor")(type("_LateLamb", (_OutsideState,), {"since": 2}))
+    model, _ = make_models()
+    optim = OptimizerInBackward(model.parameters(), late, bucket_numel=1)
+    _reference_run(model, optim, range(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batch(1)
+    with pytest.raises(RuntimeError, match=r"into its param groups.*This bucket's parameters have"):
+        loss_fn(model, x, y).backward()
+    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
+    assert sum(moved) == 1, moved
 
 
 def _refusal_body() -> None:
@@ -581,6 +595,9 @@ def test_refusals(worlds):
     linear = nn.Linear(3, 4)
     with pytest.raises(ValueError, match="2D parameters"):
         OptimizerInBackward(linear.parameters(), torch.optim.Muon)
+    # Muon asked to step each shard apart: its orthogonalization needs the whole matrix.
+    with pytest.raises(ValueError, match="needs each whole parameter"):
+        OptimizerInBackward([linear.weight], torch.optim.Muon, stepping="elementwise")
     assert linear.weight._post_accumulate_grad_hooks is None
     worlds.run(2, _refusal_body)
 
