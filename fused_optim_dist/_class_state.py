@@ -24,19 +24,23 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   and is refused with nothing moved. Two parameters of each held bucket of two or more, the
   smallest of each half, are also stepped together on copies: where they moved otherwise than in
   their halves (by more than 1e-3 of their move, summed), the update of a parameter reads others
-  (a norm over all gradients clipping inside ``step()``, where the first update shows it) and
-  the class is refused too; and a class stepped on local shards has a shard's rows checked alike
-  ([Note: rows stepped apart]). Otherwise the held buckets are stepped. The verdict is agreed
-  over the parameters' mesh (one all-reduce): what a rank sees depends on its shards (one whose
-  shards of the held buckets are empty sees its halves write alike), and a rank going on alone
-  would wait at the next collective. One whose writes depend on gradient values in a way the
-  halves do not show can still disagree in a later backward, and is refused then, on the ranks
-  that see it (agreeing there would cost a collective per bucket). A class whose step draws
-  random numbers (SGLD's noise) is refused there too, the generators restored: stepped per
-  bucket it would draw them in another order, and on local shards in other shapes, than its
-  plain ``step()``. Only classes declared ``"elementwise"`` or ``"dtensor"`` are checked: a
-  class stepped jointly runs its step once per backward, at its end (see [Note: classes stepped
-  jointly] and, for its draws, [Note: random numbers drawn jointly] in ``_engine.py``);
+  (a norm over all gradients clipping inside ``step()``, where the first update shows it; their
+  number; a parameter's position in its group) and the class is refused too (a class whose held
+  buckets all hold one parameter has the smallest stepped beside a copy of itself); and a class
+  stepped on local shards has a shard's rows checked alike ([Note: rows stepped apart]). Where a
+  group's lr is 0 (a warmup's first step moves nothing to compare), every copy steps at
+  ``_PROBE_LR``. Otherwise the held buckets are stepped. The verdict is agreed over the
+  parameters' mesh (one all-reduce): what a rank sees depends on its shards (one whose shards of
+  the held buckets are empty sees its halves write alike), and a rank going on alone would wait
+  at the next collective. One whose writes depend on gradient values in a way the halves do not
+  show can still disagree in a later backward, and is refused then, on the ranks that see it
+  (agreeing there would cost a collective per bucket). A class whose step draws random numbers
+  (SGLD's noise) is refused there too, the generators restored: stepped per bucket it would draw
+  them in another order, and on local shards in other shapes, than its plain ``step()``. Only
+  classes declared ``"elementwise"`` or ``"dtensor"`` are checked here (one declared
+  ``"whole_tensor"``: ``BesideOthers``): a class stepped jointly runs its step once per
+  backward, at its end (see [Note: classes stepped jointly] and, for its draws, [Note: random
+  numbers drawn jointly] in ``_engine.py``);
 * every later bucket of such a class is watched for draws too: a class that starts drawing
   after its first backward (noise after a burn-in) is refused at the first bucket that draws.
   That bucket has moved (what a step will draw is not knowable before it runs); the others
@@ -101,10 +105,10 @@ from torch.optim import Optimizer
 from fused_optim_dist._classes import ClassSteppers
 from fused_optim_dist._generators import GeneratorStates
 from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
-from fused_optim_dist._stepping import Batch, has_rows
+from fused_optim_dist._stepping import Batch, BucketStepper, has_rows
 from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS, local_tensor
 
-__all__ = ["ClassState", "OutsideState", "instance_attrs", "same_value"]
+__all__ = ["BesideOthers", "ClassState", "OutsideState", "instance_attrs", "same_value"]
 
 # Attributes torch.optim.Optimizer itself keeps on an instance, and those the stepping engine
 # sets for one call: never the class's own state.
@@ -308,7 +312,7 @@ class ClassState:
         pieces = []
         for index, batch in chosen:
             n = len(batch.params)
-            cuts = [range(n)] if n < 2 else [range(n // 2), range(n // 2, n)]
+            cuts = [range(n)] if n < 2 else _halves(n)
             pieces += [(index, batch, cut) for cut in cuts]
         groups: dict[int, dict[str, Any]] = {}
         objects: dict[int, dict[str, Any]] = {}
@@ -321,10 +325,14 @@ class ClassState:
                 owner = id(self._owners[index])
                 self._restore({owner})
                 params, grads = batch.params, batch.grads
-                part = Batch(self.group(index), [params[i] for i in cut], [grads[i] for i in cut])
+                group = self.group(index)
+                probe = _probing(group)
+                part = Batch(group, [params[i] for i in cut], [grads[i] for i in cut])
                 (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
                 apart.setdefault(id(batch), []).extend(group["params"])
                 after = _without_params(group)
+                if probe is not None and same_value(after.get("lr"), probe):
+                    after["lr"] = self._group_snapshot[index].get("lr")  # as the step left it
                 changes = _changes(self._group_snapshot[index], after)
                 self._agree(groups, index, changes, f"in param group {index}")
                 changes = _changes(
@@ -354,22 +362,30 @@ class ClassState:
     ) -> None:
         """Refuse a class whose step of two parameters together moves them otherwise than its
         steps of the batch's halves they were in (``apart``): its update of a parameter reads
-        others (a norm over all of them clipping inside ``step()``), which stepping bucket by
-        bucket cannot reproduce. The pair is the smallest non-empty parameter of each half,
-        so that the copies cost little. See [Note: group and instance state]."""
+        others (a norm over all of them clipping inside ``step()``, their number, a
+        parameter's position in its group), which stepping bucket by bucket cannot reproduce.
+        The pair is the smallest non-empty parameter of each half, so that the copies cost
+        little; a class whose held buckets all hold one parameter has the smallest of them
+        stepped beside a copy of itself. See [Note: group and instance state]."""
+        pairs = [
+            (index, batch, [_smallest(batch, half) for half in _halves(len(batch.params))])
+            for index, batch in chosen
+            if len(batch.params) >= 2
+        ]
+        paired = {self._steppers.key_of(batch.group) for _, batch, _ in pairs}
+        alone: dict[Any, tuple[int, Batch]] = {}
         for index, batch in chosen:
-            n = len(batch.params)
-            if n < 2:
+            key = self._steppers.key_of(batch.group)
+            if key in paired or (key in alone and _size(batch, 0) >= _size(alone[key][1], 0)):
                 continue
-            pair = [
-                min(half, key=lambda i: (_numel(batch, i) == 0, _numel(batch, i)))
-                for half in (range(n // 2), range(n // 2, n))
-            ]
+            alone[key] = (index, batch)
+        pairs += [(index, batch, [0, 0]) for index, batch in alone.values()]
+        for index, batch, pair in pairs:
             self._restore({id(self._owners[index])})
             stepper = self._steppers.tracked(batch.group)
-            both = Batch(
-                self.group(index), [batch.params[i] for i in pair], [batch.grads[i] for i in pair]
-            )
+            group = self.group(index)
+            _probing(group)
+            both = Batch(group, [batch.params[i] for i in pair], [batch.grads[i] for i in pair])
             (group,) = stepper.step_copies([both], self._state)
             for i, together in zip(pair, group["params"], strict=True):
                 if _rows_disagree(
@@ -382,10 +398,10 @@ class ClassState:
                         "bucket, but its step of two parameters together moved them otherwise "
                         "than its steps of the halves of their bucket: its update of a "
                         "parameter reads other parameters (a norm over all its gradients, "
-                        "clipping inside step()), so stepping bucket by bucket would train "
-                        "differently from the plain step(). Nothing has moved. Leave the class "
-                        "undeclared (stepped jointly, once per backward, exact whatever its "
-                        "step() reduces over)."
+                        "clipping inside step(), their number, a parameter's position in its "
+                        "group), so stepping bucket by bucket would train differently from the "
+                        "plain step(). Nothing has moved. Leave the class undeclared (stepped "
+                        "jointly, once per backward, exact whatever its step() reduces over)."
                     )
 
     def _check_rows(self, chosen: Sequence[tuple[int, Batch]]) -> None:
@@ -426,10 +442,7 @@ class ClassState:
         for part in (slice(None), slice(0, rows // 2), slice(rows // 2, None)):
             self._restore({id(self._owners[index])})
             group = self.group(index)
-            lr = group.get("lr")
-            if _is_zero(lr):
-                # A warmup from lr 0 moves nothing to compare: these copies step at another.
-                group["lr"] = torch.full_like(lr, _PROBE_LR) if torch.is_tensor(lr) else _PROBE_LR
+            _probing(group)
             stepped.append(stepper.step_rows(group, param, grad, part, self._state))
         (whole, state), (top, top_state), (bottom, bottom_state) = stepped
         shard = local_tensor(param)
@@ -567,12 +580,36 @@ def _agreed(refusal: Exception | None, param: DTensor, checked: str) -> Exceptio
     return refusal
 
 
-def _numel(batch: Batch, i: int) -> int:
-    return local_tensor(batch.params[i]).numel()
+def _size(batch: Batch, i: int) -> tuple[bool, int]:
+    """How a check picks a parameter to step on copies: a non-empty one (an empty local shard
+    shows nothing), the smallest (its copies cost least)."""
+    numel = local_tensor(batch.params[i]).numel()
+    return numel == 0, numel
+
+
+def _halves(n: int) -> tuple[range, range]:
+    return range(n // 2), range(n // 2, n)
+
+
+def _smallest(batch: Batch, indices: Sequence[int]) -> int:
+    return min(indices, key=lambda i: _size(batch, i))
 
 
 _PROBE_LR = 1e-3
-"""The lr the rows check's copies step at where the group's is 0 (a warmup from lr 0)."""
+"""The lr a check's copies step at where the group's is 0 (a warmup from lr 0)."""
+
+
+def _probing(group: dict[str, Any]) -> Any:
+    """Set a copy's ``group`` to step at ``_PROBE_LR`` where its lr is 0: a warmup from lr 0
+    moves nothing, and a check comparing moves would see none (a class clipping by the norm
+    of all its gradients, declared ``"dtensor"``, was stepped bucket by bucket from the second
+    step on: 1.3e-2 from the plain one after four steps, no error). Returns the lr set, or
+    ``None``."""
+    lr = group.get("lr")
+    if not _is_zero(lr):
+        return None
+    group["lr"] = torch.full_like(lr, _PROBE_LR) if torch.is_tensor(lr) else _PROBE_LR
+    return group["lr"]
 
 
 def _is_zero(value: Any) -> bool:
@@ -665,6 +702,68 @@ class OutsideState:
             _set_attrs(self._optimizer, _copy(self._attrs, self._shared))
             self._generators.restore()
         return code
+
+
+class BesideOthers:
+    """The check that a class declared ``"whole_tensor"`` steps a parameter beside others as
+    it steps it alone, taken before its first real update on this rank.
+
+    Each owner rank runs the class's step on its own parameters of a unit, each in a group of
+    its own, where the plain ``step()`` hands it every parameter of a group at once: a class
+    whose update of a parameter reads the others (a norm over several clipping inside
+    ``step()``, their number, a parameter's position in its group) trains differently, with no
+    error (measured on the code before, four steps: a class clipping by the norm of all its
+    gradients 1.9e-2 and 2.3e-2 from the plain one on 2 and 3 ranks, 2.1e-2 on a plain
+    module; one reading a multiplier by position 2.6e-1). So the smallest non-empty parameter of
+    ``batches`` is stepped on copies alone and beside a copy of itself (made now, before the
+    real step moves it), and :meth:`disagrees` compares both, and the real step of
+    ``batches`` (:meth:`disagrees`' ``handed``), with the step alone, as ``ClassState``'s
+    check compares a bucket's halves (by more than 1e-3 of the move summed). Where the
+    group's lr is 0 the copies step at ``_PROBE_LR``, and so does a step of every parameter of
+    ``batches`` on copies, compared in place of the real step, which moves nothing. What the
+    instance and the generators saw is set back.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        stepper: BucketStepper,
+        batches: Sequence[Batch],
+        state: dict[torch.Tensor, dict],
+    ) -> None:
+        self._where = min(
+            ((b, i) for b, batch in enumerate(batches) for i in range(len(batch.params))),
+            key=lambda where: _size(batches[where[0]], where[1]),
+        )
+        batch = batches[self._where[0]]
+        param, grad = batch.params[self._where[1]], batch.grads[self._where[1]]
+        self._before = local_tensor(param).detach().clone()
+        group = dict(batch.group)
+        self._probe = _probing(group)
+        watch = OutsideState(optimizer, [], state)
+        try:
+            (alone,) = stepper.step_copies([Batch(group, [param], [grad])], state)
+            (twins,) = stepper.step_copies([Batch(group, [param, param], [grad, grad])], state)
+            self._moved = list(twins["params"])
+            if self._probe is not None:
+                # The real step moves nothing to compare: every parameter on copies too.
+                probed = [Batch(dict(b.group), b.params, b.grads) for b in batches]
+                for b in probed:
+                    _probing(b.group)
+                every = stepper.step_copies(probed, state)
+                self._moved.append(every[self._where[0]]["params"][self._where[1]])
+        finally:
+            watch.undo(None)
+        self._alone = local_tensor(alone["params"][0])
+
+    def disagrees(self, handed: Sequence[dict[str, Any]]) -> bool:
+        """Whether the parameter moved otherwise beside others; ``handed``: the groups the
+        real step of ``batches`` was handed, as it left them."""
+        moved = list(self._moved)
+        if self._probe is None:
+            b, i = self._where
+            moved.append(handed[b]["params"][i])
+        return any(_rows_disagree(local_tensor(m), self._alone, self._before) for m in moved)
 
 
 def _without_params(group: dict[str, Any]) -> dict[str, Any]:

@@ -59,7 +59,10 @@ on copies (the gathered tensors, its replicated state cloned), so nothing of the
 moved. A step that raises on an owner (a class rejecting a shape) is raised there after the
 others learn of it through the same paths (before, they went on alone to the next
 collective). Parameters whole on every rank are stepped by every rank: their first step runs
-on copies first.
+on copies first. The first step on each rank also runs ``BesideOthers``: each owner hands the
+step its own parameters, each in a group of its own, so a class whose update of a parameter
+reads the others (a norm of all gradients clipping inside ``step()``, their number, a
+parameter's position in its group) is refused through the same codes (``_READS_OTHERS``).
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ from torch.optim import Optimizer
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
-from fused_optim_dist._class_state import OutsideState
+from fused_optim_dist._class_state import BesideOthers, OutsideState
 from fused_optim_dist._kinds import keeps_state_per_parameter
 from fused_optim_dist._owners import Exchange, TensorSpec, assign_owners, chunk_rows
 from fused_optim_dist._protocol import describe
@@ -165,6 +168,8 @@ _LAYOUT_CHANGED = 8
 _RAISED = 16
 """An owner's step raised (its exception is raised on that rank, this code's error on the
 others)."""
+_READS_OTHERS = 32
+"""An owner's step moved a parameter otherwise beside others than alone (``BesideOthers``)."""
 
 
 def _outside_state_error(cls: type[Optimizer], code: int, moved: bool = False) -> RuntimeError:
@@ -198,6 +203,12 @@ def _outside_state_error(cls: type[Optimizer], code: int, moved: bool = False) -
                 _LAYOUT_CHANGED,
                 "changed the keys, shapes or dtypes of its state (its rows are exchanged in "
                 "the layout the first step created)",
+            ),
+            (
+                _READS_OTHERS,
+                "moved a parameter otherwise beside others than alone (its update reads other "
+                "parameters: a norm over several clipping inside step(), their number, a "
+                "parameter's position in its group; an owner is handed only its own)",
             ),
         )
         if code & bit
@@ -283,6 +294,8 @@ class WholeTensorStepper:
         # whole-tensor classes keep their state per parameter].
         self._watch = not keeps_state_per_parameter(type(optimizer))
         self._probed = False
+        # Whether this rank's owner steps were checked with ``BesideOthers``.
+        self._beside_checked = False
         # The unit whose exchange is in flight, completed by the next step() or flush().
         self._pending: _InFlight | None = None
 
@@ -346,7 +359,9 @@ class WholeTensorStepper:
         groups = [batch.group for batch in batches]
         if not self._probed:
             watch = OutsideState(self.optimizer, groups, state)
-            code = watch.undo(self._whole.step_copies(batches, state))
+            beside = BesideOthers(self.optimizer, self._whole, batches, state)
+            handed = self._whole.step_copies(batches, state)
+            code = watch.undo(handed) | (_READS_OTHERS if beside.disagrees(handed) else 0)
             if code:
                 raise _outside_state_error(type(self.optimizer), code)
             self._probed = True
@@ -643,7 +658,10 @@ class WholeTensorStepper:
                 if self._watch
                 else None
             )
+            beside = None
             try:
+                if watch is not None and not self._beside_checked:
+                    beside = BesideOthers(self.optimizer, self._whole, batches, full_state)
                 handed = self._whole.step(batches, full_state)
             except Exception as e:
                 if watch is None:
@@ -655,6 +673,9 @@ class WholeTensorStepper:
             if watch is not None:
                 assert handed is not None, "a step on whole tensors hands the class its groups"
                 code = watch.undo(handed)
+                if beside is not None:
+                    self._beside_checked = True
+                    code |= _READS_OTHERS if beside.disagrees(handed) else 0
         for index, (full, _) in list(results.items()):
             full.grad = None
             results[index] = (full, full_state[full])

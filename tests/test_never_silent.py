@@ -14,6 +14,7 @@ import _thread
 import contextlib
 import copy
 import gc
+import itertools
 import math
 import pickle
 import random
@@ -984,13 +985,17 @@ def _global_clip_declared(sharded: bool) -> None:
     from the plain class on one process, 1.4e-2 declared "dtensor" and 2.4e-2 "elementwise"
     on 3 ranks, no error). The check before its first update steps two parameters of a held
     bucket together on copies, compares them with the bucket's halves stepped apart, and
-    refuses it, on every rank, before anything moves."""
-    for stepping in ("dtensor", "elementwise"):
+    refuses it, on every rank, before anything moves. At lr 0 too (a warmup from lr 0, whose
+    first update moves nothing to compare), the copies stepping at 1e-3: before, the class
+    was stepped bucket by bucket from the second step on (a warmup from lr 0 over two steps,
+    four steps: 1.3e-2 from the plain class on one process declared "dtensor", 9.8e-3 and
+    1.4e-2 on 2 ranks declared "dtensor" and "elementwise", no error)."""
+    for stepping, lr in itertools.product(("dtensor", "elementwise"), (0.1, 0.0)):
         model, _ = make_models()
         if sharded:
             shard(model)
         _optim = OptimizerInBackward(
-            model.parameters(), GlobalClipSGD, bucket_numel=20, stepping=stepping
+            model.parameters(), GlobalClipSGD, lr=lr, bucket_numel=20, stepping=stepping
         )
         before = _snapshot(model)
         with pytest.raises(RuntimeError, match=r"moved them otherwise|another rank"):
@@ -1000,6 +1005,38 @@ def _global_clip_declared(sharded: bool) -> None:
 
 def test_class_clipping_inside_its_step_declared_is_refused():
     _global_clip_declared(sharded=False)
+
+
+class PositionalSGD(torch.optim.Optimizer):
+    """SGD with a per-parameter lr multiplier kept in a list aligned with the parameters and
+    read by position in ``group["params"]``, as layer-wise lr decay written into a class
+    does; it writes nothing to its groups or itself."""
+
+    def __init__(self, params, lr: float = 0.05):
+        super().__init__(params, dict(lr=lr))
+        count = sum(len(group["params"]) for group in self.param_groups)
+        self.multipliers = [1.0 + 0.5 * i for i in range(count)]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * self.multipliers[i])
+
+
+@pytest.mark.parametrize("stepping", ["elementwise", "dtensor"])
+def test_class_reading_positions_declared_with_one_parameter_buckets_is_refused(stepping):
+    """A class reading a parameter's position in its group, declared to step bucket by bucket,
+    with one parameter in every bucket (``bucket_numel=1``): every bucket's step saw its
+    parameter first, and the check had no two parameters of a bucket to step together (2.6e-1
+    from the plain class after four steps, no error). The smallest is now stepped beside a
+    copy of itself: refused before anything moves."""
+    model, _ = make_models()
+    _optim = OptimizerInBackward(
+        model.parameters(), PositionalSGD, bucket_numel=1, stepping=stepping
+    )
+    _refused_unmoved(model, "moved them otherwise", lambda: loss_fn(model, *_x(0)).backward())
 
 
 def _global_clip_declared_body() -> None:

@@ -24,10 +24,12 @@ from _toy import (
     rank_slice,
     shard,
 )
+from test_never_silent import GlobalClipSGD, PositionalSGD
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from fused_optim_dist import InBackwardOptions, OptimizerInBackward, Stepping, declare_stepping
 from fused_optim_dist._kinds import stepping_of
@@ -227,6 +229,20 @@ def _fp32_body() -> None:
     _assert_params(model, reference, ATOL_FP32)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     assert min(ref_norms) > 0.5, "clipping must be active for this check"
+
+    # The same LAMB on a unit per layer, after a warmup from lr 0: the check before its first
+    # update (its steps of a parameter alone and beside others, on copies) passes it.
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), Lamb)
+    ref_optim = Lamb(reference.parameters())
+    warmups = [LambdaLR(o, lambda s: min(1.0, s / 2)) for o in (optim, ref_optim)]
+    for step in range(STEPS):
+        _train(model, [optim], range(step, step + 1))
+        _reference_run(reference, ref_optim, range(step, step + 1))
+        for warmup in warmups:
+            warmup.step()
+    _assert_params(model, reference, ATOL_FP32)
 
     # Declared elementwise, each rank would scale its shard by the shard's trust ratio (1e-3
     # and more from the plain LAMB after three steps, no error, before): refused at the first
@@ -581,6 +597,47 @@ def test_state_outside_state_p_refused_on_a_plain_module():
         loss_fn(model, x, y).backward()
     moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
     assert sum(moved) == 1, moved
+
+
+READS_OTHERS = [(GlobalClipSGD, 0.1), (GlobalClipSGD, 0.0), (PositionalSGD, 0.05)]
+"""Classes whose update of a parameter reads the others (a norm of all gradients clipping
+inside ``step()``; a multiplier by position in the group), at an lr and at lr 0 (a warmup
+from lr 0)."""
+
+
+def _reads_others(sharded: bool) -> None:
+    """Each class of ``READS_OTHERS`` declared ``"whole_tensor"`` is refused on every rank at
+    its first backward, before any parameter or state moves. Each owner steps its own
+    parameters of a unit, each in a group of its own, where the plain ``step()`` hands the
+    class all of them: measured on the code before, four steps, no error: the clipping class
+    2.1e-2 from the plain one on a plain module, 1.9e-2 and 2.3e-2 on 2 and 3 ranks (1.1e-2
+    and 1.4e-2 after a warmup from lr 0 over two steps); the positional class 2.6e-1 on 2
+    ranks."""
+    for cls, lr in READS_OTHERS:
+        model, _ = make_models()
+        if sharded:
+            shard(model)
+        optim = OptimizerInBackward(model.parameters(), cls, lr=lr, stepping="whole_tensor")
+        before = [full(p).detach().clone() for p in model.parameters()]
+        rng = torch.get_rng_state()
+        x, y = _batch(0)
+        if sharded:
+            x, y = rank_slice(x), rank_slice(y)
+        with pytest.raises(RuntimeError, match=r"otherwise beside others|another rank"):
+            loss_fn(model, x, y).backward()
+        for param, value in zip(model.parameters(), before, strict=True):
+            assert torch.equal(full(param).detach(), value), (cls.__name__, lr)
+        assert not optim.state, (cls.__name__, lr)
+        assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_class_reading_other_parameters_refused_before_anything_moves(worlds, world_size):
+    worlds.run(world_size, _reads_others, sharded=True)
+
+
+def test_class_reading_other_parameters_refused_on_a_plain_module():
+    _reads_others(sharded=False)
 
 
 def _refusal_body() -> None:
