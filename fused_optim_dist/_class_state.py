@@ -28,19 +28,21 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   number; a parameter's position in its group) and the class is refused too (a class whose held
   buckets all hold one parameter has the smallest stepped beside a copy of itself); and a class
   stepped on local shards has a shard's rows checked alike ([Note: rows stepped apart]). Where a
-  group's lr is 0 (a warmup's first step moves nothing to compare), every copy steps at
-  ``_PROBE_LR``. Otherwise the held buckets are stepped. The verdict is agreed over the
-  parameters' mesh (one all-reduce): what a rank sees depends on its shards (one whose shards of
-  the held buckets are empty sees its halves write alike), and a rank going on alone would wait
-  at the next collective. One whose writes depend on gradient values in a way the halves do not
-  show can still disagree in a later backward, and is refused then, on the ranks that see it
-  (agreeing there would cost a collective per bucket). A class whose step draws random numbers
-  (SGLD's noise) is refused there too, the generators restored: stepped per bucket it would draw
-  them in another order, and on local shards in other shapes, than its plain ``step()``. Only
-  classes declared ``"elementwise"`` or ``"dtensor"`` are checked here (one declared
-  ``"whole_tensor"``: ``BesideOthers``): a class stepped jointly runs its step once per
-  backward, at its end (see [Note: classes stepped jointly] and, for its draws, [Note: random
-  numbers drawn jointly] in ``_engine.py``);
+  group's lr is below ``_PROBE_LR`` (a warmup from lr 0 or near it moves nothing to compare),
+  every copy steps at it; copies are float32 where the tensors are narrower. Every rank steps
+  the same copies to the end before any verdict (copies of DTensors step with collectives).
+  Otherwise the held buckets are stepped. The verdict is agreed over the parameters' mesh (one
+  all-reduce): what a rank sees depends on its shards (one whose shards of the held buckets are
+  empty sees its halves write alike), and a rank going on alone would wait at the next
+  collective. One whose writes depend on gradient values in a way the halves do not show can
+  still disagree in a later backward, and is refused then, on the ranks that see it (agreeing
+  there would cost a collective per bucket). A class whose step draws random numbers (SGLD's
+  noise) is refused there too, the generators restored: stepped per bucket it would draw them in
+  another order, and on local shards in other shapes, than its plain ``step()``. Only classes
+  declared ``"elementwise"`` or ``"dtensor"`` are checked here (one declared ``"whole_tensor"``:
+  ``BesideOthers``): a class stepped jointly runs its step once per backward, at its end (see
+  [Note: classes stepped jointly] and, for its draws, [Note: random numbers drawn jointly] in
+  ``_engine.py``);
 * every later bucket of such a class is watched for draws too: a class that starts drawing
   after its first backward (noise after a burn-in) is refused at the first bucket that draws.
   That bucket has moved (what a step will draw is not knowable before it runs); the others
@@ -75,8 +77,8 @@ rows, otherwise than the whole did: by more than 1e-3 of the whole move summed o
 elements, which kernels rounding a few elements differently at another offset (a vectorized
 loop and its tail) stay far below. The copies are float32 where the tensors are narrower. On
 one rank too: a class stepped so is exact there, but its declaration is not what it does.
-Where the group's lr is 0 (a warmup from lr 0 moves nothing), the copies step at 1e-3. What
-the check cannot see: an update that reads other elements only where the first step does not
+Where the group's lr is below 1e-3 (a warmup from lr 0 or near it), the copies step at 1e-3.
+What the check cannot see: an update that reads other elements only where the first step does not
 show it (a norm clipped only above some value), and a shard of one row.
 
 [Note: what a snapshot shares]
@@ -333,16 +335,21 @@ class ClassState:
                 after = _without_params(group)
                 if probe is not None and same_value(after.get("lr"), probe):
                     after["lr"] = self._group_snapshot[index].get("lr")  # as the step left it
-                changes = _changes(self._group_snapshot[index], after)
-                self._agree(groups, index, changes, f"in param group {index}")
-                changes = _changes(
-                    self._instance_snapshot[owner], instance_attrs(self._owners[index])
-                )
-                self._agree(objects, owner, changes, "on the optimizer instance")
-            if generators.drawn():
-                raise RuntimeError(_DRAWS)
-            self._check_together(chosen, apart)
-            self._check_rows(chosen)
+                try:
+                    changes = _changes(self._group_snapshot[index], after)
+                    self._agree(groups, index, changes, f"in param group {index}")
+                    changes = _changes(
+                        self._instance_snapshot[owner], instance_attrs(self._owners[index])
+                    )
+                    self._agree(objects, owner, changes, "on the optimizer instance")
+                except RuntimeError as e:  # the steps on copies go on: see _check_together
+                    refusal = refusal or e
+            if refusal is None and generators.drawn():
+                refusal = RuntimeError(_DRAWS)
+            together = self._check_together(chosen, apart)  # on every rank, whatever else
+            refusal = refusal or together
+            if refusal is None:
+                self._check_rows(chosen)
         except Exception as e:  # agreed below, so that every rank raises
             refusal = e
         finally:
@@ -359,14 +366,19 @@ class ClassState:
 
     def _check_together(
         self, chosen: Sequence[tuple[int, Batch]], apart: dict[int, list[torch.Tensor]]
-    ) -> None:
-        """Refuse a class whose step of two parameters together moves them otherwise than its
-        steps of the batch's halves they were in (``apart``): its update of a parameter reads
-        others (a norm over all of them clipping inside ``step()``, their number, a
-        parameter's position in its group), which stepping bucket by bucket cannot reproduce.
-        The pair is the smallest non-empty parameter of each half, so that the copies cost
+    ) -> RuntimeError | None:
+        """The refusal of a class whose step of two parameters together moves them otherwise
+        than its steps of the batch's halves they were in (``apart``): its update of a
+        parameter reads others (a norm over all of them clipping inside ``step()``, their
+        number, a parameter's position in its group), which stepping bucket by bucket cannot
+        reproduce. The pair is the smallest parameter of each half, so that the copies cost
         little; a class whose held buckets all hold one parameter has the smallest of them
-        stepped beside a copy of itself. See [Note: group and instance state]."""
+        stepped beside a copy of itself. See [Note: group and instance state].
+
+        Every pair is stepped, and the same pairs on every rank (chosen by their global
+        sizes), before any verdict: copies of DTensors (``"dtensor"``) step with collectives,
+        and a rank that stopped at a disagreement its shards show, or stepped another pair,
+        would leave the others waiting in theirs (found: a warmup from lr 1e-6 hung 2 ranks)."""
         pairs = [
             (index, batch, [_smallest(batch, half) for half in _halves(len(batch.params))])
             for index, batch in chosen
@@ -380,6 +392,7 @@ class ClassState:
                 continue
             alone[key] = (index, batch)
         pairs += [(index, batch, [0, 0]) for index, batch in alone.values()]
+        refusal = None
         for index, batch, pair in pairs:
             self._restore({id(self._owners[index])})
             stepper = self._steppers.tracked(batch.group)
@@ -387,22 +400,25 @@ class ClassState:
             _probing(group)
             both = Batch(group, [batch.params[i] for i in pair], [batch.grads[i] for i in pair])
             (group,) = stepper.step_copies([both], self._state)
-            for i, together in zip(pair, group["params"], strict=True):
-                if _rows_disagree(
+            if refusal is None and any(
+                _rows_disagree(
                     local_tensor(together),
                     local_tensor(apart[id(batch)][i]),
                     local_tensor(batch.params[i]),
-                ):
-                    raise RuntimeError(
-                        f"{type(self._owners[index]).__name__} is declared to step bucket by "
-                        "bucket, but its step of two parameters together moved them otherwise "
-                        "than its steps of the halves of their bucket: its update of a "
-                        "parameter reads other parameters (a norm over all its gradients, "
-                        "clipping inside step(), their number, a parameter's position in its "
-                        "group), so stepping bucket by bucket would train differently from the "
-                        "plain step(). Nothing has moved. Leave the class undeclared (stepped "
-                        "jointly, once per backward, exact whatever its step() reduces over)."
-                    )
+                )
+                for i, together in zip(pair, group["params"], strict=True)
+            ):
+                refusal = RuntimeError(
+                    f"{type(self._owners[index]).__name__} is declared to step bucket by "
+                    "bucket, but its step of two parameters together moved them otherwise "
+                    "than its steps of the halves of their bucket: its update of a "
+                    "parameter reads other parameters (a norm over all its gradients, "
+                    "clipping inside step(), their number, a parameter's position in its "
+                    "group), so stepping bucket by bucket would train differently from the "
+                    "plain step(). Nothing has moved. Leave the class undeclared (stepped "
+                    "jointly, once per backward, exact whatever its step() reduces over)."
+                )
+        return refusal
 
     def _check_rows(self, chosen: Sequence[tuple[int, Batch]]) -> None:
         """Refuse a class stepped on local shards whose update of a row depends on the
@@ -581,9 +597,10 @@ def _agreed(refusal: Exception | None, param: DTensor, checked: str) -> Exceptio
 
 
 def _size(batch: Batch, i: int) -> tuple[bool, int]:
-    """How a check picks a parameter to step on copies: a non-empty one (an empty local shard
-    shows nothing), the smallest (its copies cost least)."""
-    numel = local_tensor(batch.params[i]).numel()
+    """How a check picks a parameter to step on copies: a non-empty one, the smallest (its
+    copies cost least), by its global size (a DTensor's), so that every rank picks the same:
+    copies of DTensors step with collectives."""
+    numel = batch.params[i].numel()
     return numel == 0, numel
 
 
@@ -596,27 +613,28 @@ def _smallest(batch: Batch, indices: Sequence[int]) -> int:
 
 
 _PROBE_LR = 1e-3
-"""The lr a check's copies step at where the group's is 0 (a warmup from lr 0)."""
+"""The lr a check's copies step at where the group's is lower (a warmup from lr 0 or near it)."""
 
 
 def _probing(group: dict[str, Any]) -> Any:
-    """Set a copy's ``group`` to step at ``_PROBE_LR`` where its lr is 0: a warmup from lr 0
-    moves nothing, and a check comparing moves would see none (a class clipping by the norm
-    of all its gradients, declared ``"dtensor"``, was stepped bucket by bucket from the second
-    step on: 1.3e-2 from the plain one after four steps, no error). Returns the lr set, or
-    ``None``."""
+    """Set a copy's ``group`` to step at ``_PROBE_LR`` where its lr is lower: a warmup from lr
+    0 moves nothing, one from near it next to nothing, and a check comparing moves would see
+    none (a class clipping by the norm of all its gradients, declared ``"dtensor"``, was
+    stepped bucket by bucket from the second step on, no error: 1.3e-2 from the plain one
+    after four steps from lr 0, 9.8e-3 on 2 ranks from 1e-7 on bfloat16 weights). Returns the
+    lr set, or ``None``."""
     lr = group.get("lr")
-    if not _is_zero(lr):
+    if not _is_below(lr, _PROBE_LR):
         return None
     group["lr"] = torch.full_like(lr, _PROBE_LR) if torch.is_tensor(lr) else _PROBE_LR
     return group["lr"]
 
 
-def _is_zero(value: Any) -> bool:
-    """Whether ``value`` is a number (or a one-element tensor) equal to 0."""
+def _is_below(value: Any, bound: float) -> bool:
+    """Whether ``value`` is a number (or a one-element tensor) of magnitude below ``bound``."""
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and bool(value == 0)
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+        return value.numel() == 1 and bool(value.abs() < bound)
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < bound
 
 
 def _rows_disagree(
@@ -714,14 +732,13 @@ class BesideOthers:
     ``step()``, their number, a parameter's position in its group) trains differently, with no
     error (measured on the code before, four steps: a class clipping by the norm of all its
     gradients 1.9e-2 and 2.3e-2 from the plain one on 2 and 3 ranks, 2.1e-2 on a plain
-    module; one reading a multiplier by position 2.6e-1). So the smallest non-empty parameter of
-    ``batches`` is stepped on copies alone and beside a copy of itself (made now, before the
-    real step moves it), and :meth:`disagrees` compares both, and the real step of
-    ``batches`` (:meth:`disagrees`' ``handed``), with the step alone, as ``ClassState``'s
-    check compares a bucket's halves (by more than 1e-3 of the move summed). Where the
-    group's lr is 0 the copies step at ``_PROBE_LR``, and so does a step of every parameter of
-    ``batches`` on copies, compared in place of the real step, which moves nothing. What the
-    instance and the generators saw is set back.
+    module; one reading a multiplier by position 2.6e-1). So, on copies (float32 where the
+    tensors are narrower, at ``_PROBE_LR`` where the group's lr is lower), the smallest
+    parameter of ``batches`` is stepped alone, beside a copy of itself, and with all of
+    ``batches``; :meth:`disagrees` says whether it moved otherwise in either than alone (by
+    more than 1e-3 of the move summed, as ``ClassState``'s check compares a bucket's halves).
+    The copies of all of ``batches`` cost their size once per process. What the instance and
+    the generators saw is set back.
     """
 
     def __init__(
@@ -731,39 +748,29 @@ class BesideOthers:
         batches: Sequence[Batch],
         state: dict[torch.Tensor, dict],
     ) -> None:
-        self._where = min(
+        b, i = min(
             ((b, i) for b, batch in enumerate(batches) for i in range(len(batch.params))),
             key=lambda where: _size(batches[where[0]], where[1]),
         )
-        batch = batches[self._where[0]]
-        param, grad = batch.params[self._where[1]], batch.grads[self._where[1]]
-        self._before = local_tensor(param).detach().clone()
-        group = dict(batch.group)
-        self._probe = _probing(group)
+        param, grad = batches[b].params[i], batches[b].grads[i]
+        self._before = local_tensor(param).detach().to(torch.float32, copy=True)
+        probed = [Batch(dict(batch.group), batch.params, batch.grads) for batch in batches]
+        for batch in probed:
+            _probing(batch.group)
+        group = probed[b].group
         watch = OutsideState(optimizer, [], state)
         try:
             (alone,) = stepper.step_copies([Batch(group, [param], [grad])], state)
             (twins,) = stepper.step_copies([Batch(group, [param, param], [grad, grad])], state)
-            self._moved = list(twins["params"])
-            if self._probe is not None:
-                # The real step moves nothing to compare: every parameter on copies too.
-                probed = [Batch(dict(b.group), b.params, b.grads) for b in batches]
-                for b in probed:
-                    _probing(b.group)
-                every = stepper.step_copies(probed, state)
-                self._moved.append(every[self._where[0]]["params"][self._where[1]])
+            every = stepper.step_copies(probed, state)
         finally:
             watch.undo(None)
         self._alone = local_tensor(alone["params"][0])
+        self._moved = [*twins["params"], every[b]["params"][i]]
 
-    def disagrees(self, handed: Sequence[dict[str, Any]]) -> bool:
-        """Whether the parameter moved otherwise beside others; ``handed``: the groups the
-        real step of ``batches`` was handed, as it left them."""
-        moved = list(self._moved)
-        if self._probe is None:
-            b, i = self._where
-            moved.append(handed[b]["params"][i])
-        return any(_rows_disagree(local_tensor(m), self._alone, self._before) for m in moved)
+    def disagrees(self) -> bool:
+        """Whether the parameter moved otherwise beside others than alone."""
+        return any(_rows_disagree(local_tensor(m), self._alone, self._before) for m in self._moved)
 
 
 def _without_params(group: dict[str, Any]) -> dict[str, Any]:

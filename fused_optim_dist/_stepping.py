@@ -478,20 +478,27 @@ class BucketStepper:
     def step_copies(self, batches: Sequence[Batch], state: dict) -> list[dict[str, Any]]:
         """Run the class's ``step`` on copies of ``batches``' parameters (local shards, or the
         DTensors), their gradients and their ``state`` entries, never the originals; the
-        groups it received. For checks made before a class's first real update."""
+        groups it received. For checks made before a class's first real update, which compare
+        copies with copies: bfloat16 and float16 tensors are copied to float32, as
+        :meth:`step_rows` copies them, so that a small move is not rounded away."""
         copies: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         groups = []
         for batch in batches:
             params = []
             for param, grad in zip(batch.params, batch.grads, strict=True):
                 source = local_tensor(param) if self.local_shards else param
-                clone = source.detach().clone()
-                clone.grad = (grad if self.local_shards else param.grad).clone()
+                clone = _widened(source.detach())
+                clone.grad = _widened(grad if self.local_shards else param.grad)
                 entry = state.get(param)
                 if entry is not None:
                     if self.local_shards:  # as the real step sees it: local values
                         entry = _local_entry(entry)
-                    copies[clone] = copy.deepcopy(entry)
+                    copies[clone] = {
+                        key: _widened(value)
+                        if isinstance(value, torch.Tensor)
+                        else copy.deepcopy(value)
+                        for key, value in entry.items()
+                    }
                 params.append(clone)
             groups.append(_handed(batch.group, params, batch.params))
         return self._run(groups, copies, None)

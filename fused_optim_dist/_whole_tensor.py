@@ -361,7 +361,7 @@ class WholeTensorStepper:
             watch = OutsideState(self.optimizer, groups, state)
             beside = BesideOthers(self.optimizer, self._whole, batches, state)
             handed = self._whole.step_copies(batches, state)
-            code = watch.undo(handed) | (_READS_OTHERS if beside.disagrees(handed) else 0)
+            code = watch.undo(handed) | (_READS_OTHERS if beside.disagrees() else 0)
             if code:
                 raise _outside_state_error(type(self.optimizer), code)
             self._probed = True
@@ -675,7 +675,7 @@ class WholeTensorStepper:
                 code = watch.undo(handed)
                 if beside is not None:
                     self._beside_checked = True
-                    code |= _READS_OTHERS if beside.disagrees(handed) else 0
+                    code |= _READS_OTHERS if beside.disagrees() else 0
         for index, (full, _) in list(results.items()):
             full.grad = None
             results[index] = (full, full_state[full])

@@ -989,17 +989,26 @@ def _global_clip_declared(sharded: bool) -> None:
     first update moves nothing to compare), the copies stepping at 1e-3: before, the class
     was stepped bucket by bucket from the second step on (a warmup from lr 0 over two steps,
     four steps: 1.3e-2 from the plain class on one process declared "dtensor", 9.8e-3 and
-    1.4e-2 on 2 ranks declared "dtensor" and "elementwise", no error)."""
-    for stepping, lr in itertools.product(("dtensor", "elementwise"), (0.1, 0.0)):
+    1.4e-2 on 2 ranks declared "dtensor" and "elementwise", no error). Near lr 0 as well (a
+    first step at 1e-7, then 0.1), where the copies, in bfloat16, showed no move: 1.2e-2 and
+    1.7e-2 on 2 ranks declared "dtensor" and "elementwise" after four steps, no error; in
+    float32, declared "dtensor", one rank's shards showed the difference and the other's not,
+    and the rank that stopped there left the other waiting in the pairs' collectives: a hang.
+    Below 1e-3 the copies now step at 1e-3, in float32, and every rank steps every pair."""
+    cases = [(0.1, torch.float32), (0.0, torch.float32), (1e-7, torch.float32)]
+    cases.append((1e-7, torch.bfloat16))
+    for stepping, (lr, dtype) in itertools.product(("dtensor", "elementwise"), cases):
         model, _ = make_models()
+        model.to(dtype)
         if sharded:
             shard(model)
         _optim = OptimizerInBackward(
             model.parameters(), GlobalClipSGD, lr=lr, bucket_numel=20, stepping=stepping
         )
         before = _snapshot(model)
+        x, y = _x(0, sharded)
         with pytest.raises(RuntimeError, match=r"moved them otherwise|another rank"):
-            loss_fn(model, *_x(0, sharded)).backward()
+            loss_fn(model, x.to(dtype), y.to(dtype)).backward()
         _assert_unchanged(model, before)
 
 
@@ -2714,6 +2723,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _lamb_body, stepping=None)
     worlds.run(3, _global_clip_body)
     worlds.run(3, _global_clip_declared_body)
+    worlds.run(2, _global_clip_declared_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _grad_scaler_body)
