@@ -378,7 +378,8 @@ class ClassState:
         Every pair is stepped, and the same pairs on every rank (chosen by their global
         sizes), before any verdict: copies of DTensors (``"dtensor"``) step with collectives,
         and a rank that stopped at a disagreement its shards show, or stepped another pair,
-        would leave the others waiting in theirs (found: a warmup from lr 1e-6 hung 2 ranks)."""
+        would leave the others waiting in theirs (found: a first step at lr 1e-7 in float32 hung 2
+        ranks, declared ``"dtensor"``)."""
         pairs = [
             (index, batch, [_smallest(batch, half) for half in _halves(len(batch.params))])
             for index, batch in chosen
