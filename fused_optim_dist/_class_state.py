@@ -107,7 +107,7 @@ from torch.optim import Optimizer
 from fused_optim_dist._classes import ClassSteppers
 from fused_optim_dist._generators import GeneratorStates
 from fused_optim_dist._kinds import cache_attributes, keeps_state_per_parameter
-from fused_optim_dist._stepping import Batch, BucketStepper, has_rows
+from fused_optim_dist._stepping import Batch, BucketStepper, has_rows, loud_copy
 from fused_optim_dist._torch_internals import OPTIMIZER_HOOKS, local_tensor
 
 __all__ = ["BesideOthers", "ClassState", "OutsideState", "instance_attrs", "same_value"]
@@ -395,31 +395,51 @@ class ClassState:
         pairs += [(index, batch, [0, 0]) for index, batch in alone.values()]
         refusal = None
         for index, batch, pair in pairs:
-            self._restore({id(self._owners[index])})
-            stepper = self._steppers.tracked(batch.group)
-            group = self.group(index)
-            _probing(group)
-            both = Batch(group, [batch.params[i] for i in pair], [batch.grads[i] for i in pair])
-            (group,) = stepper.step_copies([both], self._state)
+            both = self._stepped(index, batch, pair)
             if refusal is None and any(
                 _rows_disagree(
                     local_tensor(together),
                     local_tensor(apart[id(batch)][i]),
                     local_tensor(batch.params[i]),
                 )
-                for i, together in zip(pair, group["params"], strict=True)
+                for i, together in zip(pair, both, strict=True)
             ):
-                refusal = RuntimeError(
-                    f"{type(self._owners[index]).__name__} is declared to step bucket by "
-                    "bucket, but its step of two parameters together moved them otherwise "
-                    "than its steps of the halves of their bucket: its update of a "
-                    "parameter reads other parameters (a norm over all its gradients, "
-                    "clipping inside step(), their number, a parameter's position in its "
-                    "group), so stepping bucket by bucket would train differently from the "
-                    "plain step(). Nothing has moved. Leave the class undeclared (stepped "
-                    "jointly, once per backward, exact whatever its step() reduces over)."
+                refusal = _reads_others(
+                    self._owners[index],
+                    "two parameters together moved them otherwise than "
+                    "its steps of the halves of their bucket",
+                )
+        # On loud gradients, one parameter per class alone and beside a copy of itself: a
+        # threshold the first gradients do not reach (a clipping by the norm of all of them
+        # from max_grad_norm=1.0 above it) is then reached, and crossed otherwise by the two.
+        loud: dict[Any, tuple[int, Batch, int]] = {}
+        for index, batch, pair in pairs:
+            loud.setdefault(self._steppers.key_of(batch.group), (index, batch, pair[0]))
+        for index, batch, i in loud.values():
+            (alone,) = self._stepped(index, batch, [i], loud=True)
+            twins = self._stepped(index, batch, [i, i], loud=True)
+            before = local_tensor(batch.params[i])
+            if refusal is None and any(
+                _rows_disagree(local_tensor(twin), local_tensor(alone), before) for twin in twins
+            ):
+                refusal = _reads_others(
+                    self._owners[index],
+                    "a parameter beside a copy of itself, on gradients "
+                    "scaled up, moved it otherwise than its step of it alone",
                 )
         return refusal
+
+    def _stepped(
+        self, index: int, batch: Batch, which: Sequence[int], *, loud: bool = False
+    ) -> list[torch.Tensor]:
+        """Copies of ``batch``'s parameters ``which`` (repeated: each its own copy), stepped
+        together from the snapshot by group ``index``'s class (see ``step_copies``)."""
+        self._restore({id(self._owners[index])})
+        group = self.group(index)
+        _probing(group)
+        copies = Batch(group, [batch.params[i] for i in which], [batch.grads[i] for i in which])
+        (group,) = self._steppers.tracked(batch.group).step_copies([copies], self._state, loud=loud)
+        return group["params"]
 
     def _check_rows(self, chosen: Sequence[tuple[int, Batch]]) -> None:
         """Refuse a class stepped on local shards whose update of a row depends on the
@@ -455,29 +475,32 @@ class ClassState:
         """Step ``param``'s local shard whole, then its two halves of rows apart, on copies;
         what the halves changed otherwise than the whole, or ``None``."""
         stepper = self._steppers.tracked(self._groups[index])
-        stepped = []
-        for part in (slice(None), slice(0, rows // 2), slice(rows // 2, None)):
-            self._restore({id(self._owners[index])})
-            group = self.group(index)
-            _probing(group)
-            stepped.append(stepper.step_rows(group, param, grad, part, self._state))
-        (whole, state), (top, top_state), (bottom, bottom_state) = stepped
         shard = local_tensor(param)
         before = {k: local_tensor(v) for k, v in self._state.get(param, {}).items()}
-        apart = [("the rows of a shard", whole, top, bottom, shard)] + [
-            (
-                f"the rows of its state {key!r}",
-                value,
-                top_state[key],
-                bottom_state[key],
-                before.get(key),
-            )
-            for key, value in state.items()
-            if has_rows(value, whole) and key in top_state and key in bottom_state
-        ]
-        for what, together, first, second, start in apart:
-            if _rows_disagree(together, torch.cat([first, second]), start):
-                return f"{what} of shape {tuple(shard.shape)}"
+        # On the gradient, then on it scaled up: a threshold on a norm of the parameter's
+        # gradient (a clipping of each parameter's) that the first gradient does not reach.
+        for gradient, how in ((grad, ""), (loud_copy(grad), " on a gradient scaled up")):
+            stepped = []
+            for part in (slice(None), slice(0, rows // 2), slice(rows // 2, None)):
+                self._restore({id(self._owners[index])})
+                group = self.group(index)
+                _probing(group)
+                stepped.append(stepper.step_rows(group, param, gradient, part, self._state))
+            (whole, state), (top, top_state), (bottom, bottom_state) = stepped
+            apart = [("the rows of a shard", whole, top, bottom, shard)] + [
+                (
+                    f"the rows of its state {key!r}",
+                    value,
+                    top_state[key],
+                    bottom_state[key],
+                    before.get(key),
+                )
+                for key, value in state.items()
+                if has_rows(value, whole) and key in top_state and key in bottom_state
+            ]
+            for what, together, first, second, start in apart:
+                if _rows_disagree(together, torch.cat([first, second]), start):
+                    return f"{what} of shape {tuple(shard.shape)}{how}"
         return None
 
     def _restore(self, instances: set[int]) -> None:
@@ -577,6 +600,18 @@ class ClassState:
                     setattr(instance, name, before[name])
                 elif hasattr(instance, name):
                     delattr(instance, name)
+
+
+def _reads_others(optimizer: Optimizer, seen: str) -> RuntimeError:
+    """The refusal of a class declared to step bucket by bucket whose step of ``seen``."""
+    return RuntimeError(
+        f"{type(optimizer).__name__} is declared to step bucket by bucket, but its step of "
+        f"{seen}: its update of a parameter reads other parameters (a norm over all its "
+        "gradients, clipping inside step(), their number, a parameter's position in its "
+        "group), so stepping bucket by bucket would train differently from the plain step(). "
+        "Nothing has moved. Leave the class undeclared (stepped jointly, once per backward, "
+        "exact whatever its step() reduces over)."
+    )
 
 
 def _agreed(refusal: Exception | None, param: DTensor, checked: str) -> Exception | None:
@@ -760,18 +795,27 @@ class BesideOthers:
             _probing(batch.group)
         group = probed[b].group
         watch = OutsideState(optimizer, [], state)
+        one, two = Batch(group, [param], [grad]), Batch(group, [param, param], [grad, grad])
         try:
-            (alone,) = stepper.step_copies([Batch(group, [param], [grad])], state)
-            (twins,) = stepper.step_copies([Batch(group, [param, param], [grad, grad])], state)
+            (alone,) = stepper.step_copies([one], state)
+            (twins,) = stepper.step_copies([two], state)
             every = stepper.step_copies(probed, state)
+            (loud_alone,) = stepper.step_copies([one], state, loud=True)
+            (loud_twins,) = stepper.step_copies([two], state, loud=True)
         finally:
             watch.undo(None)
-        self._alone = local_tensor(alone["params"][0])
-        self._moved = [*twins["params"], every[b]["params"][i]]
+        self._compared = [
+            (local_tensor(moved), local_tensor(apart["params"][0]))
+            for apart, beside in (
+                (alone, [*twins["params"], every[b]["params"][i]]),
+                (loud_alone, loud_twins["params"]),
+            )
+            for moved in beside
+        ]
 
     def disagrees(self) -> bool:
         """Whether the parameter moved otherwise beside others than alone."""
-        return any(_rows_disagree(local_tensor(m), self._alone, self._before) for m in self._moved)
+        return any(_rows_disagree(m, a, self._before) for m, a in self._compared)
 
 
 def _without_params(group: dict[str, Any]) -> dict[str, Any]:

@@ -152,6 +152,24 @@ def _widened(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone()
 
 
+LOUD = 1e4
+"""The magnitude of the largest gradient element in a check's loud copies (:func:`loud_copy`)."""
+
+
+def loud_copy(grad: torch.Tensor) -> torch.Tensor:
+    """A copy of ``grad`` (float32 where narrower) scaled so that its largest element's
+    magnitude is ``LOUD``: for checks that must see what a class's step does above a
+    threshold (a clipping by the norm of the gradients, ``max_grad_norm=1.0`` as in timm's and
+    apex's LAMB) which the first real gradients may not reach. A DTensor's local values are
+    scaled by their own largest (each rank's shard by its own factor: still a gradient), with
+    no collective and no host sync."""
+    loud = _widened(grad)
+    local = local_tensor(loud)
+    if local.numel():
+        local.mul_(LOUD / local.abs().amax().clamp_min(torch.finfo(local.dtype).tiny))
+    return loud
+
+
 def has_rows(value: Any, shard: torch.Tensor) -> bool:
     """Whether a state value is a tensor with one entry per row of ``shard`` (dim 0 its rows)."""
     return (
@@ -475,20 +493,24 @@ class BucketStepper:
             return self._run(groups, defaultdict(dict), None)
 
     @torch.no_grad()
-    def step_copies(self, batches: Sequence[Batch], state: dict) -> list[dict[str, Any]]:
+    def step_copies(
+        self, batches: Sequence[Batch], state: dict, *, loud: bool = False
+    ) -> list[dict[str, Any]]:
         """Run the class's ``step`` on copies of ``batches``' parameters (local shards, or the
         DTensors), their gradients and their ``state`` entries, never the originals; the
         groups it received. For checks made before a class's first real update, which compare
         copies with copies: bfloat16 and float16 tensors are copied to float32, as
-        :meth:`step_rows` copies them, so that a small move is not rounded away."""
+        :meth:`step_rows` copies them, so that a small move is not rounded away. ``loud``:
+        each gradient is a :func:`loud_copy`."""
         copies: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         groups = []
+        widened = loud_copy if loud else _widened
         for batch in batches:
             params = []
             for param, grad in zip(batch.params, batch.grads, strict=True):
                 source = local_tensor(param) if self.local_shards else param
                 clone = _widened(source.detach())
-                clone.grad = _widened(grad if self.local_shards else param.grad)
+                clone.grad = widened(grad if self.local_shards else param.grad)
                 entry = state.get(param)
                 if entry is not None:
                     if self.local_shards:  # as the real step sees it: local values

@@ -994,22 +994,38 @@ def _global_clip_declared(sharded: bool) -> None:
     1.7e-2 on 2 ranks declared "dtensor" and "elementwise" after four steps, no error; in
     float32, declared "dtensor", one rank's shards showed the difference and the other's not,
     and the rank that stopped there left the other waiting in the pairs' collectives: a hang.
-    Below 1e-3 the copies now step at 1e-3, in float32, and every rank steps every pair."""
-    cases = [(0.1, torch.float32), (0.0, torch.float32), (1e-7, torch.float32)]
-    cases.append((1e-7, torch.bfloat16))
-    for stepping, (lr, dtype) in itertools.product(("dtensor", "elementwise"), cases):
+    Below 1e-3 the copies now step at 1e-3, in float32, and every rank steps every pair.
+
+    And where the first gradients do not reach the class's threshold (``max_grad_norm=5``,
+    their norm 2.6), which a loss spike crosses later: the halves and the pair moved alike,
+    and the class was stepped bucket by bucket (the loss scaled by 10 from the third step,
+    four steps: 0.17 from the plain class on a plain module, 0.15 on 1, 2 and 3 ranks
+    declared "dtensor", 0.17 "elementwise" on 2 and 3 ranks, no error). The check now also steps one
+    parameter alone and beside a copy of itself on gradients scaled up (largest element 1e4):
+    the threshold is crossed, otherwise by the two."""
+    cases = [(0.1, torch.float32, 0.1), (0.0, torch.float32, 0.1), (1e-7, torch.float32, 0.1)]
+    cases += [(1e-7, torch.bfloat16, 0.1), (0.1, torch.float32, 5.0)]
+    for stepping, (lr, dtype, max_norm) in itertools.product(("dtensor", "elementwise"), cases):
         model, _ = make_models()
         model.to(dtype)
         if sharded:
             shard(model)
         _optim = OptimizerInBackward(
-            model.parameters(), GlobalClipSGD, lr=lr, bucket_numel=20, stepping=stepping
+            model.parameters(),
+            GlobalClipSGD,
+            options=InBackwardOptions(bucket_numel=20, stepping=stepping),
+            lr=lr,
+            max_grad_norm=max_norm,
         )
         before = _snapshot(model)
         x, y = _x(0, sharded)
-        with pytest.raises(RuntimeError, match=r"moved them otherwise|another rank"):
+        with pytest.raises(RuntimeError, match=r"moved (them|it) otherwise|another rank"):
             loss_fn(model, x.to(dtype), y.to(dtype)).backward()
         _assert_unchanged(model, before)
+    _, reference = make_models()
+    loss_fn(reference, *batch(0)).backward()
+    first = torch.stack([p.grad.norm() for p in reference.parameters()]).norm()
+    assert 1 < first < 5.0, "the last case's threshold must be above the first gradients' norm"
 
 
 def test_class_clipping_inside_its_step_declared_is_refused():
@@ -1050,6 +1066,51 @@ def test_class_reading_positions_declared_with_one_parameter_buckets_is_refused(
 
 def _global_clip_declared_body() -> None:
     _global_clip_declared(sharded=True)
+
+
+class ClipEachSGD(torch.optim.Optimizer):
+    """SGD clipping each parameter's gradient by its own norm above ``max_norm``, as
+    Adafactor clips each update by its RMS (``clip_threshold``): per parameter, not per
+    element."""
+
+    def __init__(self, params, lr: float = 0.1, max_norm: float = 2.0):
+        super().__init__(params, dict(lr=lr, max_norm=max_norm))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    coef = torch.clamp(group["max_norm"] / (p.grad.norm() + 1e-6), max=1.0)
+                    p.add_(p.grad * coef, alpha=-group["lr"])
+
+
+def _clip_each_declared(sharded: bool) -> None:
+    """``ClipEachSGD`` declared ``"elementwise"``, its threshold above every first gradient's
+    norm: the check's rows stepped apart and together moved alike, and each rank's shard was
+    then clipped by the shard's norm once a loss spike crossed it (the loss scaled by 10 from
+    the third step, four steps: 0.10 and 0.15 from the plain class on 2 and 3 ranks, no
+    error). The rows are now also stepped on a gradient scaled up (largest element 1e4):
+    refused at the first backward, before anything moves (on one process too: the class
+    does not do what it declares)."""
+    model, reference = make_models()
+    loss_fn(reference, *batch(0)).backward()
+    assert max(p.grad.norm() for p in reference.parameters()) < 2.0
+    if sharded:
+        shard(model)
+    _optim = OptimizerInBackward(model.parameters(), ClipEachSGD, stepping="elementwise")
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"rows of a shard.* on a gradient scaled up|another"):
+        loss_fn(model, *_x(0, sharded)).backward()
+    _assert_unchanged(model, before)
+
+
+def test_class_clipping_each_gradient_declared_elementwise_is_refused():
+    _clip_each_declared(sharded=False)
+
+
+def _clip_each_declared_body() -> None:
+    _clip_each_declared(sharded=True)
 
 
 # --------------------------------------------------------- 3. a warmup from lr 0
@@ -2724,6 +2785,8 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _global_clip_body)
     worlds.run(3, _global_clip_declared_body)
     worlds.run(2, _global_clip_declared_body)
+    worlds.run(2, _clip_each_declared_body)
+    worlds.run(3, _clip_each_declared_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _grad_scaler_body)
