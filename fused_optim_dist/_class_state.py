@@ -330,7 +330,7 @@ class ClassState:
                 group = self.group(index)
                 probe = _probing(group)
                 part = Batch(group, [params[i] for i in cut], [grads[i] for i in cut])
-                (group,) = self._steppers.tracked(part.group).step_copies([part], self._state)
+                (group,), _ = self._steppers.tracked(part.group).step_copies([part], self._state)
                 apart.setdefault(id(batch), []).extend(group["params"])
                 after = _without_params(group)
                 if probe is not None and same_value(after.get("lr"), probe):
@@ -395,7 +395,7 @@ class ClassState:
         pairs += [(index, batch, [0, 0]) for index, batch in alone.values()]
         refusal = None
         for index, batch, pair in pairs:
-            both = self._stepped(index, batch, pair)
+            both, _ = self._stepped(index, batch, pair)
             if refusal is None and any(
                 _rows_disagree(
                     local_tensor(together),
@@ -409,37 +409,40 @@ class ClassState:
                     "two parameters together moved them otherwise than "
                     "its steps of the halves of their bucket",
                 )
-        # On loud gradients, one parameter per class alone and beside a copy of itself: a
-        # threshold the first gradients do not reach (a clipping by the norm of all of them
-        # from max_grad_norm=1.0 above it) is then reached, and crossed otherwise by the two.
+        # On loud gradients, one parameter per class alone and beside a copy of itself, its
+        # state compared too: a threshold the first gradients do not reach (a clipping by the
+        # norm of all of them, max_grad_norm=1.0 above it) is then crossed otherwise by the two.
         loud: dict[Any, tuple[int, Batch, int]] = {}
         for index, batch, pair in pairs:
             loud.setdefault(self._steppers.key_of(batch.group), (index, batch, pair[0]))
         for index, batch, i in loud.values():
-            (alone,) = self._stepped(index, batch, [i], loud=True)
-            twins = self._stepped(index, batch, [i, i], loud=True)
-            before = local_tensor(batch.params[i])
+            (alone,), copies = self._stepped(index, batch, [i], loud=True)
+            twins, twin_copies = self._stepped(index, batch, [i, i], loud=True)
+            copies.update(twin_copies)
+            param = batch.params[i]
             if refusal is None and any(
-                _rows_disagree(local_tensor(twin), local_tensor(alone), before) for twin in twins
+                _moved_otherwise(twin, alone, param, copies, self._state) for twin in twins
             ):
                 refusal = _reads_others(
                     self._owners[index],
-                    "a parameter beside a copy of itself, on gradients "
-                    "scaled up, moved it otherwise than its step of it alone",
+                    "a parameter beside a copy of itself, on gradients scaled up, moved it "
+                    "(or its state) otherwise than its step of it alone",
                 )
         return refusal
 
     def _stepped(
         self, index: int, batch: Batch, which: Sequence[int], *, loud: bool = False
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], dict[torch.Tensor, dict]]:
         """Copies of ``batch``'s parameters ``which`` (repeated: each its own copy), stepped
-        together from the snapshot by group ``index``'s class (see ``step_copies``)."""
+        together from the snapshot by group ``index``'s class, and their state (see
+        ``step_copies``)."""
         self._restore({id(self._owners[index])})
         group = self.group(index)
         _probing(group)
         copies = Batch(group, [batch.params[i] for i in which], [batch.grads[i] for i in which])
-        (group,) = self._steppers.tracked(batch.group).step_copies([copies], self._state, loud=loud)
-        return group["params"]
+        stepper = self._steppers.tracked(batch.group)
+        (group,), state = stepper.step_copies([copies], self._state, loud=loud)
+        return group["params"], state
 
     def _check_rows(self, chosen: Sequence[tuple[int, Batch]]) -> None:
         """Refuse a class stepped on local shards whose update of a row depends on the
@@ -673,6 +676,35 @@ def _is_below(value: Any, bound: float) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < bound
 
 
+def _moved_otherwise(
+    moved: torch.Tensor,
+    apart: torch.Tensor,
+    param: torch.Tensor,
+    copies: dict[torch.Tensor, dict],
+    state: dict[torch.Tensor, dict],
+) -> bool:
+    """Whether copy ``moved`` of ``param``, stepped beside others, moved otherwise than copy
+    ``apart``, stepped alone: it, or a state tensor the step left it (``copies``: the copies'
+    state; ``state``: the real one, where both began). The state shows what a first update
+    can hide: timm's ``Lamb`` clipping by the norm of all gradients moves its first update
+    alike whatever the gradients' scale (Adam's first step divides it out), not its moments."""
+    if _rows_disagree(local_tensor(moved), local_tensor(apart), local_tensor(param)):
+        return True
+    beside, alone = copies.get(moved, {}), copies.get(apart, {})
+    if beside.keys() != alone.keys():
+        return True
+    start = state.get(param, {})
+    return any(
+        _rows_disagree(local_tensor(value), local_tensor(alone[key]), _local(start.get(key)))
+        for key, value in beside.items()
+        if isinstance(value, torch.Tensor) and isinstance(alone[key], torch.Tensor)
+    )
+
+
+def _local(value: Any) -> torch.Tensor | None:
+    return local_tensor(value) if isinstance(value, torch.Tensor) else None
+
+
 def _rows_disagree(
     together: torch.Tensor, apart: torch.Tensor, before: torch.Tensor | None
 ) -> bool:
@@ -771,10 +803,12 @@ class BesideOthers:
     module; one reading a multiplier by position 2.6e-1). So, on copies (float32 where the
     tensors are narrower, at ``_PROBE_LR`` where the group's lr is lower), the smallest
     parameter of ``batches`` is stepped alone, beside a copy of itself, and with all of
-    ``batches``; :meth:`disagrees` says whether it moved otherwise in either than alone (by
-    more than 1e-3 of the move summed, as ``ClassState``'s check compares a bucket's halves).
-    The copies of all of ``batches`` cost their size once per process. What the instance and
-    the generators saw is set back.
+    ``batches``, then alone and beside a copy of itself on gradients scaled up (``loud_copy``:
+    a threshold the first gradients do not reach is crossed); :meth:`disagrees` says whether
+    it, or a state tensor of it, moved otherwise beside others than alone (by more than 1e-3
+    of the move summed, as ``ClassState``'s check compares a bucket's halves). The copies of
+    all of ``batches`` cost their size once per process. What the instance and the generators
+    saw is set back.
     """
 
     def __init__(
@@ -789,33 +823,36 @@ class BesideOthers:
             key=lambda where: _size(batches[where[0]], where[1]),
         )
         param, grad = batches[b].params[i], batches[b].grads[i]
-        self._before = local_tensor(param).detach().to(torch.float32, copy=True)
         probed = [Batch(dict(batch.group), batch.params, batch.grads) for batch in batches]
         for batch in probed:
             _probing(batch.group)
         group = probed[b].group
         watch = OutsideState(optimizer, [], state)
         one, two = Batch(group, [param], [grad]), Batch(group, [param, param], [grad, grad])
+        copies: dict[torch.Tensor, dict] = {}
+        stepped = []
         try:
-            (alone,) = stepper.step_copies([one], state)
-            (twins,) = stepper.step_copies([two], state)
-            every = stepper.step_copies(probed, state)
-            (loud_alone,) = stepper.step_copies([one], state, loud=True)
-            (loud_twins,) = stepper.step_copies([two], state, loud=True)
+            steps = [([one], False), ([two], False), (probed, False), ([one], True), ([two], True)]
+            for handed, loud in steps:
+                groups, copied = stepper.step_copies(handed, state, loud=loud)
+                copies.update(copied)
+                stepped.append(groups)
         finally:
             watch.undo(None)
-        self._compared = [
-            (local_tensor(moved), local_tensor(apart["params"][0]))
+        (alone,), (twins,), every, (loud_alone,), (loud_twins,) = stepped
+        compared = [
+            (moved, apart["params"][0])
             for apart, beside in (
                 (alone, [*twins["params"], every[b]["params"][i]]),
                 (loud_alone, loud_twins["params"]),
             )
             for moved in beside
         ]
+        self._disagrees = any(_moved_otherwise(m, a, param, copies, state) for m, a in compared)
 
     def disagrees(self) -> bool:
-        """Whether the parameter moved otherwise beside others than alone."""
-        return any(_rows_disagree(m, a, self._before) for m, a in self._compared)
+        """Whether the parameter (or its state) moved otherwise beside others than alone."""
+        return self._disagrees
 
 
 def _without_params(group: dict[str, Any]) -> dict[str, Any]:

@@ -495,13 +495,13 @@ class BucketStepper:
     @torch.no_grad()
     def step_copies(
         self, batches: Sequence[Batch], state: dict, *, loud: bool = False
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[list[dict[str, Any]], dict[torch.Tensor, dict]]:
         """Run the class's ``step`` on copies of ``batches``' parameters (local shards, or the
         DTensors), their gradients and their ``state`` entries, never the originals; the
-        groups it received. For checks made before a class's first real update, which compare
-        copies with copies: bfloat16 and float16 tensors are copied to float32, as
-        :meth:`step_rows` copies them, so that a small move is not rounded away. ``loud``:
-        each gradient is a :func:`loud_copy`."""
+        groups it received (their ``params`` the copies) and the copies' state. For checks
+        made before a class's first real update, which compare copies with copies: bfloat16
+        and float16 tensors are copied to float32, as :meth:`step_rows` copies them, so that a
+        small move is not rounded away. ``loud``: each gradient is a :func:`loud_copy`."""
         copies: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         groups = []
         widened = loud_copy if loud else _widened
@@ -523,7 +523,7 @@ class BucketStepper:
                     }
                 params.append(clone)
             groups.append(_handed(batch.group, params, batch.params))
-        return self._run(groups, copies, None)
+        return self._run(groups, copies, None), copies
 
     @torch.no_grad()
     def step_rows(

@@ -360,7 +360,7 @@ class WholeTensorStepper:
         if not self._probed:
             watch = OutsideState(self.optimizer, groups, state)
             beside = BesideOthers(self.optimizer, self._whole, batches, state)
-            handed = self._whole.step_copies(batches, state)
+            handed, _ = self._whole.step_copies(batches, state)
             code = watch.undo(handed) | (_READS_OTHERS if beside.disagrees() else 0)
             if code:
                 raise _outside_state_error(type(self.optimizer), code)

@@ -1019,7 +1019,7 @@ def _global_clip_declared(sharded: bool) -> None:
         )
         before = _snapshot(model)
         x, y = _x(0, sharded)
-        with pytest.raises(RuntimeError, match=r"moved (them|it) otherwise|another rank"):
+        with pytest.raises(RuntimeError, match=r"moved (them|it) .*otherwise|another rank"):
             loss_fn(model, x.to(dtype), y.to(dtype)).backward()
         _assert_unchanged(model, before)
     _, reference = make_models()
@@ -1066,6 +1066,51 @@ def test_class_reading_positions_declared_with_one_parameter_buckets_is_refused(
 
 def _global_clip_declared_body() -> None:
     _global_clip_declared(sharded=True)
+
+
+class ClippingLamb(GroupStepLamb):
+    """``GroupStepLamb`` with timm's ``max_grad_norm=1.0``: every gradient divided in place by
+    the norm of all of them, where it is above 1, before the update."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+            for grad in grads:
+                grad.div_(torch.clamp(norm, min=1.0))
+        return super().step(closure)
+
+
+def _clipping_lamb_declared(sharded: bool) -> None:
+    """timm's ``Lamb`` (a group step counter, a trust ratio, clipping by the norm of all
+    gradients) declared ``"dtensor"``: its first update is the same whatever the gradients'
+    scale (Adam's first step divides it out), so the check's pieces moved alike, and each
+    bucket was then clipped by its own norm (5.6e-3 from the plain class after four steps on
+    a plain module and on 1 and 2 ranks, no error; the first gradients' norm, 2.6, is above
+    the threshold). The check now compares the copies' state too (the moments are scaled by
+    the clipping): refused at the first backward, before anything moves. Undeclared, it is
+    stepped jointly: equal."""
+    model, _ = make_models()
+    if sharded:
+        shard(model)
+    _optim = OptimizerInBackward(
+        model.parameters(), ClippingLamb, bucket_numel=20, stepping="dtensor"
+    )
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=r"moved it \(or its state\) otherwise|another rank"):
+        loss_fn(model, *_x(0, sharded)).backward()
+    _assert_unchanged(model, before)
+    assert not _optim.state
+
+
+def test_lamb_clipping_by_all_gradients_declared_is_refused():
+    _clipping_lamb_declared(sharded=False)
+    _counters(False, ClippingLamb, None)
+
+
+def _clipping_lamb_declared_body() -> None:
+    _clipping_lamb_declared(sharded=True)
 
 
 class ClipEachSGD(torch.optim.Optimizer):
@@ -2786,6 +2831,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(3, _global_clip_declared_body)
     worlds.run(2, _global_clip_declared_body)
     worlds.run(2, _clip_each_declared_body)
+    worlds.run(2, _clipping_lamb_declared_body)
     worlds.run(3, _clip_each_declared_body)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)

@@ -619,8 +619,9 @@ def _reads_others(sharded: bool) -> None:
     and 1.4e-2 after a warmup from lr 0 over two steps); the positional class 2.6e-1 on 2
     ranks. With the threshold above the first gradients' norm, crossed by a loss spike (the
     loss scaled by 10 from the third step), the check saw nothing at the first step: 0.16
-    and 0.17 on 2 and 3 ranks, 0.15 on one, 0.17 on a plain module, no error; it now also steps the parameter alone
-    and beside a copy of itself on gradients scaled up (largest element 1e4)."""
+    and 0.17 on 2 and 3 ranks, 0.15 on one, 0.17 on a plain module, no error; it now also
+    steps the parameter alone and beside a copy of itself on gradients scaled up (largest
+    element 1e4)."""
     for cls, kwargs in READS_OTHERS:
         model, _ = make_models()
         if sharded:
