@@ -19,27 +19,33 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
 * before a class's first real update: in the first backward that steps it, its buckets are held
   (with their gradients, as a plain optimizer holds them) until the end of backward; then their
   parameters are split in two halves and each half is stepped on copies (parameters, gradients,
-  state) from the snapshot. If the halves change the groups or the instance differently, the
-  class writes something that depends on the parameters stepped (a norm, a count of parameters)
-  and is refused with nothing moved. Two parameters of each held bucket of two or more, the
-  smallest of each half, are also stepped together on copies: where they moved otherwise than in
-  their halves (by more than 1e-3 of their move, summed), the update of a parameter reads others
-  (a norm over all gradients clipping inside ``step()``, where the first update shows it; their
-  number; a parameter's position in its group) and the class is refused too (a class whose held
-  buckets all hold one parameter has the smallest stepped beside a copy of itself); and a class
-  stepped on local shards has a shard's rows checked alike ([Note: rows stepped apart]). Where a
-  group's lr is below ``_PROBE_LR`` (a warmup from lr 0 or near it moves nothing to compare),
-  every copy steps at it; copies are float32 where the tensors are narrower. Every rank steps
-  the same copies to the end before any verdict (copies of DTensors step with collectives).
-  Otherwise the held buckets are stepped. The verdict is agreed over the parameters' mesh (one
-  all-reduce): what a rank sees depends on its shards (one whose shards of the held buckets are
-  empty sees its halves write alike), and a rank going on alone would wait at the next
-  collective. One whose writes depend on gradient values in a way the halves do not show can
-  still disagree in a later backward, and is refused then, on the ranks that see it (agreeing
-  there would cost a collective per bucket). A class whose step draws random numbers (SGLD's
-  noise) is refused there too, the generators restored: stepped per bucket it would draw them in
-  another order, and on local shards in other shapes, than its plain ``step()``. Only classes
-  declared ``"elementwise"`` or ``"dtensor"`` are checked here (one declared ``"whole_tensor"``:
+  state) from the snapshot. If the halves change the groups or the instance differently, the class
+  writes something that depends on the parameters stepped (a norm, a count of parameters) and is
+  refused with nothing moved. Two parameters of each held bucket of two or more, the smallest of
+  each half, are also stepped together on copies: where they moved otherwise than in their halves
+  (by more than 1e-3 of their move, summed), the update of a parameter reads others (a norm over all
+  gradients clipping inside ``step()``; their number; a parameter's position in its group) and the
+  class is refused too (a class whose held buckets all hold one parameter has the smallest stepped
+  beside a copy of itself). One parameter per class is also stepped alone and beside a copy of
+  itself on gradients scaled up (``loud_copy``: largest element 1e4), its state compared too: a
+  clipping above a threshold the first gradients do not reach is then crossed, and timm's ``Lamb``,
+  whose first update is the same whatever the gradients' scale, shows its clipping in its moments
+  (before, four steps, no error: a class clipping by the norm of all its gradients above 5, the
+  first ones' 2.6, 0.15-0.17 from the plain class after a loss spike, declared ``"dtensor"`` or
+  ``"elementwise"``, 1 to 3 ranks; timm's ``Lamb`` declared ``"dtensor"`` 5.6e-3 on 1 and 2 ranks).
+  A class stepped on local shards has a shard's rows checked alike, on the gradient and on it scaled
+  up ([Note: rows stepped apart]). Where a group's lr is below ``_PROBE_LR`` (a warmup from lr 0 or
+  near it moves nothing to compare), every copy steps at it; copies are float32 where the tensors
+  are narrower. Every rank steps the same copies to the end before any verdict (copies of DTensors
+  step with collectives). Otherwise the held buckets are stepped. The verdict is agreed over the
+  parameters' mesh (one all-reduce): what a rank sees depends on its shards (one whose shards of the
+  held buckets are empty sees its halves write alike), and a rank going on alone would wait at the
+  next collective. One whose writes depend on gradient values in a way the halves do not show can
+  still disagree in a later backward, and is refused then, on the ranks that see it (agreeing there
+  would cost a collective per bucket). A class whose step draws random numbers (SGLD's noise) is
+  refused there too, the generators restored: stepped per bucket it would draw them in another
+  order, and on local shards in other shapes, than its plain ``step()``. Only classes declared
+  ``"elementwise"`` or ``"dtensor"`` are checked here (one declared ``"whole_tensor"``:
   ``BesideOthers``): a class stepped jointly runs its step once per backward, at its end (see
   [Note: classes stepped jointly] and, for its draws, [Note: random numbers drawn jointly] in
   ``_engine.py``);
@@ -78,8 +84,14 @@ elements, which kernels rounding a few elements differently at another offset (a
 loop and its tail) stay far below. The copies are float32 where the tensors are narrower. On
 one rank too: a class stepped so is exact there, but its declaration is not what it does.
 Where the group's lr is below 1e-3 (a warmup from lr 0 or near it), the copies step at 1e-3.
-What the check cannot see: an update that reads other elements only where the first step does not
-show it (a norm clipped only above some value), and a shard of one row.
+The three steps are then made again on the gradient scaled up (``loud_copy``: largest element
+1e4), so that a threshold the first gradient does not reach is crossed: a class clipping each
+parameter's gradient by its own norm above 2, declared ``"elementwise"``, passed the check on
+gradients below it and, once a loss spike crossed it, clipped each shard by the shard's norm
+(0.10 and 0.15 from the plain class after four steps on 2 and 3 ranks, no error). What the
+check cannot see: an update that reads other elements only where neither step shows it (a
+threshold above the scaled gradient's norm; a read that begins after some steps), and a shard
+of one row.
 
 [Note: what a snapshot shares]
 A snapshot copies values a step advances (counters, flags, small tensors), not what they refer
