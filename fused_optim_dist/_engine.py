@@ -187,8 +187,12 @@ class Phase(enum.Enum):
 
 class _Deferred(NamedTuple):
     """A bucket held until the end of backward (its class stepped jointly, or not yet checked):
-    the groups, batches and ``found_inf``."""
+    the bucket, its members stepped and their gradients' local tensors, the groups, batches
+    and ``found_inf``."""
 
+    bucket: Bucket
+    params: Sequence[torch.Tensor]
+    grads: list[torch.Tensor]
     indices: list[int]
     batches: list[Batch]
     found_inf: torch.Tensor | None
@@ -264,8 +268,10 @@ class BackwardPass:
         self._norms = BackwardNorms()
         self._events = StepEvents()
         # Buckets held until the end of backward: see [Note: classes stepped jointly] and
-        # [Note: group and instance state].
+        # [Note: group and instance state]; whether every bucket is, so that they are clipped
+        # and judged there (None: not yet known; see [Note: held buckets clipped together]).
         self._deferred: list[_Deferred] = []
+        self._all_held: bool | None = None
         # See [Note: group and instance state].
         self._class_state = ClassState(stepper, param_groups, state)
 
@@ -530,6 +536,12 @@ class BackwardPass:
                     )
                     for index, positions in split
                 ]
+                indices = [index for index, _ in split]
+                held = self._holds(indices)
+                if held and self._judged_at_end():
+                    self._hold(bucket, params, grads, indices, batches, None)
+                    params = ()
+                    return
                 verdict = BucketVerdict()
                 if self._record and self._gradients.active:
                     device_skip = self._gradients.skip_nonfinite and self._stepper.takes_found_inf(
@@ -544,21 +556,12 @@ class BackwardPass:
                             device_skip=device_skip,
                             alone=len(self._plan.buckets) == 1,
                         )
-                indices = [index for index, _ in split]
                 if not verdict.step:
                     self._skipped.update(indices)
                 else:
-                    if verdict.found_inf is None:
-                        self._stepping = True
-                    else:
-                        self._device_flags.append(verdict.found_inf)
-                    if self._class_state.must_check(indices) or any(
-                        self._stepper.is_joint(batch.group) for batch in batches
-                    ):
-                        # Held, gradients and all, until the end of this backward. See [Note:
-                        # classes stepped jointly] and [Note: group and instance state].
-                        self._deferred.append(_Deferred(indices, batches, verdict.found_inf))
-                        self._stepped.update(map(id, params))
+                    self._note_stepping(verdict)
+                    if held:
+                        self._hold(bucket, params, grads, indices, batches, verdict.found_inf)
                         params = ()
                         return
                     self._update(indices, batches, verdict.found_inf)
@@ -567,6 +570,97 @@ class BackwardPass:
                 raise
             finally:
                 self._release(params, grads, moved=moved)
+
+    def _holds(self, indices: Sequence[int]) -> bool:
+        """Whether a bucket of the groups ``indices`` is held until the end of backward, its
+        gradients and all: its class is stepped jointly, or not yet checked. See [Note:
+        classes stepped jointly] and [Note: group and instance state]."""
+        return self._class_state.must_check(indices) or any(
+            self._stepper.is_joint(self._param_groups[index]) for index in indices
+        )
+
+    def _hold(
+        self,
+        bucket: Bucket,
+        params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor],
+        indices: list[int],
+        batches: list[Batch],
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        self._deferred.append(_Deferred(bucket, params, grads, indices, batches, found_inf))
+        self._stepped.update(map(id, params))
+
+    def _judged_at_end(self) -> bool:
+        """Whether this backward's buckets are clipped and judged non-finite at its end, all
+        together, rather than each when it is ready: where every bucket of the plan is held
+        there anyway.
+
+        [Note: held buckets clipped together]
+        Clipping by norm in backward scales each bucket when it is ready, by the norm seen so
+        far and the rest's predicted (see [Note: clipping inside one backward] in
+        ``_gradients.py``), because it is stepped then. A bucket held until the end of
+        backward (its class stepped jointly, or held for the check before its first update)
+        is stepped only there, when every gradient of the backward is known. Where every
+        bucket of the plan is held (an optimizer whose classes are all stepped jointly, as an
+        undeclared one is, or the first backward of declared ones), none is clipped or judged
+        when it arrives: at the end of backward their global norm is taken as ``step()``
+        takes it for the gradients it steps (``GradientProcessor.before_steps``), each is
+        scaled by exactly ``clip_grad_norm_``'s coefficient, and a non-finite gradient skips
+        them all, as the plain loop skips its step. Before, each was scaled as it arrived, and
+        a non-finite one skipped alone (a class counting steps in its groups, undeclared, on
+        four FSDP2 units, four steps, every one clipped: 1.4e-2 from the plain loop on 2 and 3
+        ranks; 2.3e-2 with a NaN in some units at one step). Where only some buckets
+        are held, those stepped in backward were scaled before the held ones' norms were
+        known, and the held ones keep the per-bucket coefficients. The same on every rank:
+        each holds the same plan and groups."""
+        if self._all_held is None:
+            self._all_held = (
+                self._in_backward
+                and self._record
+                and self._gradients.reduces_per_bucket
+                and len(self._plan.buckets) > 1
+                and all(
+                    self._holds([index for index, _ in bucket.by_group(bucket.params)])
+                    for bucket in self._plan.buckets
+                )
+            )
+        return self._all_held
+
+    def _judge_held(self, deferred: list[_Deferred]) -> list[_Deferred]:
+        """Clip the ``deferred`` buckets (every bucket this backward stepped) by their global
+        norm, and skip them all where it is not finite; those to step, with their
+        ``found_inf``. See [Note: held buckets clipped together]."""
+        position = {id(p): i for i, p in enumerate(self._plan.trainable)}
+        held = sorted((p for d in deferred for p in d.params), key=lambda p: position[id(p)])
+        with traced("fused_optim_dist::gradients"):
+            self._gradients.before_steps(
+                self._norms, held, local_gradients(held), [(d.bucket, d.params) for d in deferred]
+            )
+            kept = []
+            for d in deferred:
+                verdict = self._gradients.before_step(
+                    self._norms,
+                    d.bucket,
+                    d.params,
+                    d.grads,
+                    device_skip=self._gradients.skip_nonfinite
+                    and self._stepper.takes_found_inf(d.batches),
+                    alone=False,
+                )
+                if not verdict.step:
+                    self._skipped.update(d.indices)
+                    self._release(d.params, d.grads)
+                    continue
+                self._note_stepping(verdict)
+                kept.append(d._replace(found_inf=verdict.found_inf))
+        return kept
+
+    def _note_stepping(self, verdict: BucketVerdict) -> None:
+        if verdict.found_inf is None:
+            self._stepping = True
+        else:
+            self._device_flags.append(verdict.found_inf)
 
     def _skipped_whole(self) -> bool:
         """Whether every bucket that got a gradient was skipped as non-finite: a skipped step
@@ -611,6 +705,8 @@ class BackwardPass:
         """Check the classes whose first buckets were held, step those buckets, then the held
         batches of the classes stepped jointly, in one call."""
         deferred, self._deferred = self._deferred, []
+        if deferred and self._judged_at_end():
+            deferred = self._judge_held(deferred)
         if not deferred:
             return
         self._class_state.check([(d.indices, d.batches) for d in deferred])
