@@ -1199,6 +1199,16 @@ class ShardedJointLoopMachine(JointLoopMachine):
     sharded = True
 
 
+class ShardedClippedJointLoopMachine(ShardedJointLoopMachine):
+    """The class stepped jointly on FSDP2's units, clipped by norm, with NaN batches: every
+    bucket is held to the end of backward, and clipped by exactly ``clip_grad_norm_``'s
+    coefficient and skipped together there, as the plain loop clips and skips its step (see
+    [Note: held buckets clipped together])."""
+
+    max_grad_norm = 0.05
+    skip_nonfinite = True
+
+
 class ShardedOutOfPlaceLoopMachine(ShardedLoopMachine):
     """A class of one's own declared ``"elementwise"``, written as hand-written optimizers
     often are (state values replaced out of place, a Python count, tensors in a list, a value
@@ -1294,6 +1304,7 @@ def test_random_loops_compact_adamw_bfloat16():
         (ShardedSkipNonfiniteLoopMachine, 4, 4, 16),
         (ShardedGroupCounterLoopMachine, 3, 4, 12),
         (ShardedJointLoopMachine, 3, 4, 12),
+        (ShardedClippedJointLoopMachine, 2, 4, 12),
         (ShardedKeptAfterForwardLoopMachine, 3, 4, 16),
         (ShardedColumnsLoopMachine, 2, 4, 16),
         (ShardedAdafactorLoopMachine, 2, 6, 20),
@@ -1306,6 +1317,7 @@ def test_random_loops_compact_adamw_bfloat16():
         "skip-nonfinite-empty-shards",
         "group-counter",
         "joint",
+        "clipped-joint-skip-nonfinite",
         "kept-after-forward",
         "columns",
         "adafactor-whole-tensor",
