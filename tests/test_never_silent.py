@@ -2833,6 +2833,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(2, _clip_each_declared_body)
     worlds.run(2, _clipping_lamb_declared_body)
     worlds.run(3, _clip_each_declared_body)
+    worlds.run(4, _clip_each_declared_body)  # the last rank's shards are all empty
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _grad_scaler_body)
