@@ -555,6 +555,7 @@ class BackwardPass:
                             grads,
                             device_skip=device_skip,
                             alone=len(self._plan.buckets) == 1,
+                            held=held and self._clips_held_at_end(),
                         )
                 if not verdict.step:
                     self._skipped.update(indices)
@@ -610,10 +611,12 @@ class BackwardPass:
         them all, as the plain loop skips its step. Before, each was scaled as it arrived, and
         a non-finite one skipped alone (a class counting steps in its groups, undeclared, on
         four FSDP2 units, four steps, every one clipped: 1.4e-2 from the plain loop on 2 and 3
-        ranks; 2.3e-2 with a NaN in some units at one step). Where only some buckets
-        are held, those stepped in backward were scaled before the held ones' norms were
-        known, and the held ones keep the per-bucket coefficients. The same on every rank:
-        each holds the same plan and groups."""
+        ranks; 2.3e-2 with a NaN in some units at one step). Where only some buckets are held
+        (classes mixed in one optimizer by their groups), those stepped in backward keep the
+        per-bucket coefficients, and each held one is judged non-finite when it arrives (a
+        bucket stepped before may not be skipped), but the held ones are scaled at the end by
+        the norm of every bucket the backward stepped: the global coefficient, nothing left
+        to predict. The same on every rank: each holds the same plan and groups."""
         if self._all_held is None:
             self._all_held = (
                 self._in_backward
@@ -626,6 +629,12 @@ class BackwardPass:
                 )
             )
         return self._all_held
+
+    def _clips_held_at_end(self) -> bool:
+        """Whether the buckets this backward holds to its end, beside buckets it steps, are
+        clipped there by the norm of all of them (``GradientProcessor.clip_held``), not each
+        when it is ready. See [Note: held buckets clipped together]."""
+        return self._in_backward and self._record and len(self._plan.buckets) > 1
 
     def _judge_held(self, deferred: list[_Deferred]) -> list[_Deferred]:
         """Clip the ``deferred`` buckets (every bucket this backward stepped) by their global
@@ -707,6 +716,8 @@ class BackwardPass:
         deferred, self._deferred = self._deferred, []
         if deferred and self._judged_at_end():
             deferred = self._judge_held(deferred)
+        elif deferred and self._clips_held_at_end():
+            self._gradients.clip_held(self._norms, [g for d in deferred for g in d.grads])
         if not deferred:
             return
         self._class_state.check([(d.indices, d.batches) for d in deferred])

@@ -347,6 +347,7 @@ class GradientProcessor:
         *,
         device_skip: bool,
         alone: bool,
+        held: bool = False,
     ) -> BucketVerdict:
         """Account for and clip the bucket's gradients (``grads``: the local tensors of the
         gradients of ``params``) in place; say whether to step it.
@@ -354,7 +355,8 @@ class GradientProcessor:
         Collective (all-reduces of one scalar) when clipping by norm or skipping non-finite
         gradients. ``device_skip``: the step takes a ``found_inf`` flag, so a non-finite bucket
         is skipped on the device with no host sync. ``alone``: the bucket is the plan's only
-        one (see [Note: clip_grad_norm_'s own norm]).
+        one (see [Note: clip_grad_norm_'s own norm]). ``held``: the bucket is stepped at the
+        end of backward, and clipped there by :meth:`clip_held`, not here.
         """
         if not self.active:
             return BucketVerdict()
@@ -397,8 +399,19 @@ class GradientProcessor:
                     self._warned_per_bucket = True
                     warnings.warn(PER_BUCKET_CLIPPING, UserWarning, stacklevel=2)
                 coefficient = self._clip_coefficient(norms, bucket.key)
-                torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+                if not held:
+                    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return self._clamp(grads, verdict)
+
+    def clip_held(self, norms: BackwardNorms, grads: list[torch.Tensor]) -> None:
+        """At the end of a backward, clip the gradients of the buckets held to it (``grads``,
+        local tensors; accounted by :meth:`before_step` with ``held``) by the norm of every
+        bucket the backward stepped: the global coefficient, nothing left to predict. See
+        [Note: held buckets clipped together] in ``_engine.py``."""
+        if self.max_grad_norm is None or not grads or norms.seen is None:
+            return
+        coefficient = (self.max_grad_norm / (norms.seen.sqrt() + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].device))
 
     def before_steps(
         self,

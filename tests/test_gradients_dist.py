@@ -738,6 +738,41 @@ def test_jointly_stepped_class_clipped_and_checked_together(worlds, world_size):
         worlds.run(world_size, _jointly_stepped_body, skip_nonfinite=skip_nonfinite)
 
 
+def test_held_buckets_beside_stepped_ones_clipped_by_the_global_norm():
+    """Classes mixed by their groups: AdamW on the body, stepped in backward bucket by bucket,
+    and a class stepped jointly on the head, whose bucket is held to the end of backward. The
+    head was clipped by the coefficient predicted when it arrived, first, with nothing of the
+    body seen (4.5e-6 from the plain loop after one step); it is now clipped at the end by the
+    norm of every bucket the backward stepped, the plain loop's coefficient: equal. The body
+    keeps the per-bucket coefficients (within 1e-6 after one step here)."""
+    model, reference = make_models()
+    body = [p for n, p in model.named_parameters() if not n.startswith("head")]
+    ref_body = [p for n, p in reference.named_parameters() if not n.startswith("head")]
+    head, ref_head = list(model.head.parameters()), list(reference.head.parameters())
+    with pytest.warns(UserWarning, match="stepped jointly"):
+        optim = OptimizerInBackward(
+            [{"params": body}, {"params": head, "optimizer_cls": GroupStepLamb, "lr": 1e-2}],
+            torch.optim.AdamW,
+            lr=1e-2,
+            max_grad_norm=CLIP_NORM,
+            bucket_numel=20,
+        )
+    plain = [torch.optim.AdamW(ref_body, lr=1e-2), GroupStepLamb(ref_head, lr=1e-2)]
+    assert len(optim._current_plan().buckets) > 2
+    x, y = batch(0)
+    with pytest.warns(UserWarning, match="clipped when ready"):
+        loss_fn(model, x, y).backward()
+    optim.step()
+    loss_fn(reference, x, y).backward()
+    assert torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP_NORM) > 2 * CLIP_NORM
+    for opt in plain:
+        opt.step()
+    for param, ref in zip(head, ref_head, strict=True):
+        torch.testing.assert_close(param, ref, rtol=0, atol=1e-7)
+    for param, ref in zip(body, ref_body, strict=True):
+        torch.testing.assert_close(param, ref, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("skip_nonfinite", [False, True], ids=["clip", "skip_nonfinite"])
 def test_gradients_set_by_hand_clipped_and_checked_together(skip_nonfinite):
     """Gradients set by hand (``torch.autograd.grad``) on a plain module of one-element buckets,
