@@ -22,33 +22,33 @@ all their state in ``state[p]``, as this library's ``CompactAdamW`` does):
   state) from the snapshot. If the halves change the groups or the instance differently, the class
   writes something that depends on the parameters stepped (a norm, a count of parameters) and is
   refused with nothing moved. Two parameters of each held bucket of two or more, the smallest of
-  each half, are also stepped together on copies: where they moved otherwise than in their halves
-  (by more than 1e-3 of their move, summed), the update of a parameter reads others (a norm over all
-  gradients clipping inside ``step()``; their number; a parameter's position in its group) and the
-  class is refused too (a class whose held buckets all hold one parameter has the smallest stepped
-  beside a copy of itself). One parameter per class is also stepped alone and beside a copy of
-  itself on gradients scaled up (``loud_copy``: largest element 1e4), its state compared too: a
-  clipping above a threshold the first gradients do not reach is then crossed, and timm's ``Lamb``,
-  whose first update is the same whatever the gradients' scale, shows its clipping in its moments
-  (before, four steps, no error: a class clipping by the norm of all its gradients above 5, the
-  first ones' 2.6, 0.15-0.17 from the plain class after a loss spike, declared ``"dtensor"`` or
-  ``"elementwise"``, 1 to 3 ranks; timm's ``Lamb`` declared ``"dtensor"`` 5.6e-3 on 1 and 2 ranks).
-  A class stepped on local shards has a shard's rows checked alike, on the gradient and on it scaled
-  up ([Note: rows stepped apart]). Where a group's lr is below ``_PROBE_LR`` (a warmup from lr 0 or
-  near it moves nothing to compare), every copy steps at it; copies are float32 where the tensors
-  are narrower. Every rank steps the same copies to the end before any verdict (copies of DTensors
-  step with collectives). Otherwise the held buckets are stepped. The verdict is agreed over the
-  parameters' mesh (one all-reduce): what a rank sees depends on its shards (one whose shards of the
-  held buckets are empty sees its halves write alike), and a rank going on alone would wait at the
-  next collective. One whose writes depend on gradient values in a way the halves do not show can
-  still disagree in a later backward, and is refused then, on the ranks that see it (agreeing there
-  would cost a collective per bucket). A class whose step draws random numbers (SGLD's noise) is
-  refused there too, the generators restored: stepped per bucket it would draw them in another
-  order, and on local shards in other shapes, than its plain ``step()``. Only classes declared
-  ``"elementwise"`` or ``"dtensor"`` are checked here (one declared ``"whole_tensor"``:
-  ``BesideOthers``): a class stepped jointly runs its step once per backward, at its end (see
-  [Note: classes stepped jointly] and, for its draws, [Note: random numbers drawn jointly] in
-  ``_engine.py``);
+  each half, are also stepped together on copies: where they, or their state, moved otherwise than
+  in their halves (by more than 1e-3 of the move, summed), the update of a parameter reads others (a
+  norm over all gradients clipping inside ``step()``; their number; a parameter's position in its
+  group) and the class is refused too (a class whose held buckets all hold one parameter has the
+  smallest stepped beside a copy of itself). One parameter per class is also stepped alone and
+  beside a copy of itself on gradients scaled up (``loud_copy``: largest element 1e4): a clipping
+  above a threshold the first gradients do not reach is then crossed. The state is compared because
+  timm's ``Lamb``, whose first update is the same whatever the gradients' scale, shows its clipping
+  in its moments (before, four steps, no error: a class clipping by the norm of all its gradients
+  above 5, the first ones' 2.6, 0.15-0.17 from the plain class after a loss spike, declared
+  ``"dtensor"`` or ``"elementwise"``, 1 to 3 ranks; timm's ``Lamb`` declared ``"dtensor"`` 5.6e-3 on
+  1 and 2 ranks). A class stepped on local shards has a shard's rows checked alike, on the gradient
+  and on it scaled up ([Note: rows stepped apart]). Where a group's lr is below ``_PROBE_LR`` (a
+  warmup from lr 0 or near it moves nothing to compare), every copy steps at it; copies are float32
+  where the tensors are narrower. Every rank steps the same copies to the end before any verdict
+  (copies of DTensors step with collectives). Otherwise the held buckets are stepped. The verdict is
+  agreed over the parameters' mesh (one all-reduce): what a rank sees depends on its shards (one
+  whose shards of the held buckets are empty sees its halves write alike), and a rank going on alone
+  would wait at the next collective. One whose writes depend on gradient values in a way the halves
+  do not show can still disagree in a later backward, and is refused then, on the ranks that see it
+  (agreeing there would cost a collective per bucket). A class whose step draws random numbers
+  (SGLD's noise) is refused there too, the generators restored: stepped per bucket it would draw
+  them in another order, and on local shards in other shapes, than its plain ``step()``. Only
+  classes declared ``"elementwise"`` or ``"dtensor"`` are checked here (one declared
+  ``"whole_tensor"``: ``BesideOthers``): a class stepped jointly runs its step once per backward, at
+  its end (see [Note: classes stepped jointly] and, for its draws, [Note: random numbers drawn
+  jointly] in ``_engine.py``);
 * every later bucket of such a class is watched for draws too: a class that starts drawing
   after its first backward (noise after a burn-in) is refused at the first bucket that draws.
   That bucket has moved (what a step will draw is not knowable before it runs); the others
@@ -332,8 +332,11 @@ class ClassState:
         objects: dict[int, dict[str, Any]] = {}
         generators = GeneratorStates()
         refusal: Exception | None = None
-        # Each batch's parameters as its halves' steps left them (copies), in order.
-        apart: dict[int, list[torch.Tensor]] = {}
+        # The smallest parameter of each piece as the piece's step left it (a copy, by batch and
+        # position: the one _check_together steps beside another), and the copies' state. Only
+        # those are kept: the pieces together are every held parameter.
+        apart: dict[tuple[int, int], torch.Tensor] = {}
+        copies: dict[torch.Tensor, dict] = {}
         try:
             for index, batch, cut in pieces:
                 owner = id(self._owners[index])
@@ -342,8 +345,11 @@ class ClassState:
                 group = self.group(index)
                 probe = _probing(group)
                 part = Batch(group, [params[i] for i in cut], [grads[i] for i in cut])
-                (group,), _ = self._steppers.tracked(part.group).step_copies([part], self._state)
-                apart.setdefault(id(batch), []).extend(group["params"])
+                stepper = self._steppers.tracked(part.group)
+                (group,), copied = stepper.step_copies([part], self._state)
+                i = _smallest(batch, cut)
+                kept = apart[id(batch), i] = group["params"][cut.index(i)]
+                copies[kept] = copied.get(kept, {})
                 after = _without_params(group)
                 if probe is not None and same_value(after.get("lr"), probe):
                     after["lr"] = self._group_snapshot[index].get("lr")  # as the step left it
@@ -358,7 +364,7 @@ class ClassState:
                     refusal = refusal or e
             if refusal is None and generators.drawn():
                 refusal = RuntimeError(_DRAWS)
-            together = self._check_together(chosen, apart)  # on every rank, whatever else
+            together = self._check_together(chosen, apart, copies)  # every rank, whatever else
             refusal = refusal or together
             if refusal is None:
                 self._check_rows(chosen)
@@ -377,10 +383,14 @@ class ClassState:
             raise refusal
 
     def _check_together(
-        self, chosen: Sequence[tuple[int, Batch]], apart: dict[int, list[torch.Tensor]]
+        self,
+        chosen: Sequence[tuple[int, Batch]],
+        apart: dict[tuple[int, int], torch.Tensor],
+        copies: dict[torch.Tensor, dict],
     ) -> RuntimeError | None:
-        """The refusal of a class whose step of two parameters together moves them otherwise
-        than its steps of the batch's halves they were in (``apart``): its update of a
+        """The refusal of a class whose step of two parameters together moves them (or their
+        state) otherwise than its steps of the batch's halves they were in (``apart``, their
+        state in ``copies``): its update of a
         parameter reads others (a norm over all of them clipping inside ``step()``, their
         number, a parameter's position in its group), which stepping bucket by bucket cannot
         reproduce. The pair is the smallest parameter of each half, so that the copies cost
@@ -407,18 +417,17 @@ class ClassState:
         pairs += [(index, batch, [0, 0]) for index, batch in alone.values()]
         refusal = None
         for index, batch, pair in pairs:
-            both, _ = self._stepped(index, batch, pair)
+            both, copied = self._stepped(index, batch, pair)
+            copies.update(copied)
             if refusal is None and any(
-                _rows_disagree(
-                    local_tensor(together),
-                    local_tensor(apart[id(batch)][i]),
-                    local_tensor(batch.params[i]),
+                _moved_otherwise(
+                    together, apart[id(batch), i], batch.params[i], copies, self._state
                 )
                 for i, together in zip(pair, both, strict=True)
             ):
                 refusal = _reads_others(
                     self._owners[index],
-                    "two parameters together moved them otherwise than "
+                    "two parameters together moved them (or their state) otherwise than "
                     "its steps of the halves of their bucket",
                 )
         # On loud gradients, one parameter per class alone and beside a copy of itself, its
@@ -428,9 +437,10 @@ class ClassState:
         for index, batch, pair in pairs:
             loud.setdefault(self._steppers.key_of(batch.group), (index, batch, pair[0]))
         for index, batch, i in loud.values():
-            (alone,), copies = self._stepped(index, batch, [i], loud=True)
-            twins, twin_copies = self._stepped(index, batch, [i, i], loud=True)
-            copies.update(twin_copies)
+            (alone,), copied = self._stepped(index, batch, [i], loud=True)
+            copies.update(copied)
+            twins, copied = self._stepped(index, batch, [i, i], loud=True)
+            copies.update(copied)
             param = batch.params[i]
             if refusal is None and any(
                 _moved_otherwise(twin, alone, param, copies, self._state) for twin in twins

@@ -185,10 +185,10 @@ class Phase(enum.Enum):
     FINISHED = enum.auto()
 
 
-class _Deferred(NamedTuple):
-    """A bucket held until the end of backward (its class stepped jointly, or not yet checked):
-    the bucket, its members stepped and their gradients' local tensors, the groups, batches
-    and ``found_inf``."""
+class _Ready(NamedTuple):
+    """A bucket ready to step, or held until the end of backward (its class stepped jointly,
+    or not yet checked): the bucket, its members stepped and their gradients' local tensors,
+    the groups, batches and ``found_inf``."""
 
     bucket: Bucket
     params: Sequence[torch.Tensor]
@@ -268,12 +268,13 @@ class BackwardPass:
         self._norms = BackwardNorms()
         self._events = StepEvents()
         # Buckets held until the end of backward: see [Note: classes stepped jointly] and
-        # [Note: group and instance state]; whether every bucket is, so that they are clipped
-        # and judged there (None: not yet known; see [Note: held buckets clipped together]).
-        self._deferred: list[_Deferred] = []
-        self._all_held: bool | None = None
+        # [Note: group and instance state].
+        self._deferred: list[_Ready] = []
         # See [Note: group and instance state].
         self._class_state = ClassState(stepper, param_groups, state)
+        # Whether held buckets are clipped at the end of backward, and whether every bucket
+        # is held (clipped and judged there together): [Note: held buckets clipped together].
+        self._clips_held, self._all_held = self._derive_held()
 
     def queue_finish(self, node: torch.autograd.graph.Node | None) -> None:
         """Finish this pass once its backward has finished (call in its first hook).
@@ -536,36 +537,19 @@ class BackwardPass:
                     )
                     for index, positions in split
                 ]
-                indices = [index for index, _ in split]
-                held = self._holds(indices)
-                if held and self._judged_at_end():
-                    self._hold(bucket, params, grads, indices, batches, None)
+                ready = _Ready(bucket, params, grads, [i for i, _ in split], batches, None)
+                held = self._holds(ready.indices)
+                if held and self._all_held:
+                    self._hold(ready)  # clipped and judged with the others at the end
                     params = ()
                     return
-                verdict = BucketVerdict()
-                if self._record and self._gradients.active:
-                    device_skip = self._gradients.skip_nonfinite and self._stepper.takes_found_inf(
-                        batches
-                    )
-                    with traced("fused_optim_dist::gradients"):
-                        verdict = self._gradients.before_step(
-                            self._norms,
-                            bucket,
-                            params,
-                            grads,
-                            device_skip=device_skip,
-                            alone=len(self._plan.buckets) == 1,
-                            held=held and self._clips_held_at_end(),
-                        )
-                if not verdict.step:
-                    self._skipped.update(indices)
-                else:
-                    self._note_stepping(verdict)
+                verdict = self._judge(ready, clipped_at_end=held and self._clips_held)
+                if verdict.step:
                     if held:
-                        self._hold(bucket, params, grads, indices, batches, verdict.found_inf)
+                        self._hold(ready._replace(found_inf=verdict.found_inf))
                         params = ()
                         return
-                    self._update(indices, batches, verdict.found_inf)
+                    self._update(ready.indices, batches, verdict.found_inf)
             except SharedStateError:
                 moved = False
                 raise
@@ -580,22 +564,40 @@ class BackwardPass:
             self._stepper.is_joint(self._param_groups[index]) for index in indices
         )
 
-    def _hold(
-        self,
-        bucket: Bucket,
-        params: Sequence[torch.Tensor],
-        grads: list[torch.Tensor],
-        indices: list[int],
-        batches: list[Batch],
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        self._deferred.append(_Deferred(bucket, params, grads, indices, batches, found_inf))
-        self._stepped.update(map(id, params))
+    def _hold(self, ready: _Ready) -> None:
+        self._deferred.append(ready)
+        self._stepped.update(map(id, ready.params))
 
-    def _judged_at_end(self) -> bool:
-        """Whether this backward's buckets are clipped and judged non-finite at its end, all
-        together, rather than each when it is ready: where every bucket of the plan is held
-        there anyway.
+    def _judge(self, bucket: _Ready, *, clipped_at_end: bool = False) -> BucketVerdict:
+        """Account for, clip and check ``bucket``'s gradients (see ``GradientProcessor.
+        before_step``; ``clipped_at_end``: a held bucket, scaled at the end of backward by
+        ``clip_held``); note a skipped bucket's groups, or how a stepped one may be skipped."""
+        verdict = BucketVerdict()
+        if self._record and self._gradients.active:
+            with traced("fused_optim_dist::gradients"):
+                verdict = self._gradients.before_step(
+                    self._norms,
+                    bucket.bucket,
+                    bucket.params,
+                    bucket.grads,
+                    device_skip=self._gradients.skip_nonfinite
+                    and self._stepper.takes_found_inf(bucket.batches),
+                    alone=len(self._plan.buckets) == 1,
+                    held=clipped_at_end,
+                )
+        if not verdict.step:
+            self._skipped.update(bucket.indices)
+        elif verdict.found_inf is None:
+            self._stepping = True
+        else:
+            self._device_flags.append(verdict.found_inf)
+        return verdict
+
+    def _derive_held(self) -> tuple[bool, bool]:
+        """Whether the buckets this backward holds to its end are clipped there (by the norm
+        of every bucket it stepped, ``GradientProcessor.clip_held``), and whether every bucket
+        of the plan is held, so that all are clipped and judged non-finite there together,
+        rather than each when it is ready.
 
         [Note: held buckets clipped together]
         Clipping by norm in backward scales each bucket when it is ready, by the norm seen so
@@ -617,59 +619,38 @@ class BackwardPass:
         bucket stepped before may not be skipped), but the held ones are scaled at the end by
         the norm of every bucket the backward stepped: the global coefficient, nothing left
         to predict. The same on every rank: each holds the same plan and groups."""
-        if self._all_held is None:
-            self._all_held = (
-                self._in_backward
-                and self._record
-                and self._gradients.reduces_per_bucket
-                and len(self._plan.buckets) > 1
-                and all(
-                    self._holds([index for index, _ in bucket.by_group(bucket.params)])
-                    for bucket in self._plan.buckets
-                )
+        clips_held = self._in_backward and self._record and len(self._plan.buckets) > 1
+        all_held = (
+            clips_held
+            and self._gradients.reduces_per_bucket
+            and all(
+                self._holds([index for index, _ in bucket.by_group(bucket.params)])
+                for bucket in self._plan.buckets
             )
-        return self._all_held
+        )
+        return clips_held, all_held
 
-    def _clips_held_at_end(self) -> bool:
-        """Whether the buckets this backward holds to its end, beside buckets it steps, are
-        clipped there by the norm of all of them (``GradientProcessor.clip_held``), not each
-        when it is ready. See [Note: held buckets clipped together]."""
-        return self._in_backward and self._record and len(self._plan.buckets) > 1
-
-    def _judge_held(self, deferred: list[_Deferred]) -> list[_Deferred]:
+    def _judge_held(self, deferred: list[_Ready]) -> list[_Ready]:
         """Clip the ``deferred`` buckets (every bucket this backward stepped) by their global
         norm, and skip them all where it is not finite; those to step, with their
         ``found_inf``. See [Note: held buckets clipped together]."""
         position = {id(p): i for i, p in enumerate(self._plan.trainable)}
-        held = sorted((p for d in deferred for p in d.params), key=lambda p: position[id(p)])
+        params = sorted((p for d in deferred for p in d.params), key=lambda p: position[id(p)])
         with traced("fused_optim_dist::gradients"):
             self._gradients.before_steps(
-                self._norms, held, local_gradients(held), [(d.bucket, d.params) for d in deferred]
+                self._norms,
+                params,
+                local_gradients(params),
+                [(d.bucket, d.params) for d in deferred],
             )
-            kept = []
-            for d in deferred:
-                verdict = self._gradients.before_step(
-                    self._norms,
-                    d.bucket,
-                    d.params,
-                    d.grads,
-                    device_skip=self._gradients.skip_nonfinite
-                    and self._stepper.takes_found_inf(d.batches),
-                    alone=False,
-                )
-                if not verdict.step:
-                    self._skipped.update(d.indices)
-                    self._release(d.params, d.grads)
-                    continue
-                self._note_stepping(verdict)
-                kept.append(d._replace(found_inf=verdict.found_inf))
+        kept = []
+        for held in deferred:
+            verdict = self._judge(held)
+            if verdict.step:
+                kept.append(held._replace(found_inf=verdict.found_inf))
+            else:
+                self._release(held.params, held.grads)
         return kept
-
-    def _note_stepping(self, verdict: BucketVerdict) -> None:
-        if verdict.found_inf is None:
-            self._stepping = True
-        else:
-            self._device_flags.append(verdict.found_inf)
 
     def _skipped_whole(self) -> bool:
         """Whether every bucket that got a gradient was skipped as non-finite: a skipped step
@@ -714,9 +695,9 @@ class BackwardPass:
         """Check the classes whose first buckets were held, step those buckets, then the held
         batches of the classes stepped jointly, in one call."""
         deferred, self._deferred = self._deferred, []
-        if deferred and self._judged_at_end():
+        if deferred and self._all_held:
             deferred = self._judge_held(deferred)
-        elif deferred and self._clips_held_at_end():
+        elif deferred and self._clips_held:
             self._gradients.clip_held(self._norms, [g for d in deferred for g in d.grads])
         if not deferred:
             return

@@ -410,7 +410,7 @@ class GradientProcessor:
         [Note: held buckets clipped together] in ``_engine.py``."""
         if self.max_grad_norm is None or not grads or norms.seen is None:
             return
-        coefficient = (self.max_grad_norm / (norms.seen.sqrt() + 1e-6)).clamp(max=1.0)
+        coefficient = self._coefficient(norms.seen.sqrt())
         torch._foreach_mul_(grads, coefficient.to(grads[0].device))
 
     def before_steps(
@@ -490,6 +490,11 @@ class GradientProcessor:
             norm = norms.exact
         else:
             norm = (norms.seen + (self._previous_total - norms.previous_seen)).sqrt()
+        return self._coefficient(norm)
+
+    def _coefficient(self, norm: torch.Tensor) -> torch.Tensor:
+        """``clip_grad_norm_``'s coefficient for a total norm ``norm``."""
+        assert self.max_grad_norm is not None
         return (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
 
     def end_of_backward(self, norms: BackwardNorms) -> None:

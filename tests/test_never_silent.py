@@ -1061,7 +1061,11 @@ def test_class_reading_positions_declared_with_one_parameter_buckets_is_refused(
     _optim = OptimizerInBackward(
         model.parameters(), PositionalSGD, bucket_numel=1, stepping=stepping
     )
-    _refused_unmoved(model, "moved them otherwise", lambda: loss_fn(model, *_x(0)).backward())
+    _refused_unmoved(
+        model,
+        r"moved them \(or their state\) otherwise",
+        lambda: loss_fn(model, *_x(0)).backward(),
+    )
 
 
 def _global_clip_declared_body() -> None:
@@ -1069,8 +1073,13 @@ def _global_clip_declared_body() -> None:
 
 
 class ClippingLamb(GroupStepLamb):
-    """``GroupStepLamb`` with timm's ``max_grad_norm=1.0``: every gradient divided in place by
-    the norm of all of them, where it is above 1, before the update."""
+    """``GroupStepLamb`` with timm's ``max_grad_norm`` (1.0 by default, read from
+    ``self.defaults`` as timm reads it): every gradient divided in place by the norm of all of
+    them over it, where above 1, before the update."""
+
+    def __init__(self, params, lr: float = 1e-2, max_grad_norm: float = 1.0):
+        super().__init__(params, lr=lr)
+        self.defaults["max_grad_norm"] = max_grad_norm
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1078,7 +1087,7 @@ class ClippingLamb(GroupStepLamb):
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
             for grad in grads:
-                grad.div_(torch.clamp(norm, min=1.0))
+                grad.div_(torch.clamp(norm / self.defaults["max_grad_norm"], min=1.0))
         return super().step(closure)
 
 
@@ -1089,19 +1098,26 @@ def _clipping_lamb_declared(sharded: bool) -> None:
     bucket was then clipped by its own norm (5.6e-3 from the plain class after four steps on
     a plain module and on 1 and 2 ranks, no error; the first gradients' norm, 2.6, is above
     the threshold). The check now compares the copies' state too (the moments are scaled by
-    the clipping): refused at the first backward, before anything moves. Undeclared, it is
-    stepped jointly: equal."""
-    model, _ = make_models()
-    if sharded:
-        shard(model)
-    _optim = OptimizerInBackward(
-        model.parameters(), ClippingLamb, bucket_numel=20, stepping="dtensor"
-    )
-    before = _snapshot(model)
-    with pytest.raises(RuntimeError, match=r"moved it \(or its state\) otherwise|another rank"):
-        loss_fn(model, *_x(0, sharded)).backward()
-    _assert_unchanged(model, before)
-    assert not _optim.state
+    the clipping): refused at the first backward, before anything moves, by the pair of
+    parameters stepped together against their halves; and with a threshold of 5, above the
+    first gradients' norm, by the parameter stepped beside a copy of itself on gradients
+    scaled up. Undeclared, it is stepped jointly: equal."""
+    seen = {1.0: r"two parameters together moved them \(or their state\)", 5.0: r"scaled up"}
+    for max_grad_norm, refusal in seen.items():
+        model, _ = make_models()
+        if sharded:
+            shard(model)
+        _optim = OptimizerInBackward(
+            model.parameters(),
+            ClippingLamb,
+            options=InBackwardOptions(bucket_numel=20, stepping="dtensor"),
+            max_grad_norm=max_grad_norm,
+        )
+        before = _snapshot(model)
+        with pytest.raises(RuntimeError, match=rf"{refusal}|another rank"):
+            loss_fn(model, *_x(0, sharded)).backward()
+        _assert_unchanged(model, before)
+        assert not _optim.state
 
 
 def test_lamb_clipping_by_all_gradients_declared_is_refused():
@@ -1152,6 +1168,29 @@ def _clip_each_declared(sharded: bool) -> None:
 
 def test_class_clipping_each_gradient_declared_elementwise_is_refused():
     _clip_each_declared(sharded=False)
+
+
+def _clip_each_rightly_declared(stepping: str) -> None:
+    """``ClipEachSGD`` declared as what it does, ``"dtensor"`` (its norm of a parameter made
+    global by DTensor) or ``"whole_tensor"`` (each parameter stepped whole on an owner): the
+    checks on gradients scaled up refuse nothing, and four steps with a loss spike crossing its
+    threshold from the third end where the plain class on one process ends."""
+    model, reference = make_models()
+    shard(model)
+    optim = OptimizerInBackward(model.parameters(), ClipEachSGD, stepping=stepping)
+    plain = ClipEachSGD(reference.parameters())
+    for step in range(4):
+        scale = 10.0 if step >= 2 else 1.0
+        x, y = batch(step, 12)
+        (scale * loss_fn(model, rank_slice(x), rank_slice(y))).backward()
+        optim.step()
+        optim.zero_grad()
+        (scale * loss_fn(reference, x, y)).backward()
+        if step >= 2:  # the threshold crossed, so that clipping per shard would show
+            assert max(p.grad.norm() for p in reference.parameters()) > 2.0
+        plain.step()
+        plain.zero_grad()
+    assert_match(model, reference)
 
 
 def _clip_each_declared_body() -> None:
@@ -2834,6 +2873,9 @@ def test_ten_loops_on_distributed_worlds(worlds):
     worlds.run(2, _clipping_lamb_declared_body)
     worlds.run(3, _clip_each_declared_body)
     worlds.run(4, _clip_each_declared_body)  # the last rank's shards are all empty
+    for stepping in ("dtensor", "whole_tensor"):
+        worlds.run(2, _clip_each_rightly_declared, stepping=stepping)
+        worlds.run(3, _clip_each_rightly_declared, stepping=stepping)
     worlds.run(2, _fsdp_two_backwards_body)
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _grad_scaler_body)
