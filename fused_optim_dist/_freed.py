@@ -27,13 +27,17 @@ optimizer steps nothing), and freed gradients still in place at a ``step()`` wit
 since the last would be stepped a second time by the plain optimizer: both raise.
 
 One freed gradient per parameter, made at its first release and reused while the ``.grad``
-setter accepts it (same dtype, device and size): a backward allocates nothing for them.
+setter accepts it (same dtype, device and size): a backward allocates nothing for them. It
+names its parameter by ``id``, never by a weak reference: ``torch.utils.swap_tensors`` refuses
+a tensor that has one, and with it ``Module.to()`` of DTensor parameters (FSDP2's, tensor
+parallel ones) and every conversion under
+``torch.__future__.set_swap_module_params_on_conversion(True)``. The optimizer, which holds its
+parameters, tells which one an id is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -58,23 +62,23 @@ _ZEROING = {_aten.zero_.default, _aten._foreach_zero_.default}
 _CONVERTING = {_aten._to_copy.default, _aten.detach.default}
 _UNSCALING = _aten._amp_foreach_non_finite_check_and_unscale_.default
 
-Refusal = Callable[[torch.Tensor | None, str, Any], NoReturn]
-"""``(param, operation, func)``: raise for ``operation`` (``"accumulate"``, ``"zero"`` or
-``"read"``, by ``func``) on the freed gradient of ``param`` (``None`` once collected)."""
+Refusal = Callable[[int, str, Any], NoReturn]
+"""``(param_id, operation, func)``: raise for ``operation`` (``"accumulate"``, ``"zero"`` or
+``"read"``, by ``func``) on the freed gradient of the parameter whose ``id`` is ``param_id``."""
 
 
 class FreedGradient(torch.Tensor):
     """The place of a gradient stepped in backward: shape, dtype and device, no storage. Any
     operation on it raises. See [Note: freed gradients]."""
 
-    _param: weakref.ref[torch.Tensor]
+    _param_id: int
     _refuse: Refusal
 
     @staticmethod
     def __new__(
         cls,
         like: torch.Tensor,
-        param: weakref.ref[torch.Tensor],
+        param_id: int,
         refuse: Refusal,
         *,
         dtype: torch.dtype | None = None,
@@ -88,7 +92,7 @@ class FreedGradient(torch.Tensor):
             dtype=dtype or like.dtype,
             device=device or like.device,
         )
-        made._param = param
+        made._param_id = param_id
         made._refuse = refuse
         return made
 
@@ -103,7 +107,7 @@ class FreedGradient(torch.Tensor):
             kwargs = kwargs or {}
             return FreedGradient(
                 freed,
-                freed._param,
+                freed._param_id,
                 freed._refuse,
                 dtype=kwargs.get("dtype"),
                 device=kwargs.get("device"),
@@ -116,7 +120,7 @@ class FreedGradient(torch.Tensor):
             operation = "zero"
         else:
             operation = "read"
-        freed._refuse(freed._param(), operation, func)
+        freed._refuse(freed._param_id, operation, func)
 
     def untyped_storage(self) -> torch.UntypedStorage:
         """An empty storage: a freed gradient holds no memory, and memory trackers
@@ -195,16 +199,16 @@ class FreedGradients:
 
     def __init__(self, refuse: Refusal) -> None:
         self._refuse = refuse
-        # id(param) -> (weak reference to param, its freed gradient); the reference tells a
-        # recycled id apart.
-        self._made: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        # id(param) -> (the address of its TensorImpl, its freed gradient); the address tells
+        # most recycled ids apart, and a parameter given another TensorImpl by swap_tensors.
+        self._made: dict[int, tuple[int, torch.Tensor]] = {}
 
     def put(self, params: Iterable[torch.Tensor]) -> None:
         """Set each parameter's ``.grad`` to its freed gradient."""
         with torch._C.DisableTorchFunctionSubclass():
             for param in params:
                 made = self._made.get(id(param))
-                if made is None or made[0]() is not param:
+                if made is None or made[0] != param._cdata:
                     made = self._made[id(param)] = self._make(param)
                 try:
                     param.grad = made[1]
@@ -221,12 +225,11 @@ class FreedGradients:
         with torch._C.DisableTorchFunctionSubclass():
             return [param for param in params if not _holds_own_freed(param, param.grad)]
 
-    def _make(self, param: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], torch.Tensor]:
-        ref = weakref.ref(param)
+    def _make(self, param: torch.Tensor) -> tuple[int, torch.Tensor]:
         if isinstance(param, DTensor):
-            local = FreedGradient(param._local_tensor, ref, self._refuse)
-            return ref, DTensor(local, param._spec, requires_grad=False)
-        return ref, FreedGradient(param, ref, self._refuse)
+            local = FreedGradient(param._local_tensor, id(param), self._refuse)
+            return param._cdata, DTensor(local, param._spec, requires_grad=False)
+        return param._cdata, FreedGradient(param, id(param), self._refuse)
 
 
 def _holds_own_freed(param: torch.Tensor, grad: torch.Tensor | None) -> bool:
@@ -236,7 +239,7 @@ def _holds_own_freed(param: torch.Tensor, grad: torch.Tensor | None) -> bool:
     local = grad._local_tensor if isinstance(grad, DTensor) else grad
     return (
         type(local) is FreedGradient
-        and local._param() is param
+        and local._param_id == id(param)
         and torch.Tensor.data_ptr(local) == 0
     )
 

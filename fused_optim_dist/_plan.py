@@ -23,7 +23,12 @@ the current groups differs (checked at the start of every backward and every ``s
 the user never has to tell it. The storage of each plain parameter is part of the signature too
 (``p.data = other`` keeps the parameter but replaces its memory), so that parameters tied
 through ``.data`` after the optimizer was built are refused as at construction: see [Note:
-parameters sharing memory] in ``_sharing.py``.
+parameters sharing memory] in ``_sharing.py``. So is the C++ tensor of each parameter outside
+FSDP2 units: ``Module.to()`` of tensor-parallel parameters, or any conversion or
+``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion(True)``,
+keeps the parameter object but swaps its C++ tensor, and with it the registration of its
+hooks, which the rebuild registers again (see [Note: tensors swapped whole] in
+``_torch_internals.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from fused_optim_dist._torch_internals import (
     FSDPUnit,
     fsdp_reduced_params,
     fsdp_units,
+    impl_address,
     read_requires_grad,
     storages,
 )
@@ -123,6 +129,10 @@ class BucketPlan:
         backed = [(p, s) for p, s in zip(plain, storages(plain), strict=True) if s is not p]
         self._plain = [p for p, _ in backed]
         self._storages = [s for _, s in backed]
+        # The parameters whose hooks autograd runs (outside FSDP2 units), and their C++
+        # tensors, which swap_tensors replaces.
+        self._outside = [p for p in self._all_params if id(p) not in self._in_units]
+        self._impls = list(map(impl_address, self._outside))
         trainable = [
             p for p, flag in zip(self._all_params, self._requires_grad, strict=True) if flag
         ]
@@ -153,19 +163,29 @@ class BucketPlan:
 
     def is_current(self, param_groups: Sequence[dict[str, Any]]) -> bool:
         """Whether ``param_groups`` hold the same parameters, with the same ``requires_grad``
-        and, for plain ones, the same storages.
+        and, for plain ones, the same storages, and, outside FSDP2 units, the same C++
+        tensors.
 
         Runs at every backward and ``step()``: identity and flag comparisons only (about 50 ns
-        per plain parameter for the storages)."""
+        per plain parameter for the storages, 40 for the C++ tensor)."""
         if len(param_groups) != len(self._group_params):
             return False
         for group, params in zip(param_groups, self._group_params, strict=True):
             current = group["params"]
             if len(current) != len(params) or not all(map(operator.is_, current, params)):
                 return False
-        return self._read_requires_grad() == self._requires_grad and all(
-            map(operator.is_, map(torch.Tensor.untyped_storage, self._plain), self._storages)
+        return (
+            self._read_requires_grad() == self._requires_grad
+            and all(
+                map(operator.is_, map(torch.Tensor.untyped_storage, self._plain), self._storages)
+            )
+            and list(map(impl_address, self._outside)) == self._impls
         )
+
+    def in_unit(self, param: torch.Tensor) -> bool:
+        """Whether ``param``, one of the plan's, is managed by an FSDP2 unit (whose reduction
+        runs its hooks from their dict: see [Note: tensors swapped whole])."""
+        return id(param) in self._in_units
 
     def refuse_registered_since(self, param_groups: Sequence[dict[str, Any]]) -> None:
         """Raise if a tensor registered on a module since the last check shares memory with a

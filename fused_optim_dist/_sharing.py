@@ -37,14 +37,16 @@ counter, so autograd cannot refuse the read. No public API says which tensors a 
 but every tensor registered on a module as a parameter or a buffer is seen by torch's global
 registration hooks (``torch.nn.modules.module.register_module_parameter_registration_hook`` and
 its buffer twin), installed when this module is imported, that is with the library, before a
-model is usually built: each is noted, weakly, and a plan refuses one it does not hold that
+model is usually built: each slot is noted (its module weakly, never the tensor: see
+``_REGISTERED``), and a plan refuses a tensor a noted slot holds, not one of its own, that
 shares a byte with one of its trainable plain parameters, when it is built and, if tensors
 were registered since, at the next backward or ``step()`` (a count compared there), before
-anything moves. Not seen: a tensor registered before this library was imported, one kept as a
-plain attribute or a local of the forward (docs/differences.md), and a registered tensor given
-the memory through ``.data =`` after the plan checked it. Parameters in FSDP2 units are not
-compared (their forward reads unsharded copies, never the shards the update writes); other
-DTensors (tensor parallel) are, by their local tensors.
+anything moves. Not seen: a tensor registered before this library was imported, or taken
+out of its module since, one kept as a plain attribute or a local of the forward
+(docs/differences.md), and a registered tensor given the memory through ``.data =`` after the
+plan checked it. Parameters in FSDP2 units are not compared (their forward reads unsharded
+copies, never the shards the update writes); other DTensors (tensor parallel) are, by their
+local tensors.
 
 [Note: state shared between parameters]
 A state dict converted by hand can hold one tensor in several parameters' entries (a single
@@ -210,10 +212,14 @@ def _param_name(param_groups: Sequence[dict[str, Any]], k: int) -> str:
     raise IndexError(k)
 
 
-_REGISTERED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[nn.Module], str, str]] = {}
-"""Each tensor registered on a module since this module was imported, by id: the tensor and
-the module (weakly), its name there and its kind. See [Note: a module's tensor over a trained
-parameter's memory]."""
+_REGISTERED: dict[tuple[int, str, str], weakref.ref[nn.Module]] = {}
+"""Each slot of a module a tensor was registered in since this module was imported, by the
+module's id, the name and the kind (``"parameter"`` or ``"buffer"``): the module, weakly. The
+tensor is read from the slot when checked, never referenced here: a weak reference to a
+parameter would make ``torch.utils.swap_tensors`` refuse it, and with it ``Module.to()`` of
+DTensor parameters and every conversion under
+``torch.__future__.set_swap_module_params_on_conversion(True)``. See [Note: a module's tensor
+over a trained parameter's memory]."""
 _COUNT = [0]
 """Registrations noted so far."""
 
@@ -221,11 +227,12 @@ _COUNT = [0]
 def _noter(kind: str) -> Callable[[nn.Module, str, object], None]:
     def note(module: nn.Module, name: str, tensor: object) -> None:
         if isinstance(tensor, torch.Tensor):
-            key = id(tensor)
-            # Dropped with the tensor: the callback, given the dead reference, calls
-            # _REGISTERED.pop(key, reference).
-            forget = functools.partial(_REGISTERED.pop, key)
-            _REGISTERED[key] = (weakref.ref(tensor, forget), weakref.ref(module), name, kind)
+            key = (id(module), name, kind)
+            if key not in _REGISTERED:
+                # Dropped with the module: the callback, given the dead reference, calls
+                # _REGISTERED.pop(key, reference), before its id can be given again.
+                forget = functools.partial(_REGISTERED.pop, key)
+                _REGISTERED[key] = weakref.ref(module, forget)
             _COUNT[0] += 1
 
     return note
@@ -233,6 +240,13 @@ def _noter(kind: str) -> Callable[[nn.Module, str, object], None]:
 
 register_module_parameter_registration_hook(_noter("parameter"))
 register_module_buffer_registration_hook(_noter("buffer"))
+
+
+def _registered(module: nn.Module, name: str, kind: str) -> torch.Tensor | None:
+    """The tensor ``module`` holds in the slot, if still registered there."""
+    slots = module._parameters if kind == "parameter" else module._buffers
+    tensor = slots.get(name)
+    return tensor if isinstance(tensor, torch.Tensor) else None
 
 
 def _address(tensor: torch.Tensor) -> tuple[torch.device, int]:
@@ -268,9 +282,10 @@ def refuse_registered_overlap(
         return
     mine = set(map(id, params))
     # A copy made in C: a tensor collected while a Python loop built one would change the dict.
-    for key, (tensor_ref, module_ref, name, kind) in _REGISTERED.copy().items():
-        registered = None if key in mine else tensor_ref()
-        if registered is None:
+    for (_, name, kind), module_ref in _REGISTERED.copy().items():
+        module = module_ref()
+        registered = None if module is None else _registered(module, name, kind)
+        if registered is None or id(registered) in mine:
             continue
         tensor = local_tensor(registered)
         if not holds_values(tensor) or not tensor.numel():
@@ -282,10 +297,9 @@ def refuse_registered_overlap(
                 continue
             if not _share_a_byte(tensor, param, *spans):
                 continue
-            module = module_ref()
-            owner = f" of {type(module).__name__}" if module is not None else ""
             raise ValueError(
-                f"{kind} {name!r}{owner} (shape {tuple(registered.shape)}) shares memory with "
+                f"{kind} {name!r} of {type(module).__name__} (shape "
+                f"{tuple(registered.shape)}) shares memory with "
                 f"{_param_name(param_groups, k)}, which this optimizer trains, and is not in "
                 "the optimizer itself (a copy made through .data, or a view of it). The plain "
                 "loop's backward reads it before step() updates that memory; "

@@ -169,6 +169,20 @@ Everything else in the package uses public APIs. What this module relies on, for
   graph, and FSDP2 keeps those objects from one all-gather to the next
   (``FSDPParam.init_unsharded_param`` returns early once ``_unsharded_param`` exists), so
   their nodes tell it for the unit (``FSDPUnit.will_get_gradients``).
+* [Note: tensors swapped whole] ``torch.utils.swap_tensors(p, new)`` keeps ``p``'s Python
+  object but gives it ``new``'s C++ tensor: ``Module.to()`` and ``_apply`` call it for DTensor
+  parameters (FSDP2's sharded ones, tensor-parallel ones), and for every parameter under
+  ``torch.__future__.set_swap_module_params_on_conversion(True)``, as ``load_state_dict`` does
+  there. It refuses a tensor that has a weak reference, so nothing in this package holds one to
+  a parameter (a plain optimizer holds none either). ``p._cdata``, the address of the C++
+  tensor the object points to, changes with the swap (the old one is alive while the new is
+  given). A post-accumulate-grad hook lives in two places: the Python dict
+  ``p._post_accumulate_grad_hooks``, which stays with the object, and a registration of that
+  dict on the C++ tensor's autograd metadata, made when the attribute is set, which stays with
+  the old tensor. Autograd runs a leaf's hooks through the registration, so after a swap
+  ``p``'s hooks no longer run, and a hook registered again goes into the old dict, unregistered
+  (checked on torch 2.13); setting the attribute to a new dict registers that one. FSDP2 runs a
+  sharded parameter's hooks from the dict itself (``foreach_reduce``), so they still run.
 * ``torch._subclasses.fake_tensor.is_fake`` tells a ``FakeTensor`` (``FakeTensorMode``, what the
   memory estimator runs under), which has no values to read, from a real tensor.
 """
@@ -182,6 +196,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
@@ -210,7 +225,9 @@ __all__ = [
     "fsdp_units",
     "global_step_pre_hooks",
     "held_values",
+    "holds_hook",
     "holds_values",
+    "impl_address",
     "in_scaled_backward",
     "local_tensor",
     "observes_only",
@@ -370,12 +387,30 @@ def _gather_world_size(group: Any) -> int:
     return group._all_gather_process_group.size()
 
 
+def impl_address(tensor: torch.Tensor) -> int:
+    """The address of the C++ tensor ``tensor`` points to, which ``swap_tensors`` replaces. See
+    [Note: tensors swapped whole]."""
+    return tensor._cdata
+
+
+def holds_hook(param: torch.Tensor, handle_id: int | None) -> bool:
+    """Whether ``param``'s post-accumulate-grad hooks list the one whose handle has
+    ``handle_id`` (handle ids are unique in the process)."""
+    return handle_id in (param._post_accumulate_grad_hooks or ())
+
+
 def register_post_accumulate_grad_hook(
-    param: torch.Tensor, hook: Callable[[torch.Tensor], None]
+    param: torch.Tensor, hook: Callable[[torch.Tensor], None], *, afresh: bool = False
 ) -> RemovableHandle:
     """``param.register_post_accumulate_grad_hook(hook)``, also on an FSDP2 sharded parameter
     that does not require grad while its unsharded one does (FSDP2 runs the hook all the
-    same): registered with the flag set for the call. See [Note: FSDP2's copies and flags]."""
+    same): registered with the flag set for the call. See [Note: FSDP2's copies and flags].
+
+    ``afresh``: into a new dict of hooks registered on ``param``'s C++ tensor, for a parameter
+    swapped whole since its hooks were registered, whose old dict autograd no longer runs (nor
+    would a plain loop's: its hooks are left there). See [Note: tensors swapped whole]."""
+    if afresh:
+        param._post_accumulate_grad_hooks = OrderedDict()
     if param.requires_grad:
         return param.register_post_accumulate_grad_hook(hook)
     param.requires_grad_(True)

@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fused_optim_dist._class_state import instance_attrs
 from fused_optim_dist._classes import GROUP_CLASS_KEY, ClassSteppers, class_path
@@ -42,7 +41,9 @@ from fused_optim_dist._torch_internals import (
     enclosing_backward,
     fsdp_sync_off,
     global_step_pre_hooks,
+    holds_hook,
     hooked_after,
+    impl_address,
     in_scaled_backward,
     observes_only,
     read_grads,
@@ -61,9 +62,11 @@ from fused_optim_dist._whole_tensor import WholeTensorStepper
 
 __all__ = ["OptimizerInBackward", "in_backward"]
 
-# Parameter -> weak reference to the OptimizerInBackward whose hooks step it. Both sides are
-# weak: a model must not keep an optimizer alive, nor an optimizer a parameter.
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(parameter) -> weak reference to the OptimizerInBackward whose hooks step it: a model
+# must not keep an optimizer alive, nor this table a parameter, and a weak reference to a
+# parameter would make swap_tensors refuse it (see [Note: tensors swapped whole] in
+# _torch_internals.py). The owner's plan, which holds its parameters, tells a recycled id.
+_OWNERS: dict[int, weakref.ref[OptimizerInBackward]] = {}
 
 
 # The live optimizers clipping by norm, for _refuse_clipping_beside.
@@ -71,8 +74,19 @@ _CLIPPING_BY_NORM: weakref.WeakSet = weakref.WeakSet()
 
 
 def _owner(param: torch.Tensor) -> OptimizerInBackward | None:
-    ref = _OWNERS.get(param)
-    return None if ref is None else ref()
+    ref = _OWNERS.get(id(param))
+    owner = None if ref is None else ref()
+    if owner is None or owner._plan is None or not owner._plan.holds(param):
+        return None
+    return owner
+
+
+def _forget_owner(ids: set[int]) -> None:
+    """Drop the entries of ``ids`` whose owner is gone (the optimizer was collected)."""
+    for key in ids:
+        ref = _OWNERS.get(key)
+        if ref is not None and ref() is None:
+            del _OWNERS[key]
 
 
 def _grad_ready_hook(optimizer: OptimizerInBackward) -> Callable[[torch.Tensor], None]:
@@ -97,8 +111,12 @@ def _freed_refusal(optimizer: OptimizerInBackward) -> Refusal:
     ``.grad`` must not keep an optimizer alive). See [Note: freed gradients]."""
     ref = weakref.ref(optimizer)
 
-    def refuse(param: torch.Tensor | None, operation: str, func: Any) -> NoReturn:
+    def refuse(param_id: int, operation: str, func: Any) -> NoReturn:
         owner = ref()
+        param = None
+        if owner is not None:  # an error path: a pass over the groups is no cost
+            listed = (p for group in owner.param_groups for p in group["params"])
+            param = next((p for p in listed if id(p) == param_id), None)
         if owner is not None and param is not None and operation == "accumulate":
             # A second gradient before step(): the protocol's cases, named as such.
             if owner._pass is not None:
@@ -352,6 +370,7 @@ _REATTACHED = frozenset(
         "_hook_handles",
         "_hooked",
         "_hook_ids",
+        "_claimed",
         "_detached",
         "_plan",
         "_pass",
@@ -497,13 +516,17 @@ class OptimizerInBackward(Optimizer):
         self._clipped_backwards: set[int] = set()
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
-        # The hooked parameters, by identity (weakly: never a recycled id()).
-        self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # The C++ tensor of each hooked parameter when it was hooked, by id(param): see
+        # _hook_new.
+        self._hooked: dict[int, int] = {}
         # The id of each hooked parameter's hook handle, by id(param) (looked up for the
         # parameters of the current plan only, which holds them).
         self._hook_ids: dict[int, int] = {}
+        # The ids this optimizer claimed in _OWNERS, dropped there once it is collected.
+        self._claimed: set[int] = set()
         self._detached = False
         weakref.finalize(self, _remove_hooks, self._hook_handles)
+        weakref.finalize(self, _forget_owner, self._claimed)
         weakref.finalize(self, _warn_uncommitted, self._pending)
         # The bucket plan, rebuilt when stale, and the backward pass in progress (or the last).
         self._plan: BucketPlan | None = None
@@ -563,20 +586,29 @@ class OptimizerInBackward(Optimizer):
         claimed = [p for p in plan.trainable if _owner(p) is not self]
         if claimed:
             self._check_not_driven_elsewhere(claimed)
+            ref = weakref.ref(self)
             for param in claimed:
-                _OWNERS[param] = weakref.ref(self)
-        new = [
-            p
-            for p in (*plan.trainable, *plan.frozen)
-            if p not in self._hooked and (p.is_floating_point() or p.is_complex())
-        ]
-        if new:
-            hook = _grad_ready_hook(self)
-            for param in new:
-                handle = register_post_accumulate_grad_hook(param, hook)
-                self._hook_handles.append(handle)
-                self._hooked[param] = True
-                self._hook_ids[id(param)] = handle.id
+                _OWNERS[id(param)] = ref
+                self._claimed.add(id(param))
+        hook = None
+        for param in (*plan.trainable, *plan.frozen):
+            if not (param.is_floating_point() or param.is_complex()):
+                continue
+            key = id(param)
+            # Our hook is in the parameter's dict (a handle's id is unique in the process:
+            # never a recycled id) ...
+            listed = holds_hook(param, self._hook_ids.get(key))
+            # ... and that dict is run: by FSDP2's reduction, or registered on the C++ tensor
+            # the parameter has now (see [Note: tensors swapped whole]).
+            if listed and (plan.in_unit(param) or self._hooked[key] == impl_address(param)):
+                continue
+            hook = hook or _grad_ready_hook(self)
+            # Swapped whole since: a new dict, the old one left with the hooks that no longer
+            # run, as they would not in the plain loop.
+            handle = register_post_accumulate_grad_hook(param, hook, afresh=listed)
+            self._hook_handles.append(handle)
+            self._hooked[key] = impl_address(param)
+            self._hook_ids[key] = handle.id
 
     def _new_pass(self, backward_id: int | None, *, record: bool = True) -> BackwardPass:
         if self._keys_before is None or not self._stepped_since_step:
@@ -1564,7 +1596,7 @@ class OptimizerInBackward(Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 if _owner(param) is self:
-                    del _OWNERS[param]
+                    del _OWNERS[id(param)]
 
     def attach(self) -> None:
         """Hook the parameters again after :meth:`detach`, stepping nothing: backward steps

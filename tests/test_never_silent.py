@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _toy import (
+    IN_DIM,
+    OUT_DIM,
     PLAIN_ATOL,
     SlowToCopy,
     assert_match,
@@ -2163,6 +2165,89 @@ def test_parameter_swap_is_hooked_from_the_next_backward():
         plain.step()
         plain.zero_grad()
     assert_match(model, reference)
+
+
+@contextlib.contextmanager
+def _conversions_swapping_tensors():
+    """Under ``torch.__future__.set_swap_module_params_on_conversion(True)``."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _swapped_whole_loops(
+    loops: tuple, convert: Callable[[nn.Module], object], sharded: bool = False
+) -> None:
+    """A step of each loop, ``convert`` on each model (swapping its parameters' C++ tensors
+    into the objects), three more steps: from the second backward after the conversion, ours
+    steps every parameter in backward again."""
+    model = loops[0][0]
+    _step_both(loops, 0, sharded, zero=True)
+    ids = list(map(id, model.parameters()))
+    impls = [p._cdata for p in model.parameters()]
+    for net, _ in loops:
+        convert(net)
+    assert list(map(id, model.parameters())) == ids
+    assert any(p._cdata != impl for p, impl in zip(model.parameters(), impls, strict=True))
+    for step in range(1, 4):
+        for net, opt in loops:
+            loss_fn(net, *_x(step, sharded)).backward()
+            if net is model and step > 1:
+                assert all(is_freed(p.grad) for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+    assert_match(model, loops[1][0])
+
+
+def _load_shifted(model: nn.Module) -> None:
+    model.load_state_dict({k: v + 0.01 for k, v in model.state_dict().items()})
+
+
+@pytest.mark.parametrize("convert", [nn.Module.cpu, _load_shifted], ids=["to", "load_state_dict"])
+def test_parameters_swapped_whole_train_as_plain(convert):
+    """Under ``torch.__future__.set_swap_module_params_on_conversion(True)`` (torch's coming
+    default), ``Module.to()`` and ``load_state_dict()`` swap each parameter's C++ tensor into
+    the object (``torch.utils.swap_tensors``), which refuses a tensor that has a weak
+    reference: both raised "Couldn't swap" here, on a model built after the import and more so
+    with the optimizer on it, where the plain loop trains on. They train as plain now; the swap
+    also unregisters the parameters' hooks, which the next ``step()`` registers again. See
+    [Note: tensors swapped whole]."""
+    with _conversions_swapping_tensors():
+        model, reference = make_models()
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=30)
+        plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        _swapped_whole_loops(((model, optim), (reference, plain)), convert)
+
+
+def _swapped_dtensors_body() -> None:
+    """``Module.to()`` swaps DTensor parameters whole with no flag set. On FSDP2 units after
+    the optimizer was built it raised "Couldn't swap"; they train as plain, stepped in backward
+    (FSDP2 runs the hooks from their dict). A tensor-parallel module converted after the
+    import raised the same with no optimizer on it; with one, it trains as plain, its hooks
+    registered again."""
+    model, reference, optim, plain = _adamw_loops(sharded=True)
+    _swapped_whole_loops(((model, optim), (reference, plain)), nn.Module.cpu, sharded=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN_DIM, 8), nn.Tanh(), nn.Linear(8, OUT_DIM))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model[0], mesh, ColwiseParallel(output_layouts=Replicate()))
+    model.cpu()
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    _swapped_whole_loops(((model, optim), (reference, plain)), nn.Module.cpu)
+
+
+def test_parameters_swapped_whole_on_distributed_worlds(worlds):
+    worlds.run(2, _swapped_dtensors_body)
+    worlds.run(3, _swapped_dtensors_body)
 
 
 def _branching(model: nn.Module) -> nn.Module:
