@@ -827,9 +827,15 @@ def wrappers_holding(params: Iterable[torch.Tensor]) -> list[nn.Module]:
 
 
 def _staging_in_flight(code: Any) -> bool:
-    me = threading.get_ident()
-    for thread, frame in sys._current_frames().items():
-        while thread != me and frame is not None:
+    # This thread's frame is left out before anything binds it: this very frame, held by
+    # one of its own locals, would be a reference cycle, keeping every frame below it alive
+    # until the garbage collector ran, and with them the caller's locals (a bucket's
+    # gradients) and the backward's loss and graph (whose nodes hold the parameters, which
+    # torch.utils.swap_tensors then refused).
+    others = sys._current_frames()
+    others.pop(threading.get_ident(), None)
+    for frame in others.values():
+        while frame is not None:
             if frame.f_code is code:
                 return True
             frame = frame.f_back

@@ -61,6 +61,18 @@ class ToyModel(nn.Module):
         return self.head(h)
 
 
+@contextlib.contextmanager
+def swapping_conversions() -> Iterator[None]:
+    """Under ``torch.__future__.set_swap_module_params_on_conversion(True)``: ``Module.to()``
+    and ``load_state_dict()`` swap a new C++ tensor into each parameter object."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def make_models(seed: int = 0, freeze: tuple[str, ...] = ()) -> tuple[nn.Module, nn.Module]:
     """Return a model and its unsharded reference copy, same weights, ``freeze`` frozen."""
     torch.manual_seed(seed)

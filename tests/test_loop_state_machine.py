@@ -51,7 +51,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _toy import batch, bypassed, loss_fn, make_models, rank_slice, shard
+from _toy import batch, bypassed, loss_fn, make_models, rank_slice, shard, swapping_conversions
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -393,6 +393,29 @@ class LoopMachine(RuleBasedStateMachine):
             optim.zero_grad()
         self.pending = False
         self.step += 1
+
+    @rule(between=st.booleans())
+    def convert(self, between: bool) -> None:
+        """``model.cpu()`` on both models under ``set_swap_module_params_on_conversion(True)``
+        (a new C++ tensor swapped into each parameter object, as for DTensor parameters
+        always), between steps or, in a training step, between backward and ``step()``.
+        Between steps, a training step follows: on a plain module the swap leaves our hooks
+        on the old C++ tensors, so its backward is not stepped in backward (its ``step()``
+        hooks them again), which the expectations of the other rules (refusals of what an
+        update made in backward forbids) do not know."""
+        with swapping_conversions():
+            for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+                if between:
+                    self._backward(model, self.step)
+                model.cpu()
+                if between:
+                    self._step(optim)
+                    optim.zero_grad()
+        if between:
+            self.pending = False
+            self.step += 1
+        else:
+            self.train()
 
     @rule()
     def step_without_backward(self) -> None:

@@ -40,6 +40,7 @@ from _toy import (
     make_models,
     rank_slice,
     shard,
+    swapping_conversions,
 )
 from torch import nn
 from torch.optim import Optimizer
@@ -2167,17 +2168,6 @@ def test_parameter_swap_is_hooked_from_the_next_backward():
     assert_match(model, reference)
 
 
-@contextlib.contextmanager
-def _conversions_swapping_tensors():
-    """Under ``torch.__future__.set_swap_module_params_on_conversion(True)``."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
-
-
 def _swapped_whole_loops(
     loops: tuple, convert: Callable[[nn.Module], object], sharded: bool = False
 ) -> None:
@@ -2215,7 +2205,7 @@ def test_parameters_swapped_whole_train_as_plain(convert):
     with the optimizer on it, where the plain loop trains on. They train as plain now; the swap
     also unregisters the parameters' hooks, which the next ``step()`` registers again. See
     [Note: tensors swapped whole]."""
-    with _conversions_swapping_tensors():
+    with swapping_conversions():
         model, reference = make_models()
         optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW, bucket_numel=30)
         plain = torch.optim.AdamW(reference.parameters(), **ADAMW)

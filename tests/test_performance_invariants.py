@@ -7,11 +7,14 @@
   steady-state step runs without the class's per-parameter loop.
 * A unit with a parameter that got no gradient is closed when FSDP2 has reduced it: the same
   peak memory as a model whose parameters are all used.
+* Nothing of a backward outlives it in a reference cycle (gradients, the graph).
 """
 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -320,3 +323,32 @@ def test_unit_with_an_unused_parameter_closes_when_reduced(worlds):
     # add N_BLOCKS - 1 units of (DIM * DIM + DIM) / 2 fp32 elements per rank (> 24 KiB).
     unit_grads = (DIM * DIM + DIM) * 4 // 2
     assert unused <= used, (unused, used, unit_grads)
+
+
+def test_a_backward_leaves_nothing_for_the_garbage_collector():
+    """With DCP imported (its staging module is what the wait for checkpoint staging looks
+    for), that wait's walk over the threads' frames bound its own frame to one of its
+    locals: a reference cycle, which kept every frame below it alive until the garbage
+    collector ran, and with them the first bucket's gradients (in their locals) and the
+    backward's loss and graph, whose nodes held the parameters (``torch.utils.swap_tensors``
+    then refused them). Nothing of a backward outlives it now, the collector off."""
+    import torch.distributed.checkpoint.staging
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    gradients: list[weakref.ref[torch.Tensor]] = []
+    for param in model.parameters():  # before the optimizer's: sees each gradient first
+        param.register_post_accumulate_grad_hook(lambda p: gradients.append(weakref.ref(p.grad)))
+    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_numel=64 * 65)
+    gc.disable()
+    try:
+        for _ in range(2):
+            gradients.clear()
+            model(torch.randn(8, 64)).square().mean().backward()
+            assert len(gradients) == 4
+            assert [ref() for ref in gradients] == [None] * 4
+            assert [p._use_count() for p in model.parameters()] == [1] * 4
+            optim.step()
+            optim.zero_grad()
+    finally:
+        gc.enable()
