@@ -398,23 +398,27 @@ class LoopMachine(RuleBasedStateMachine):
     def convert(self, between: bool) -> None:
         """``model.cpu()`` on both models under ``set_swap_module_params_on_conversion(True)``
         (a new C++ tensor swapped into each parameter object, as for DTensor parameters
-        always), between steps or, in a training step, between backward and ``step()``.
-        Between steps, a training step follows: on a plain module the swap leaves our hooks
-        on the old C++ tensors, so its backward is not stepped in backward (its ``step()``
-        hooks them again), which the expectations of the other rules (refusals of what an
-        update made in backward forbids) do not know."""
+        always), in a training step between backward and ``step()``, or after it.
+
+        The conversion follows a backward that completed: torch keeps the graph of a backward
+        that raised (ours refuses some in other rules) until the next backward completes, and
+        its nodes hold the parameters, which ``swap_tensors`` then refuses, in the plain loop
+        as in ours. A conversion after ``step()`` is followed by a training step: on a plain
+        module the swap leaves our hooks on the old C++ tensors, so the next backward is not
+        stepped in backward (its ``step()`` hooks them again), which the expectations of the
+        other rules (refusals of what an update made in backward forbids) do not know."""
         with swapping_conversions():
             for model, optim in zip(self.models, (self.ours, self.plain), strict=True):
+                self._backward(model, self.step)
                 if between:
-                    self._backward(model, self.step)
-                model.cpu()
-                if between:
-                    self._step(optim)
-                    optim.zero_grad()
-        if between:
-            self.pending = False
-            self.step += 1
-        else:
+                    model.cpu()
+                self._step(optim)
+                optim.zero_grad()
+                if not between:
+                    model.cpu()
+        self.pending = False
+        self.step += 1
+        if not between:
             self.train()
 
     @rule()
