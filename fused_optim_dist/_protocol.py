@@ -427,8 +427,10 @@ class PendingUpdates:
         more = f" (and {len(swapped) - 1} more)" if len(swapped) > 1 else ""
         raise RuntimeError(
             f"step(): {describe(swapped[0])}{more} was updated in backward, and its data was "
-            "replaced since by other values (p.data = backup, or a module conversion such as "
-            ".half(), between backward and step()). A plain optimizer would step the new data "
+            "replaced since by other values (p.data = backup, a module conversion such as "
+            ".half(), or load_state_dict() under "
+            "torch.__future__.set_swap_module_params_on_conversion(True), between backward "
+            "and step()). A plain optimizer would step the new data "
             "with the gradient; here the gradient was stepped in backward into the data that was "
             "replaced, so that update is lost. Replace parameters' data before backward or "
             "after step(). A loop that takes the gradient at perturbed weights and steps the "

@@ -924,13 +924,15 @@ class OptimizerInBackward(Optimizer):
             # See [Note: freed gradients]: the loop dropped gradients the plain optimizer
             # would step here, or wrote parameters it would step from.
             self._pending.refuse_loaded()
-            dropped = self._freed.dropped(self._pending.params())
-            if dropped:
-                self._pending.refuse_dropped(dropped)
+            # Writes first: swap_tensors (load_state_dict under the swap flag) drops the
+            # gradient with the tensor it replaces, and the write is what the loop meant.
             self._pending.refuse_swapped()
             changed = self._pending.changed(self.state)
             if changed:
                 self._pending.refuse_changed(changed)
+            dropped = self._freed.dropped(self._pending.params())
+            if dropped:
+                self._pending.refuse_dropped(dropped)
             self._pending.refuse_written_buffers()
             self._pending.refuse_changed_groups(self.param_groups, self._keys_read)
             self._pending.refuse_draws()

@@ -2751,8 +2751,10 @@ def _sam(model: nn.Module, optim: Optimizer, steps: range, restore: str, held: b
     """SAM as davda54/sam writes it: the ascent backward (under ``accumulate()`` for ours),
     the weights perturbed in place along the gradient, the backward at the perturbed point
     (under ``accumulate()`` too if ``held``), then the weights restored (``restore``:
-    ``"assign"`` its ``p.data = old_p``, ``"copy"`` an in-place ``p.copy_(old_p)``) and
-    ``step()``, which steps that gradient from the restored weights."""
+    ``"assign"`` its ``p.data = old_p``, ``"copy"`` an in-place ``p.copy_(old_p)``,
+    ``"load_swapped"`` a ``load_state_dict()`` under the swap flag, which swaps a new C++
+    tensor into each parameter, its gradient left behind) and ``step()``, which steps that
+    gradient from the restored weights."""
     ours = isinstance(optim, OptimizerInBackward)
     params = list(model.parameters())
     for step in steps:
@@ -2766,11 +2768,15 @@ def _sam(model: nn.Module, optim: Optimizer, steps: range, restore: str, held: b
         optim.zero_grad()
         with optim.accumulate() if ours and held else contextlib.nullcontext():
             loss_fn(model, *_x(step)).backward()
+        if restore == "load_swapped":
+            names = [name for name, _ in model.named_parameters()]
+            with swapping_conversions():
+                model.load_state_dict(dict(zip(names, old, strict=True)))
         with torch.no_grad():
             for p, backup in zip(params, old, strict=True):
                 if restore == "assign":
                     p.data = backup
-                else:
+                elif restore == "copy":
                     p.copy_(backup)
         optim.step()
         optim.zero_grad()
@@ -2778,8 +2784,12 @@ def _sam(model: nn.Module, optim: Optimizer, steps: range, restore: str, held: b
 
 @pytest.mark.parametrize(
     ("restore", "match"),
-    [("assign", "its data was replaced"), ("copy", "was written in place")],
-    ids=["p.data = old_p", "p.copy_(old_p)"],
+    [
+        ("assign", "its data was replaced"),
+        ("copy", "was written in place"),
+        ("load_swapped", "was written in place"),
+    ],
+    ids=["p.data = old_p", "p.copy_(old_p)", "load_state_dict swapping"],
 )
 def test_sam_restoring_weights_between_backward_and_step_refused(restore, match):
     """SAM's second step (davda54/sam: ``p.data = self.state[p]["old_p"]``, then the base
@@ -2789,7 +2799,9 @@ def test_sam_restoring_weights_between_backward_and_step_refused(restore, match)
     update (5.8e-2 apart after six AdamW steps, no error; an in-place restore was already
     refused). Refused at that ``step()``, the weights the restored ones, as the plain loop's
     before its step; the backward run under ``accumulate()`` too, as the message says, holds
-    the gradient for ``step()``: equal."""
+    the gradient for ``step()``: equal. Restored by ``load_state_dict()`` under the swap flag,
+    which also leaves the freed gradients behind with the old C++ tensors, it was refused as
+    gradients dropped by ``model.zero_grad()``: the write is named now."""
     model, reference = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     with pytest.raises(RuntimeError, match=match):
