@@ -167,7 +167,7 @@ class BucketPlan:
         tensors.
 
         Runs at every backward and ``step()``: identity and flag comparisons only (about 50 ns
-        per plain parameter for the storages, 40 for the C++ tensor)."""
+        per plain parameter for the storages, 60 for the C++ tensor)."""
         if len(param_groups) != len(self._group_params):
             return False
         for group, params in zip(param_groups, self._group_params, strict=True):

@@ -192,6 +192,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import operator
 import sys
 import threading
 import time
@@ -387,10 +388,10 @@ def _gather_world_size(group: Any) -> int:
     return group._all_gather_process_group.size()
 
 
-def impl_address(tensor: torch.Tensor) -> int:
-    """The address of the C++ tensor ``tensor`` points to, which ``swap_tensors`` replaces. See
-    [Note: tensors swapped whole]."""
-    return tensor._cdata
+impl_address: Callable[[torch.Tensor], int] = operator.attrgetter("_cdata")
+"""The address of the C++ tensor a tensor points to, which ``swap_tensors`` replaces (read
+at C level: the plan compares it for every parameter at every backward and ``step()``). See
+[Note: tensors swapped whole]."""
 
 
 def holds_hook(param: torch.Tensor, handle_id: int | None) -> bool:
