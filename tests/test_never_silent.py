@@ -1694,6 +1694,40 @@ def test_another_optimizer_on_the_same_parameters_refused_at_its_step():
         warmup.step()
 
 
+def test_group_removed_and_given_to_another_optimizer_trains_as_plain():
+    """The head's group removed from one optimizer (``del optim.param_groups[1]``) and, after
+    that optimizer's next step, given to a second one, as with plain optimizers: equal. It was
+    refused as "already stepped in backward by another live OptimizerInBackward" (ownership
+    was kept while the parameter lived; it is now what the owner's plan holds)."""
+    model, reference = make_models()
+    ours = OptimizerInBackward(
+        [{"params": model.layers.parameters()}, {"params": model.head.parameters()}],
+        torch.optim.AdamW,
+        **ADAMW,
+    )
+    plain = torch.optim.AdamW(
+        [{"params": reference.layers.parameters()}, {"params": reference.head.parameters()}],
+        **ADAMW,
+    )
+    loops = [((model, ours),), ((reference, plain),)]
+    for step in range(5):
+        if step == 2:
+            for optimizers in loops:
+                del optimizers[0][1].param_groups[1]
+        if step == 3:
+            head = OptimizerInBackward(model.head.parameters(), torch.optim.SGD, lr=0.1)
+            loops[0] = (*loops[0], (model, head))
+            sgd = torch.optim.SGD(reference.head.parameters(), lr=0.1)
+            loops[1] = (*loops[1], (reference, sgd))
+        for loop in loops:
+            net = loop[0][0]
+            loss_fn(net, *_x(step)).backward()
+            for _, optim in loop:
+                optim.step()
+            net.zero_grad()
+    assert_match(model, reference)
+
+
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
 def test_copied_with_its_model_and_scheduler_trains_as_plain(how):
     """``pickle.dumps((model, optim, scheduler))`` mid-run (a checkpoint by ``torch.save`` of
