@@ -45,6 +45,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
+from fused_optim_dist._torch_internals import impl_address
+
 __all__ = [
     "FreedGradient",
     "FreedGradients",
@@ -208,7 +210,7 @@ class FreedGradients:
         with torch._C.DisableTorchFunctionSubclass():
             for param in params:
                 made = self._made.get(id(param))
-                if made is None or made[0] != param._cdata:
+                if made is None or made[0] != impl_address(param):
                     made = self._made[id(param)] = self._make(param)
                 try:
                     param.grad = made[1]
@@ -228,8 +230,8 @@ class FreedGradients:
     def _make(self, param: torch.Tensor) -> tuple[int, torch.Tensor]:
         if isinstance(param, DTensor):
             local = FreedGradient(param._local_tensor, id(param), self._refuse)
-            return param._cdata, DTensor(local, param._spec, requires_grad=False)
-        return param._cdata, FreedGradient(param, id(param), self._refuse)
+            return impl_address(param), DTensor(local, param._spec, requires_grad=False)
+        return impl_address(param), FreedGradient(param, id(param), self._refuse)
 
 
 def _holds_own_freed(param: torch.Tensor, grad: torch.Tensor | None) -> bool:

@@ -398,6 +398,8 @@ class GradientProcessor:
                 if norms.exact is None and not alone and not self._warned_per_bucket:
                     self._warned_per_bucket = True
                     warnings.warn(PER_BUCKET_CLIPPING, UserWarning, stacklevel=2)
+                # Computed for a held bucket too: it notes the bucket's history as seen, so
+                # that the buckets after it do not predict it again.
                 coefficient = self._clip_coefficient(norms, bucket.key)
                 if not held:
                     torch._foreach_mul_(grads, coefficient.to(grads[0].device))

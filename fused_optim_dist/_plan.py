@@ -182,11 +182,6 @@ class BucketPlan:
             and list(map(impl_address, self._outside)) == self._impls
         )
 
-    def in_unit(self, param: torch.Tensor) -> bool:
-        """Whether ``param``, one of the plan's, is managed by an FSDP2 unit (whose reduction
-        runs its hooks from their dict: see [Note: tensors swapped whole])."""
-        return id(param) in self._in_units
-
     def refuse_registered_since(self, param_groups: Sequence[dict[str, Any]]) -> None:
         """Raise if a tensor registered on a module since the last check shares memory with a
         trainable plain parameter (the groups are those the plan is current for). See [Note: a

@@ -10,7 +10,7 @@ import warnings
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import nn
@@ -71,6 +71,14 @@ _OWNERS: dict[int, weakref.ref[OptimizerInBackward]] = {}
 
 # The live optimizers clipping by norm, for _refuse_clipping_beside.
 _CLIPPING_BY_NORM: weakref.WeakSet = weakref.WeakSet()
+
+
+class _Hook(NamedTuple):
+    """This optimizer's hook on a parameter: its handle's id, and the C++ tensor it was
+    registered on (see [Note: tensors swapped whole] in ``_torch_internals.py``)."""
+
+    handle_id: int
+    impl: int
 
 
 def _owner(param: torch.Tensor) -> OptimizerInBackward | None:
@@ -369,7 +377,6 @@ _REATTACHED = frozenset(
     {
         "_hook_handles",
         "_hooked",
-        "_hook_ids",
         "_claimed",
         "_detached",
         "_plan",
@@ -516,12 +523,9 @@ class OptimizerInBackward(Optimizer):
         self._clipped_backwards: set[int] = set()
         # Hooks on the trainable parameters; removed when this object is collected.
         self._hook_handles: list[RemovableHandle] = []
-        # The C++ tensor of each hooked parameter when it was hooked, by id(param): see
-        # _hook_new.
-        self._hooked: dict[int, int] = {}
-        # The id of each hooked parameter's hook handle, by id(param) (looked up for the
-        # parameters of the current plan only, which holds them).
-        self._hook_ids: dict[int, int] = {}
+        # Each hooked parameter's hook, by id(param) (looked up for the parameters of the
+        # current plan only, which holds them): see _hook_new.
+        self._hooked: dict[int, _Hook] = {}
         # The ids this optimizer claimed in _OWNERS, dropped there once it is collected.
         self._claimed: set[int] = set()
         self._detached = False
@@ -594,21 +598,22 @@ class OptimizerInBackward(Optimizer):
         for param in (*plan.trainable, *plan.frozen):
             if not (param.is_floating_point() or param.is_complex()):
                 continue
-            key = id(param)
+            hooked = self._hooked.get(id(param))
             # Our hook is in the parameter's dict (a handle's id is unique in the process:
             # never a recycled id) ...
-            listed = holds_hook(param, self._hook_ids.get(key))
+            listed = hooked is not None and holds_hook(param, hooked.handle_id)
             # ... and that dict is run: by FSDP2's reduction, or registered on the C++ tensor
             # the parameter has now (see [Note: tensors swapped whole]).
-            if listed and (plan.in_unit(param) or self._hooked[key] == impl_address(param)):
+            if listed and (
+                plan.unit_of(id(param)) is not None or hooked.impl == impl_address(param)
+            ):
                 continue
             hook = hook or _grad_ready_hook(self)
             # Swapped whole since: a new dict, the old one left with the hooks that no longer
             # run, as they would not in the plain loop.
             handle = register_post_accumulate_grad_hook(param, hook, afresh=listed)
             self._hook_handles.append(handle)
-            self._hooked[key] = impl_address(param)
-            self._hook_ids[key] = handle.id
+            self._hooked[id(param)] = _Hook(handle.id, impl_address(param))
 
     def _new_pass(self, backward_id: int | None, *, record: bool = True) -> BackwardPass:
         if self._keys_before is None or not self._stepped_since_step:
@@ -1215,8 +1220,8 @@ class OptimizerInBackward(Optimizer):
         if wrapper is not None:
             raise _wrapper_error(wrapper)
         if not self._detached:
-            ids = self._hook_ids
-            later = [p for p in plan.trainable if hooked_after(p, ids[id(p)])]
+            hooked = self._hooked
+            later = [p for p in plan.trainable if hooked_after(p, hooked[id(p)].handle_id)]
             if later:
                 more = f" (and {len(later) - 1} more)" if len(later) > 1 else ""
                 raise RuntimeError(
@@ -1593,7 +1598,6 @@ class OptimizerInBackward(Optimizer):
         """
         _remove_hooks(self._hook_handles)
         self._hooked.clear()
-        self._hook_ids.clear()
         self._detached = True
         for group in self.param_groups:
             for param in group["params"]:

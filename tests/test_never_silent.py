@@ -43,6 +43,7 @@ from _toy import (
     swapping_conversions,
 )
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
@@ -2206,8 +2207,9 @@ def _swapped_whole_loops(
     loops: tuple, convert: Callable[[nn.Module], object], sharded: bool = False
 ) -> None:
     """A step of each loop, ``convert`` on each model (swapping its parameters' C++ tensors
-    into the objects), three more steps: from the second backward after the conversion, ours
-    steps every parameter in backward again."""
+    into the objects: every DTensor parameter's, and every parameter's under the swap flag),
+    three more steps: from the second backward after the conversion, ours steps every
+    parameter in backward again."""
     model = loops[0][0]
     _step_both(loops, 0, sharded, zero=True)
     ids = list(map(id, model.parameters()))
@@ -2215,7 +2217,9 @@ def _swapped_whole_loops(
     for net, _ in loops:
         convert(net)
     assert list(map(id, model.parameters())) == ids
-    assert any(p._cdata != impl for p, impl in zip(model.parameters(), impls, strict=True))
+    every = torch.__future__.get_swap_module_params_on_conversion()
+    swapped = [p._cdata != impl for p, impl in zip(model.parameters(), impls, strict=True)]
+    assert swapped == [every or isinstance(p, DTensor) for p in model.parameters()]
     for step in range(1, 4):
         for net, opt in loops:
             loss_fn(net, *_x(step, sharded)).backward()
