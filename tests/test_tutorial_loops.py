@@ -28,6 +28,11 @@ plain run's: the same kernels on the same gradients.
   ``vmap(grad(...))``, clipped, noised and set by hand before ``step()``.
 * Truncated backpropagation through time: an LSTM language model over consecutive windows,
   the hidden state carried and detached.
+* Iterative magnitude pruning mid-training (``torch.nn.utils.prune``: weights renamed and
+  masked by a forward pre-hook, pruned again, then made permanent through ``.data =``); an
+  LR range test (state dicts saved, a growing LR under a scheduler of its own, both loaded
+  back) before a ``OneCycleLR`` run; stochastic weight averaging (``AveragedModel``, ``SWALR``,
+  ``update_bn``) and an EMA of parameters and buffers.
 
 The WGAN-GP loop runs with torch's Adam and with ``CompactAdamW``, and ``OneCycleLR`` cycles
 ``CompactAdamW``'s betas too: each stepped in backward against the same class stepped plainly.
@@ -39,6 +44,7 @@ only.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
@@ -47,8 +53,8 @@ import torch
 from _toy import assert_same_state_dict
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.nn.utils import parametrizations
-from torch.optim import Optimizer
+from torch.nn.utils import parametrizations, prune
+from torch.optim import Optimizer, swa_utils
 from torch.optim import lr_scheduler as schedulers
 
 from fused_optim_dist import OptimizerInBackward
@@ -406,3 +412,141 @@ def test_truncated_bptt_equal_plain():
     (ours, ours_state), (plain, plain_state) = (_truncated_bptt(make) for make in (_ours, _plain))
     assert_same_state_dict(ours.state_dict(), plain.state_dict())
     assert_same_state_dict(ours_state, plain_state)
+
+
+def _pruned(make_optim: MakeOptim, cls: type[Optimizer]) -> tuple[nn.Module, dict]:
+    """Iterative magnitude pruning as PyTorch's pruning tutorial applies it, mid-training:
+    after two steps the hidden layers' weights are pruned globally by magnitude (each weight
+    becomes ``weight_orig``, the same parameter renamed, times a mask buffer a forward
+    pre-hook applies), a layer is pruned again two steps later (the masks compose), then the
+    pruning is made permanent (``prune.remove`` assigns the masked values to the parameter
+    through ``.data =``), and training goes on. The masked entries keep moving under weight
+    decay and momentum while masked, as the plain optimizer moves them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    optim = make_optim(model.parameters(), cls, dict(lr=1e-2, weight_decay=0.1))
+    hidden = [model[0], model[2]]
+    data = torch.Generator().manual_seed(1)
+    for step in range(8):
+        if step == 2:
+            prune.global_unstructured(
+                [(layer, "weight") for layer in hidden], prune.L1Unstructured, amount=0.4
+            )
+        if step == 4:
+            prune.random_structured(model[2], "weight", amount=0.25, dim=0)
+        if step == 6:
+            for layer in hidden:
+                prune.remove(layer, "weight")
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+        optim.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+    return model, optim.state_dict()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, CompactAdamW], ids=lambda c: c.__name__)
+def test_pruning_mid_training_equal_plain(cls: type[Optimizer]):
+    torch.manual_seed(5)  # prune.random_structured draws from torch's generator
+    ours, ours_state = _pruned(_ours, cls)
+    torch.manual_seed(5)
+    plain, plain_state = _pruned(_plain, cls)
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
+    assert_same_state_dict(ours_state, plain_state)
+
+
+def _lr_range_test(make_optim: MakeOptim, cls: type[Optimizer], kwargs: dict) -> nn.Module:
+    """An LR range test before training, as ``torch-lr-finder`` and fastai's ``lr_find`` run
+    it: the model's and optimizer's state dicts saved, a few steps at a learning rate growing
+    exponentially from 1e-5 under a scheduler of its own (written over the one the loop built),
+    both state dicts loaded back, then training under the loop's ``OneCycleLR``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    optim = make_optim(model.parameters(), cls, kwargs)
+    scheduler = schedulers.OneCycleLR(optim, max_lr=5e-2, total_steps=10)
+    saved_model, saved_optim = copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict())
+    for group in optim.param_groups:
+        group["lr"] = 1e-5
+    finder = schedulers.ExponentialLR(optim, gamma=4.0)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+        optim.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        finder.step()
+    model.load_state_dict(saved_model)
+    optim.load_state_dict(saved_optim)
+    for _ in range(8):
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+        optim.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        scheduler.step()
+    return model
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+        (torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
+        (CompactAdamW, dict(lr=1e-2)),
+    ],
+    ids=["Adam-amsgrad", "SGD", "CompactAdamW"],
+)
+def test_lr_range_test_then_training_equal_plain(cls: type[Optimizer], kwargs: dict):
+    assert_same_state_dict(
+        _lr_range_test(_ours, cls, kwargs).state_dict(),
+        _lr_range_test(_plain, cls, kwargs).state_dict(),
+    )
+
+
+def _swa(make_optim: MakeOptim, cls: type[Optimizer], ema: bool) -> tuple[nn.Module, ...]:
+    """Stochastic weight averaging as PyTorch's SWA recipe writes it: ``AveragedModel`` (a
+    deep copy of the model, taken after the optimizer was built), a cosine schedule, then
+    ``SWALR`` (which writes ``swa_lr`` into the param groups) from the fourth epoch, the
+    average updated once an epoch after ``step()``, and ``update_bn`` on the average at the
+    end; or an exponential moving average of parameters and buffers updated after every
+    ``step()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    optim = make_optim(model.parameters(), cls, dict(lr=1e-2))
+    scheduler = schedulers.CosineAnnealingLR(optim, T_max=10)
+    if ema:
+        average = swa_utils.AveragedModel(
+            model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9), use_buffers=True
+        )
+    else:
+        average = swa_utils.AveragedModel(model)
+    swa_scheduler = swa_utils.SWALR(optim, swa_lr=5e-3, anneal_epochs=2)
+    data = torch.Generator().manual_seed(1)
+    loader = [
+        (torch.randn(8, 6, generator=data), torch.randint(0, 3, (8,), generator=data))
+        for _ in range(3)
+    ]
+    for epoch in range(6):
+        for x, y in loader:
+            optim.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optim.step()
+            if ema:
+                average.update_parameters(model)
+        if epoch < 3:
+            scheduler.step()
+            continue
+        if not ema:
+            average.update_parameters(model)
+        swa_scheduler.step()
+    swa_utils.update_bn([x for x, _ in loader], average)
+    return model, average
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["swa", "ema"])
+@pytest.mark.parametrize("cls", [torch.optim.SGD, CompactAdamW], ids=lambda c: c.__name__)
+def test_weight_averaging_equal_plain(cls: type[Optimizer], ema: bool):
+    for ours, plain in zip(_swa(_ours, cls, ema), _swa(_plain, cls, ema), strict=True):
+        assert_same_state_dict(ours.state_dict(), plain.state_dict())
