@@ -14,7 +14,8 @@ and DCP checkpoint round trips (``get_state_dict``'s zero step on an empty state
 restart (new optimizers loading their predecessors' state dicts), ``state.clear()``, the head
 frozen and unfrozen (also before it is added as a group), an
 evaluation forward under ``torch.no_grad()`` (on FSDP2 a group added after it is refused
-until ``reshard()``);
+until ``reshard()``), magnitude pruning on a plain module (``torch.nn.utils.prune``: a
+weight masked, masked again, then made permanent through ``.data =``);
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
 ``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
@@ -70,6 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import InBackwardOptions, OptimizerInBackward
@@ -888,6 +890,23 @@ class LoopMachine(RuleBasedStateMachine):
                     for key, value in optim.state[param].items():
                         if key != "step" and _is_float_tensor(value):
                             value.zero_()
+
+    @precondition(lambda self: not self.sharded)
+    @rule(layer=st.integers(0, LAYERS - 1), amount=st.sampled_from([0.25, 0.5]))
+    def prune_weights(self, layer: int, amount: float) -> None:
+        """Magnitude pruning between steps (under ``accumulate()`` too), as
+        ``torch.nn.utils.prune`` applies it: the layer's weight renamed ``weight_orig`` (the
+        same parameter) and masked by a forward pre-hook; pruned again, the masks compose; a
+        third time, the pruning is made permanent (``prune.remove``: the masked values
+        assigned to the parameter through ``.data =``). Both loops step the masked entries
+        under weight decay and momentum alike."""
+        for model in self.models:
+            module = model.layers[layer].up
+            hooks = module._forward_pre_hooks.values()
+            if any(isinstance(hook, prune.PruningContainer) for hook in hooks):
+                prune.remove(module, "weight")
+            else:
+                prune.l1_unstructured(module, "weight", amount=amount)
 
     @precondition(lambda self: not self.pending)
     @rule(trainable=st.booleans())
