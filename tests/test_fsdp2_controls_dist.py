@@ -3,12 +3,13 @@
 ``set_requires_gradient_sync`` (and HSDP's ``set_requires_all_reduce``) on part of the model,
 ``unshard()``/``reshard()`` around ``step()``, ``requires_grad_()`` while a root unit is
 unsharded (a forward with no backward leaves it so: a GAN's frozen generator, an evaluation
-before unfreezing a head), units built otherwise (``ignored_params``, one unit of several
-modules, a full SPMD mesh), the controls of the gradient reduction (an all-reduce hook, sum
-reductions, more input buffers, a separate reduce-scatter group) and the recovery from a failed
-backward (``reset_iter_state()``). Each loop runs with plain AdamW and with ours on identical
-FSDP2 models (2 and 3 gloo ranks, 2 and 4 on the SPMD mesh): equal, or refused at ``step()``
-(``zero_grad()`` after a failed backward). See [Note: FSDP2's copies and flags] in
+before unfreezing a head, or before freezing one between micro-batches), units built otherwise
+(``ignored_params``, one unit of several modules, a full SPMD mesh), the controls of the
+gradient reduction (an all-reduce hook, sum reductions, more input buffers, a separate
+reduce-scatter group) and the recovery from a failed backward (``reset_iter_state()``). Each
+loop runs with plain AdamW and with ours on identical FSDP2 models (2 and 3 gloo ranks, 2 and 4
+on the SPMD mesh): equal, or refused at ``step()`` (``zero_grad()`` after a failed backward; the
+head frozen between micro-batches: at its backward). See [Note: FSDP2's copies and flags] in
 ``fused_optim_dist/_torch_internals.py``.
 """
 
@@ -351,6 +352,33 @@ def _unfrozen_after_evaluation_body() -> None:
     assert_match(ours, plain)
 
 
+def _frozen_after_evaluation_body() -> None:
+    """The head in the root unit frozen after an evaluation forward under ``no_grad``, between
+    two micro-batches: the root stays unsharded, so ``requires_grad_(False)`` reaches only
+    FSDP2's all-gathered copies, and the sharded head keeps the first micro-batch's gradient,
+    which the plain ``step()`` steps (the second micro-batch adds nothing to it). Ours cannot
+    tell it from a frozen parameter holding a gradient: refused at the second backward, before
+    anything moves, naming ``model.reshard()`` (found by the stateful loop test, where a head
+    frozen so after being added as a group held the gradients it had accumulated before)."""
+    ours, plain, (optim,), (reference_optim,) = _both(_model)
+    x, y = _batch(0)
+    for model, opt in ((ours, optim), (plain, reference_optim)):
+        with opt.accumulate() if opt is optim else contextlib.nullcontext():
+            _loss(model, x, y).backward()
+        with torch.no_grad():
+            model(x)
+        model[2].requires_grad_(False)
+    head = full(reference_optim.param_groups[0]["params"][-2]).detach().clone()
+    _loss(plain, x, y).backward()
+    reference_optim.step()
+    assert not torch.equal(full(reference_optim.param_groups[0]["params"][-2]), head)
+    before = [full(p).detach().clone() for p in optim.param_groups[0]["params"]]
+    with pytest.raises(RuntimeError, match=r"frozen .* holds a gradient.* model\.reshard\(\)"):
+        _loss(ours, x, y).backward()
+    after = [full(p) for p in optim.param_groups[0]["params"]]
+    assert all(map(torch.equal, after, before))
+
+
 def _hsdp_model() -> nn.Sequential:
     """``_model`` on an HSDP mesh: every rank a replica, shards of one rank."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -619,6 +647,7 @@ def _all_body() -> None:
     _not_last_backward_body()
     _gan_frozen_root_body()
     _unfrozen_after_evaluation_body()
+    _frozen_after_evaluation_body()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -15,7 +15,8 @@ restart (new optimizers loading their predecessors' state dicts), ``state.clear(
 frozen and unfrozen (also before it is added as a group), an
 evaluation forward under ``torch.no_grad()`` (on FSDP2 a group added after it is refused
 until ``reshard()``), magnitude pruning on a plain module (``torch.nn.utils.prune``: a
-weight masked, masked again, then made permanent through ``.data =``);
+weight masked, masked again, then made permanent through ``.data =``), a layer's weights
+rewritten in place (or through ``.data =`` on a plain module);
 ``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
 (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
 ``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
@@ -891,6 +892,26 @@ class LoopMachine(RuleBasedStateMachine):
                         if key != "step" and _is_float_tensor(value):
                             value.zero_()
 
+    @rule(layer=st.integers(0, LAYERS - 1))
+    def rescale_layer(self, layer: int) -> None:
+        """A layer's weights rewritten in place between steps (under ``accumulate()`` too),
+        as a loop re-initialising or shrinking a layer does under ``torch.no_grad()``. The
+        next update steps the new values."""
+        for model in self.models:
+            with torch.no_grad():
+                for param in model.layers[layer].parameters():
+                    param.mul_(0.5)
+
+    @precondition(lambda self: not self.sharded)
+    @rule(layer=st.integers(0, LAYERS - 1))
+    def rescale_layer_through_data(self, layer: int) -> None:
+        """The same through ``.data =`` (new storage, new values), on a plain module: on an
+        FSDP2 parameter (a DTensor) the assignment leaves its local shard as it was, in the
+        plain loop as in ours (torch 2.13)."""
+        for model in self.models:
+            for param in model.layers[layer].parameters():
+                param.data = param.data * 0.5
+
     @precondition(lambda self: not self.sharded)
     @rule(layer=st.integers(0, LAYERS - 1), amount=st.sampled_from([0.25, 0.5]))
     def prune_weights(self, layer: int, amount: float) -> None:
@@ -913,8 +934,14 @@ class LoopMachine(RuleBasedStateMachine):
     def set_head_requires_grad(self, trainable: bool) -> None:
         """The head frozen or unfrozen, before or after it is added as a group. Frozen, it
         drops the gradient it may hold (accumulated outside the optimizers): ours refuses a
-        frozen parameter holding one at ``step()``, see :meth:`hand_set_grad`."""
+        frozen parameter holding one at ``step()``, see :meth:`hand_set_grad`. After an
+        evaluation on FSDP2 the root unit is resharded first, as ours says when it refuses:
+        else the flag and ``.grad = None`` reach only the all-gathered copies, and the sharded
+        head keeps its gradient, which the plain ``step()`` steps and ours refuses at the next
+        backward (``_frozen_after_evaluation_body`` in ``test_fsdp2_controls_dist.py``)."""
         for model in self.models:
+            if self._sharded(model) and not isinstance(model.head.weight, DTensor):
+                model.reshard()
             model.head.requires_grad_(trainable)
             if not trainable:
                 for param in model.head.parameters():
