@@ -3,16 +3,18 @@
 Lightning calls ``optimizer.step(closure)`` at every step, the closure running the training
 step, ``zero_grad()`` and the backward. ``OptimizerInBackward.step`` calls it first, as
 torch.optim's classes do, so ``configure_optimizers`` returns ours unchanged. Every run is
-compared with the same ``Trainer.fit`` on the plain optimizer, its state dict bit for bit,
-each parameter a bucket of its own where nothing is clipped. What Lightning does outside a step
-is refused as in any loop (docs/frameworks.md): ``accumulate_grad_batches`` at the second
+compared with the same ``Trainer.fit`` on the plain optimizer, its state dict bit for bit, each
+parameter a bucket of its own where nothing is clipped. What Lightning does outside a step is
+refused as in any loop (docs/frameworks.md): ``accumulate_grad_batches`` at the second
 micro-batch and ``gradient_clip_val`` at its read of the freed gradients; ``max_grad_norm`` on
 the optimizer clips as ``gradient_clip_val`` does. With the ``InBackward`` callback
-(``fused_optim_dist.integrations.lightning``) ``accumulate_grad_batches`` is exact, windows
-that end inside an epoch and at its end alike, and ``gradient_clip_val`` is refused before
-anything moves. Through ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``)
-on 2 and 3 gloo ranks: the same, and a fit saved by ``ModelCheckpoint`` (DCP) and resumed ends
-on every rank's shards where the uninterrupted plain fit does.
+(``fused_optim_dist.integrations.lightning``) ``accumulate_grad_batches`` is exact, windows that
+end inside an epoch and at its end alike, and ``gradient_clip_val`` is refused before anything
+moves. ``BackboneFinetuning`` (a frozen backbone added to the optimizer as a group at the second
+epoch) is exact, with and without accumulation. Through ``ModelParallelStrategy`` (FSDP2,
+``fully_shard`` in ``configure_model``) on 2 and 3 gloo ranks: the same, and a fit saved by
+``ModelCheckpoint`` (DCP) and resumed ends on every rank's shards where the uninterrupted plain
+fit does.
 """
 
 from __future__ import annotations
@@ -213,6 +215,54 @@ def test_refused_by_the_callback_before_anything_moves(tmp_path: Path, trainer_k
         _fit(make, tmp_path, callbacks=[InBackward()], **trainer_kwargs)
     for param, before in zip(modules[0].parameters(), initial, strict=True):
         assert torch.equal(param, before)
+
+
+class Finetuned(lightning.LightningModule):
+    """Transfer learning as Lightning's ``BackboneFinetuning`` callback runs it: the backbone
+    (with a batch norm) frozen before ``configure_optimizers``, which takes the trainable
+    parameters (the head), then unfrozen at the second epoch and added to the optimizer as
+    a param group at a tenth of the LR, raised at every epoch after, beside a ``StepLR``."""
+
+    def __init__(self, make_optim: Callable[[list[nn.Parameter]], Optimizer]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 16)
+        )
+        self.head = nn.Linear(16, 1)
+        self.make_optim = make_optim
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        optim = self.make_optim([p for p in self.parameters() if p.requires_grad])
+        return {"optimizer": optim, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optim, 1, 0.7)}
+
+
+@pytest.mark.parametrize("window", [1, 2], ids=["no-accumulation", "accumulate_grad_batches"])
+def test_backbone_finetuning_equal_plain(tmp_path: Path, window: int):
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    def fit(make_optim: Callable[[list[nn.Parameter]], Optimizer], ours: bool) -> Finetuned:
+        data = torch.Generator().manual_seed(1)
+        x, y = torch.randn(48, 8, generator=data), torch.randn(48, 1, generator=data)
+        module = Finetuned(make_optim)
+        unfreeze = BackboneFinetuning(
+            unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, verbose=False
+        )
+        callbacks = [unfreeze, InBackward()] if ours else [unfreeze]
+        root = tmp_path / ("ours" if ours else "plain")
+        _fit_one_process(module, root, x, y, accumulate_grad_batches=window, callbacks=callbacks)
+        return module
+
+    ours = fit(lambda p: OptimizerInBackward(p, torch.optim.AdamW, lr=1e-2, bucket_numel=1), True)
+    plain = fit(lambda p: torch.optim.AdamW(p, lr=1e-2), False)
+    optims = [module.trainer.optimizers[0] for module in (ours, plain)]
+    assert [len(optim.param_groups) for optim in optims] == [2, 2]
+    assert_same_state_dict(optims[0].state_dict(), optims[1].state_dict())
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
 
 
 class GAN(lightning.LightningModule):
