@@ -71,6 +71,23 @@ def _ours(params: object, cls: type[Optimizer], kwargs: dict) -> Optimizer:
     return OptimizerInBackward(params, cls, bucket_numel=1, **kwargs)
 
 
+def _mlp() -> nn.Sequential:
+    """The regression MLP of the loops below, seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+
+
+def _regression_step(model: nn.Module, optim: Optimizer, data: torch.Generator) -> None:
+    """One step of the loops below, as torch's tutorials write it: a batch of 16 drawn from
+    ``data``, ``zero_grad()``, the forward and backward, ``step()``."""
+    x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+    optim.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optim.step()
+
+
 def _linear(fan_in: int, fan_out: int, norm: str) -> nn.Module:
     layer = nn.Linear(fan_in, fan_out)
     if norm == "spectral":
@@ -178,10 +195,7 @@ SCHEDULES = {
 
 def _scheduled(make_optim: MakeOptim, name: str) -> nn.Module:
     cls, kwargs, make_scheduler = SCHEDULES[name]
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
-    )
+    model = _mlp()
     groups = [
         {"params": model[0].parameters()},
         {"params": [*model[2].parameters(), *model[4].parameters()], "lr": 2 * kwargs["lr"]},
@@ -268,18 +282,12 @@ def _lookahead(make_optim: MakeOptim, cls: type[Optimizer]) -> tuple[nn.Module, 
     fourth, and the weights synced to the slow ones at the end of the epoch, the last step's
     gradients still held (ours: freed, which ``is not None`` as the plain ones); the model and
     the optimizer's state dict."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
-    )
+    model = _mlp()
     optim = _Lookahead(make_optim(model.parameters(), cls, dict(lr=1e-2, weight_decay=0.01)))
     scheduler = schedulers.StepLR(optim, step_size=2, gamma=0.5)
     data = torch.Generator().manual_seed(1)
     for step in range(8):
-        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
-        optim.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optim.step()
+        _regression_step(model, optim, data)
         scheduler.step()
         if step == 3:
             optim.load_state_dict(optim.state_dict())
@@ -422,10 +430,7 @@ def _pruned(make_optim: MakeOptim, cls: type[Optimizer]) -> tuple[nn.Module, dic
     pruning is made permanent (``prune.remove`` assigns the masked values to the parameter
     through ``.data =``), and training goes on. The masked entries keep moving under weight
     decay and momentum while masked, as the plain optimizer moves them."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
-    )
+    model = _mlp()
     optim = make_optim(model.parameters(), cls, dict(lr=1e-2, weight_decay=0.1))
     hidden = [model[0], model[2]]
     data = torch.Generator().manual_seed(1)
@@ -439,10 +444,7 @@ def _pruned(make_optim: MakeOptim, cls: type[Optimizer]) -> tuple[nn.Module, dic
         if step == 6:
             for layer in hidden:
                 prune.remove(layer, "weight")
-        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
-        optim.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optim.step()
+        _regression_step(model, optim, data)
     return model, optim.state_dict()
 
 
@@ -461,10 +463,7 @@ def _lr_range_test(make_optim: MakeOptim, cls: type[Optimizer], kwargs: dict) ->
     it: the model's and optimizer's state dicts saved, a few steps at a learning rate growing
     exponentially from 1e-5 under a scheduler of its own (written over the one the loop built),
     both state dicts loaded back, then training under the loop's ``OneCycleLR``."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
-    )
+    model = _mlp()
     optim = make_optim(model.parameters(), cls, kwargs)
     scheduler = schedulers.OneCycleLR(optim, max_lr=5e-2, total_steps=10)
     saved_model, saved_optim = copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict())
@@ -473,18 +472,12 @@ def _lr_range_test(make_optim: MakeOptim, cls: type[Optimizer], kwargs: dict) ->
     finder = schedulers.ExponentialLR(optim, gamma=4.0)
     data = torch.Generator().manual_seed(1)
     for _ in range(5):
-        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
-        optim.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optim.step()
+        _regression_step(model, optim, data)
         finder.step()
     model.load_state_dict(saved_model)
     optim.load_state_dict(saved_optim)
     for _ in range(8):
-        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
-        optim.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optim.step()
+        _regression_step(model, optim, data)
         scheduler.step()
     return model
 
