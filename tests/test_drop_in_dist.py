@@ -9,6 +9,7 @@ The numbered items are those of the drop-in robustness issue.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 from collections.abc import Callable
 
@@ -688,6 +689,54 @@ def test_failed_backward_then_a_new_lr_for_a_held_class_is_refused():
         optim.step()
     for param, then in zip(model.parameters(), failed, strict=True):
         assert torch.equal(param.detach(), then)
+
+
+@pytest.mark.parametrize(
+    ("cls", "key", "value", "missing"),
+    [
+        (torch.optim.AdamW, "amsgrad", True, "max_exp_avg_sq"),
+        (torch.optim.RMSprop, "centered", True, "grad_avg"),
+    ],
+    ids=["amsgrad", "centered"],
+)
+def test_class_raising_in_a_later_bucket_raises_its_error_and_nothing_passes(
+    cls, key, value, missing
+):
+    """An option turned on in one group mid-run that the class cannot step without a state
+    entry it did not make: torch's class raises ``KeyError`` at the plain ``step()``, before
+    any update. Here the same error is raised in backward, at that group's first bucket,
+    after the buckets of the other group that backward reached first were stepped: then
+    ``zero_grad()`` is refused (those updates have had no ``step()``), and ``step()`` with
+    the option turned back off is refused as a group value changed since the backward."""
+    model, reference = _pair(sharded=False)
+    loops = []
+    for net in (model, reference):
+        head = list(net.head.parameters())
+        body = [p for p in net.parameters() if all(p is not h for h in head)]
+        loops.append([{"params": body}, {"params": head, "lr": 5e-3}])
+    optim = OptimizerInBackward(loops[0], cls, lr=1e-2, bucket_numel=20)
+    plain = cls(loops[1], lr=1e-2)
+    for step in range(2):
+        _ours_step(model, optim, step, sharded=False)
+        _plain_step(reference, plain, step, sharded=False)
+    before = [p.detach().clone() for p in reference.parameters()]
+    for opt in (optim, plain):
+        opt.param_groups[0][key] = value
+    _backward(reference, 2, sharded=False)
+    with pytest.raises(KeyError, match=missing):
+        plain.step()
+    assert all(map(torch.equal, reference.parameters(), before))
+    with pytest.raises(KeyError, match=missing):
+        _backward(model, 2, sharded=False)
+    assert optim._pass.updated  # the head's group moved in backward
+    with pytest.raises(RuntimeError, match=r"A backward raised after updating them"):
+        optim.zero_grad()
+    optim.param_groups[0][key] = not value
+    with pytest.raises(RuntimeError, match=rf"param_groups\[0\]\['{key}'\] was changed"):
+        optim.step()
+    with pytest.warns(RuntimeWarning, match="holding updates made in backward"):
+        del optim  # a run that cannot go on (restart from a checkpoint) says so at its end
+        gc.collect()
 
 
 @pytest.mark.parametrize("stepping", [None, "elementwise"], ids=["joint", "checked-first"])
