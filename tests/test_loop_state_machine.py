@@ -9,33 +9,31 @@ module or by the optimizer's ``zero_grad(set_to_none=False)`` (then stepped by a
 misses a layer, under ``accumulate()``, with gradients set by hand or none) or never zeroed, an
 optimizer state loaded or an LR set before ``step()``, a second ``step()`` (each refused; the load
 then rolled back), activation checkpointing (reentrant or not) and ``save_on_cpu``, ``step()``
-without a backward, LR changes (lr 0 included), an LR scheduler, ``state_dict``/``load_state_dict``
-and DCP checkpoint round trips (``get_state_dict``'s zero step on an empty state included), a
-restart (new optimizers loading their predecessors' state dicts), ``state.clear()``, the head
-frozen and unfrozen (also before it is added as a group), an
-evaluation forward under ``torch.no_grad()`` (on FSDP2 a group added after it is refused
-until ``reshard()``), magnitude pruning on a plain module (``torch.nn.utils.prune``: a
-weight masked, masked again, then made permanent through ``.data =``), a layer's weights
-rewritten in place (or through ``.data =`` on a plain module);
-``state_dict()``, a deep copy or a pickle of the optimizer between backward and ``step()``
-(refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters before one
-``step()`` and gradients set by hand before it (stepped, or refused where the plain step differs),
-NaN batches with ``skip_nonfinite``; also with a class that counts steps in its param groups (NaN
-batches too: a step skipped whole counts nothing, as the plain loop calling no ``step()``) or on
-itself (a rolled-back backward counts nothing), with CompactAdamW, and on bfloat16 models. After
-every rule both models must hold the same parameters (1e-6) and, between steps, the same
-optimizer state, its entries listed in the same order; and at every step both loops measure the
-norm of the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the plain loop's
-``clip_grad_norm_``), which must agree where ours gives one.
-It runs on one process (a plain module, many examples) and with FSDP2 (fewer, derandomised so
-that every rank draws the same sequence): on 2 ranks, and with NaN batches on 4 (the last
-rank's shards all empty), a class counting steps in its groups, one stepped jointly, and
-every unit kept unsharded after forward (``reshard_after_forward=False``) on 3, and with
-matrices sharded by columns (``shard_placement_fn``) on 2, and with Adafactor stepped whole-tensor
-on 2 against plain Adafactor on an unsharded copy fed the global batch. On FSDP2 the accumulation
-with gradient sync off turns it off for the whole model or for part of it (the root unit alone,
-or the last block, frozen or not).
-"""
+without a backward, LR changes (lr 0 included) and weight-decay changes, an LR scheduler,
+``state_dict``/``load_state_dict`` and DCP checkpoint round trips (``get_state_dict``'s zero step
+on an empty state included), a restart (new optimizers loading their predecessors' state dicts),
+``state.clear()``, the head frozen and unfrozen (also before it is added as a group), an evaluation
+forward under ``torch.no_grad()`` (on FSDP2 a group added after it is refused until ``reshard()``),
+magnitude pruning on a plain module (``torch.nn.utils.prune``: a weight masked, masked again, then
+made permanent through ``.data =``), a layer's weights rewritten in place (or through ``.data =``
+on a plain module); ``state_dict()``, a deep copy or a pickle of the optimizer between backward and
+``step()`` (refused) and under ``accumulate()`` (equal), two backwards on disjoint parameters
+before one ``step()`` and gradients set by hand before it (stepped, or refused where the plain step
+differs), NaN batches with ``skip_nonfinite``; also with a class that counts steps in its param
+groups (NaN batches too: a step skipped whole counts nothing, as the plain loop calling no
+``step()``) or on itself (a rolled-back backward counts nothing), with CompactAdamW, and on
+bfloat16 models. After every rule both models must hold the same parameters (1e-6) and, between
+steps, the same optimizer state, its entries listed in the same order; and at every step both loops
+measure the norm of the step's gradients through ``fused_optim_dist.clip_grad_norm_`` (the plain
+loop's ``clip_grad_norm_``), which must agree where ours gives one. It runs on one process (a plain
+module, many examples) and with FSDP2 (fewer, derandomised so that every rank draws the same
+sequence): on 2 ranks, and with NaN batches on 4 (the last rank's shards all empty), a class
+counting steps in its groups, one stepped jointly, and every unit kept unsharded after forward
+(``reshard_after_forward=False``) on 3, and with matrices sharded by columns
+(``shard_placement_fn``) on 2, and with Adafactor stepped whole-tensor on 2 against plain Adafactor
+on an unsharded copy fed the global batch. On FSDP2 the accumulation with gradient sync off turns
+it off for the whole model or for part of it (the root unit alone, or the last block, frozen or
+not)."""
 
 from __future__ import annotations
 
@@ -473,6 +471,14 @@ class LoopMachine(RuleBasedStateMachine):
     def set_lr(self, lr: float) -> None:
         for optim in (self.ours, self.plain):
             optim.param_groups[0]["lr"] = lr
+
+    @precondition(lambda self: "weight_decay" in self.ours.param_groups[0])
+    @rule(weight_decay=st.sampled_from([0.0, 0.1, 0.3]))
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """The first group's weight decay changed (under ``accumulate()`` too), as a loop
+        ramping it writes it: the next update uses it, in both loops."""
+        for optim in (self.ours, self.plain):
+            optim.param_groups[0]["weight_decay"] = weight_decay
 
     @precondition(lambda self: not self.pending and self.reference_sharded)
     @rule()
