@@ -429,7 +429,9 @@ def _pruned(make_optim: MakeOptim, cls: type[Optimizer]) -> tuple[nn.Module, dic
     pre-hook applies), a layer is pruned again two steps later (the masks compose), then the
     pruning is made permanent (``prune.remove`` assigns the masked values to the parameter
     through ``.data =``), and training goes on. The masked entries keep moving under weight
-    decay and momentum while masked, as the plain optimizer moves them."""
+    decay and momentum while masked, as the plain optimizer moves them. The structured prune
+    draws its rows from torch's generator, seeded by ``_mlp``: the same rows in both loops
+    unless the optimizer draws from it in between."""
     model = _mlp()
     optim = make_optim(model.parameters(), cls, dict(lr=1e-2, weight_decay=0.1))
     hidden = [model[0], model[2]]
@@ -450,10 +452,7 @@ def _pruned(make_optim: MakeOptim, cls: type[Optimizer]) -> tuple[nn.Module, dic
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, CompactAdamW], ids=lambda c: c.__name__)
 def test_pruning_mid_training_equal_plain(cls: type[Optimizer]):
-    torch.manual_seed(5)  # prune.random_structured draws from torch's generator
-    ours, ours_state = _pruned(_ours, cls)
-    torch.manual_seed(5)
-    plain, plain_state = _pruned(_plain, cls)
+    (ours, ours_state), (plain, plain_state) = (_pruned(make, cls) for make in (_ours, _plain))
     assert_same_state_dict(ours.state_dict(), plain.state_dict())
     assert_same_state_dict(ours_state, plain_state)
 
