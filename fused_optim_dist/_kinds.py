@@ -35,6 +35,8 @@ from weakref import WeakKeyDictionary
 import torch
 from torch.optim import Optimizer
 
+from fused_optim_dist._first_step_state import first_step_state_check
+
 __all__ = [
     "Stepping",
     "cache_attributes",
@@ -137,13 +139,15 @@ def checks_groups(method: str) -> Callable[[_Cls], _Cls]:
 
 
 def group_check(optimizer: Optimizer) -> Callable[..., None] | None:
-    """``optimizer``'s group check (see :func:`checks_groups`; its class's or a base's), if
-    any."""
+    """``optimizer``'s group check (see :func:`checks_groups`; its class's or a base's), or,
+    for a class of torch.optim's, of the state entries its step reads only where an option
+    asks for them (see [Note: options turned on after the first step] in
+    ``_first_step_state.py``), if any."""
     for cls in type(optimizer).__mro__:
         method = _GROUP_CHECKS.get(cls)
         if method is not None:
             return getattr(optimizer, method)
-    return None
+    return first_step_state_check(optimizer)
 
 
 _DECLARED: WeakKeyDictionary[type, Stepping] = WeakKeyDictionary()

@@ -509,9 +509,10 @@ class OptimizerInBackward(Optimizer):
         # backward) began (see _order_new_state); None before one.
         self._keys_before: set[int] | None = None
         self._accumulate_depth = 0
-        # The backward taken as a micro-batch, if the last one was. See [Note: FSDP2's
-        # micro-batches].
-        self._micro_batch: int | None = None
+        # The backward whose gradients are held for step(), if the last one was: taken as a
+        # micro-batch (see [Note: FSDP2's micro-batches]), or with a group a class cannot step
+        # as it is now (see [Note: a backward held for step()]).
+        self._held_backward: int | None = None
         self._attach_hooks()
 
     def _attach_hooks(self) -> None:
@@ -980,6 +981,7 @@ class OptimizerInBackward(Optimizer):
                 self._order_new_state()
                 return
             self._refuse_second_pass()
+            self._stepper.check_groups(self.param_groups, self.state)
             self._check_first_backward()
             self._gradients.refuse_mixed_before(ready, local_gradients(ready))
             step = self._new_pass(None)
@@ -1203,6 +1205,29 @@ class OptimizerInBackward(Optimizer):
             for param in group["params"]
         )
 
+    def _groups_steppable(self) -> bool:
+        """Whether each class can step its groups as they are now (``check_groups``), checked
+        when a backward starts stepping.
+
+        [Note: a backward held for step()]
+        A class's step sees one bucket's groups at a time, so its groups are checked before
+        the first bucket: an option set on a group since its state was made that the class
+        cannot step (AdamW's ``amsgrad`` without ``max_exp_avg_sq``: [Note: options turned on
+        after the first step] in ``_first_step_state.py``; CompactAdamW's ``variance_bits``).
+        The plain optimizer raises at ``step()``, its backward complete and its gradients
+        held. Raised from the first gradient's hook, the error would leave FSDP2's units
+        mid-backward, unsharded and not reducing: a loop that catches it and goes on (the
+        option set back, the entry added) would step no gradient again, with no error, until
+        ``reset_iter_state()``. So such a backward steps nothing and holds its gradients, as
+        under :meth:`accumulate`, and ``step()`` checks the groups again and raises there,
+        before anything moves, as the plain step does; fixed, ``step()`` steps them all.
+        """
+        try:
+            self._stepper.check_groups(self.param_groups, self.state)
+        except Exception:  # raised again at step(), where the plain optimizer raises it
+            return False
+        return True
+
     def _check_first_backward(self) -> BucketPlan:
         """Checks run when a backward (or ``step()``) starts stepping, before anything moves:
         what can have changed since construction. Returns the plan checked."""
@@ -1213,8 +1238,6 @@ class OptimizerInBackward(Optimizer):
                 "updates parameters in backward, before step() could run it. Do its work before "
                 "backward (or in a backward hook), or remove it."
             )
-        # Before the first bucket: a class's step sees one bucket's groups at a time.
-        self._stepper.check_groups(self.param_groups, self.state)
         plan = self._current_plan()
         wrapper = wrapped_by(plan.plain_trainable) if plan.plain_trainable else None
         if wrapper is not None:
@@ -1639,7 +1662,7 @@ class OptimizerInBackward(Optimizer):
             self._note_clipped_backward(backward_id, param)
         if self._accumulate_depth:
             return
-        if backward_id == self._micro_batch:
+        if backward_id == self._held_backward:
             return
         current = self._pass
         if backward_id == -1:
@@ -1649,7 +1672,7 @@ class OptimizerInBackward(Optimizer):
             # The first gradient of a new backward. See [Note: one backward, one BackwardPass].
             if fsdp_sync_off():
                 # See [Note: FSDP2's micro-batches].
-                self._micro_batch = backward_id
+                self._held_backward = backward_id
                 return
             enclosing = enclosing_backward(param.device)
             if enclosing.from_hook:
@@ -1663,6 +1686,10 @@ class OptimizerInBackward(Optimizer):
                     "(nothing was stepped)"
                 )
             self._refuse_second_pass()
+            if not self._groups_steppable():
+                # See [Note: a backward held for step()].
+                self._held_backward = backward_id
+                return
             self._refuse_frozen_holding_gradients(
                 self._check_first_backward(), "backward()", reducing=True
             )

@@ -9,7 +9,6 @@ The numbered items are those of the drop-in robustness issue.
 from __future__ import annotations
 
 import copy
-import gc
 import math
 from collections.abc import Callable
 
@@ -691,24 +690,26 @@ def test_failed_backward_then_a_new_lr_for_a_held_class_is_refused():
         assert torch.equal(param.detach(), then)
 
 
-@pytest.mark.parametrize(
-    ("cls", "key", "value", "missing"),
-    [
-        (torch.optim.AdamW, "amsgrad", True, "max_exp_avg_sq"),
-        (torch.optim.RMSprop, "centered", True, "grad_avg"),
-    ],
-    ids=["amsgrad", "centered"],
-)
-def test_class_raising_in_a_later_bucket_raises_its_error_and_nothing_passes(
-    cls, key, value, missing
-):
-    """An option turned on in one group mid-run that the class cannot step without a state
-    entry it did not make: torch's class raises ``KeyError`` at the plain ``step()``, before
-    any update. Here the same error is raised in backward, at that group's first bucket,
-    after the buckets of the other group that backward reached first were stepped: then
-    ``zero_grad()`` is refused (those updates have had no ``step()``), and ``step()`` with
-    the option turned back off is refused as a group value changed since the backward."""
-    model, reference = _pair(sharded=False)
+def _first_step_entry_body(
+    cls: type[torch.optim.Optimizer],
+    key: str,
+    value: object,
+    missing: str,
+    like: str,
+    index: int,
+    sharded: bool = True,
+) -> None:
+    """An option turned on in a group mid-run that needs a state entry the class makes only at
+    a parameter's first step: the plain ``step()`` raises ``KeyError`` in that group's
+    ``_init_group``, after the groups before it moved (the body, where the option is the
+    head's). Ours used to raise the class's error in backward at that group's first bucket,
+    after the buckets that the backward reached first had moved, and on FSDP2 with its units
+    left mid-backward: where nothing had moved, a loop going on after it stepped nothing, no
+    error. Now the backward completes holding its gradients, and ``step()`` raises before
+    anything moves, naming the fix ([Note: a backward held for step()]); with the entry
+    added as it says, ``step()`` steps them and the loops end equal (where the plain step
+    raised before any update: the body's case)."""
+    model, reference = _pair(sharded=sharded)
     loops = []
     for net in (model, reference):
         head = list(net.head.parameters())
@@ -717,26 +718,71 @@ def test_class_raising_in_a_later_bucket_raises_its_error_and_nothing_passes(
     optim = OptimizerInBackward(loops[0], cls, lr=1e-2, bucket_numel=20)
     plain = cls(loops[1], lr=1e-2)
     for step in range(2):
-        _ours_step(model, optim, step, sharded=False)
-        _plain_step(reference, plain, step, sharded=False)
-    before = [p.detach().clone() for p in reference.parameters()]
+        _ours_step(model, optim, step, sharded=sharded)
+        _plain_step(reference, plain, step, sharded=sharded)
     for opt in (optim, plain):
-        opt.param_groups[0][key] = value
-    _backward(reference, 2, sharded=False)
+        opt.param_groups[index][key] = value
+
+    before = {p: full(p).detach().clone() for p in reference.parameters()}
+    _backward(reference, 2, sharded=sharded)
     with pytest.raises(KeyError, match=missing):
         plain.step()
-    assert all(map(torch.equal, reference.parameters(), before))
-    with pytest.raises(KeyError, match=missing):
-        _backward(model, 2, sharded=False)
-    assert optim._pass.updated  # the head's group moved in backward
-    with pytest.raises(RuntimeError, match=r"A backward raised after updating them"):
-        optim.zero_grad()
-    optim.param_groups[0][key] = not value
-    with pytest.raises(RuntimeError, match=rf"param_groups\[0\]\['{key}'\] was changed"):
+    for position, group in enumerate(plain.param_groups):
+        for param in group["params"]:
+            assert torch.equal(full(param), before[param]) == (position >= index)
+
+    before = [full(p).detach().clone() for p in model.parameters()]
+    _backward(model, 2, sharded=sharded)
+    assert all(p.grad is not None for p in optim.param_groups[index]["params"])
+    refused = rf"param_groups\[{index}\]\['{key}'\] is .* no '{missing}'.* Nothing was updated"
+    with pytest.raises(RuntimeError, match=refused):
         optim.step()
-    with pytest.warns(RuntimeWarning, match="holding updates made in backward"):
-        del optim  # a run that cannot go on (restart from a checkpoint) says so at its end
-        gc.collect()
+    assert all(torch.equal(full(p), b) for p, b in zip(model.parameters(), before, strict=True))
+
+    for opt in (optim, plain):
+        for param in opt.param_groups[index]["params"]:
+            opt.state[param][missing] = torch.zeros_like(opt.state[param][like])
+        opt.step()
+        opt.zero_grad()
+    if index == 0:
+        assert_match(model, reference)
+        for step in range(3, 5):
+            _ours_step(model, optim, step, sharded=sharded)
+            _plain_step(reference, plain, step, sharded=sharded)
+        assert_match(model, reference)
+        assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
+
+
+_FIRST_STEP_ENTRIES = pytest.mark.parametrize(
+    ("cls", "key", "value", "missing", "like"),
+    [
+        (torch.optim.AdamW, "amsgrad", True, "max_exp_avg_sq", "exp_avg_sq"),
+        (torch.optim.RMSprop, "centered", True, "grad_avg", "square_avg"),
+        (torch.optim.RMSprop, "momentum", 0.9, "momentum_buffer", "square_avg"),
+    ],
+    ids=["amsgrad", "centered", "momentum"],
+)
+
+
+@_FIRST_STEP_ENTRIES
+@pytest.mark.parametrize("index", [0, 1], ids=["body-group", "head-group"])
+def test_option_needing_a_first_step_entry_refused_at_step_before_anything_moves(
+    cls, key, value, missing, like, index
+):
+    _first_step_entry_body(cls, key, value, missing, like, index, sharded=False)
+
+
+@_FIRST_STEP_ENTRIES
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_option_needing_a_first_step_entry_refused_at_step_on_fsdp2(
+    worlds, world_size, cls, key, value, missing, like
+):
+    for index in (0, 1):
+        worlds.run(
+            world_size,
+            _first_step_entry_body,
+            **dict(cls=cls, key=key, value=value, missing=missing, like=like, index=index),
+        )
 
 
 @pytest.mark.parametrize("stepping", [None, "elementwise"], ids=["joint", "checked-first"])
