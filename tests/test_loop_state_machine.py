@@ -480,6 +480,49 @@ class LoopMachine(RuleBasedStateMachine):
         for optim in (self.ours, self.plain):
             optim.param_groups[0]["weight_decay"] = weight_decay
 
+    @precondition(
+        lambda self: (
+            not self.pending
+            and isinstance(self.plain, torch.optim.Adam)
+            and not self.plain.param_groups[0]["amsgrad"]
+        )
+    )
+    @rule()
+    def turn_on_amsgrad(self) -> None:
+        """AMSGrad turned on in the first group mid-run, which needs a state entry the class
+        makes only at a parameter's first step: the plain ``step()`` raises ``KeyError``, ours
+        refuses at ``step()`` before anything moves (its backward held the gradients); the
+        entry added as the error says, both step them (and keep AMSGrad from then on)."""
+        for optim in (self.ours, self.plain):
+            optim.param_groups[0]["amsgrad"] = True
+        for model, optim, error in zip(
+            self.models, (self.ours, self.plain), (RuntimeError, KeyError), strict=True
+        ):
+            # Ours checks the parameters that require a gradient before its backward steps
+            # any; the plain step reads the state of those holding one.
+            missing = [p for p in optim.param_groups[0]["params"] if optim.state.get(p)]
+            if optim is self.ours:
+                missing = [p for p in missing if p.requires_grad]
+            self._backward(model, self.step)
+            if optim is self.plain:
+                missing = [p for p in missing if p.grad is not None]
+            if not missing:
+                self._step(optim)
+            else:
+                before = _parameters(model)
+                with pytest.raises(error, match="max_exp_avg_sq"):
+                    self._step(optim)
+                _assert_unchanged(model, before)
+                for param in missing:
+                    state = optim.state[param]
+                    state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
+                if optim is self.plain:  # clipped, and its norm taken, by the refused step
+                    optim.step()
+                else:
+                    self._step(optim)
+            optim.zero_grad()
+        self.step += 1
+
     @precondition(lambda self: not self.pending and self.reference_sharded)
     @rule()
     def load_state_dicts(self) -> None:
