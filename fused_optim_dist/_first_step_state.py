@@ -23,6 +23,7 @@ before the plain step would raise for it, at its next gradient.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -41,9 +42,16 @@ class _Entry(NamedTuple):
     """The entry made at the first step, as torch makes the entry of this key."""
 
 
-_ENTRIES: dict[Callable[..., Any], tuple[_Entry, ...]] = {
-    torch.optim.Adam._init_group: (_Entry("amsgrad", bool, "max_exp_avg_sq", "exp_avg_sq"),),
-    torch.optim.RMSprop._init_group: (
+def _init_group(cls: type) -> object:
+    """``cls._init_group`` as torch.optim defines it: Dynamo's first compilation replaces each
+    torch.optim class's ``_init_group`` with a wrapper of it that Dynamo does not trace
+    (``TorchPatcher.patch``, torch 2.13), which ``inspect.unwrap`` sees through."""
+    return inspect.unwrap(getattr(cls, "_init_group", None))
+
+
+_ENTRIES: dict[object, tuple[_Entry, ...]] = {
+    _init_group(torch.optim.Adam): (_Entry("amsgrad", bool, "max_exp_avg_sq", "exp_avg_sq"),),
+    _init_group(torch.optim.RMSprop): (
         _Entry("centered", bool, "grad_avg", "square_avg"),
         _Entry("momentum", lambda momentum: momentum > 0, "momentum_buffer", "square_avg"),
     ),
@@ -57,7 +65,7 @@ def first_step_state_check(
     """A group check (see ``checks_groups`` in ``_kinds.py``) of the entries that
     ``optimizer``'s class reads only where an option asks for them, if it has any. See [Note:
     options turned on after the first step]."""
-    entries = _ENTRIES.get(getattr(type(optimizer), "_init_group", None))
+    entries = _ENTRIES.get(_init_group(type(optimizer)))
     if entries is None:
         return None
     return functools.partial(_check, type(optimizer).__name__, entries)

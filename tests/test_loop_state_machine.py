@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
@@ -506,20 +507,21 @@ class LoopMachine(RuleBasedStateMachine):
             self._backward(model, self.step)
             if optim is self.plain:
                 missing = [p for p in missing if p.grad is not None]
-            if not missing:
-                self._step(optim)
-            else:
+            if missing:
                 before = _parameters(model)
                 with pytest.raises(error, match="max_exp_avg_sq"):
                     self._step(optim)
                 _assert_unchanged(model, before)
-                for param in missing:
-                    state = optim.state[param]
+            # The entry added to every parameter of the group holding state, as the error
+            # says: a frozen one's is read once it trains again.
+            for param in optim.param_groups[0]["params"]:
+                state = optim.state.get(param)
+                if state and "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
-                if optim is self.plain:  # clipped, and its norm taken, by the refused step
-                    optim.step()
-                else:
-                    self._step(optim)
+            if missing and optim is self.plain:  # clipped, its norm taken, by the refused step
+                optim.step()
+            else:
+                self._step(optim)
             optim.zero_grad()
         self.step += 1
 
@@ -1064,9 +1066,15 @@ class LoopMachine(RuleBasedStateMachine):
         moves anything: where the layer is frozen (this optimizer steps trainable parameters
         only), and after a backward where a second pass is refused. The loop then drops them
         and steps again; the plain loop never sets them. The layer is first frozen or
-        unfrozen (``trainable``)."""
+        unfrozen (``trainable``). After an evaluation on FSDP2 the units are resharded first
+        (the root, or every unit kept unsharded after forward): else the flag and the
+        gradients reach only their all-gathered copies, and neither loop steps them."""
         ours_model, plain_model = self.models
         for model in self.models:
+            if self._sharded(model):
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
             model.layers[layer].requires_grad_(trainable)
         grads = [
             0.1 * torch.cos(3 * p.detach() + self.step)
