@@ -1421,9 +1421,9 @@ def test_grad_scaler_refused_before_anything_moves(scaled, bucket_numel):
 
 def _grad_scaler_body() -> None:
     """On FSDP2 the scaled backward is refused on every rank at its first unit, before any
-    rank moves. The loop then goes on unscaled from where FSDP2 left that failed backward
-    (its unsharded gradients are kept, and added to the next backward's): equal to plain
-    AdamW's loop failing at the same gradient (a hook raising there)."""
+    rank moves. The loop then recovers as FSDP2 requires (``reset_iter_state()``: without it
+    neither loop trains again) and goes on unscaled: equal to plain AdamW's loop failing at
+    the same gradient (a hook raising there), every parameter moved."""
     model, reference, optim, plain = _adamw_loops(sharded=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     x, y = _x(0, sharded=True)
@@ -1439,12 +1439,15 @@ def _grad_scaler_body() -> None:
         scaler.scale(loss_fn(reference, x, y)).backward()
     for handle in handles:
         handle.remove()
+    before = [full(p).detach().clone() for p in model.parameters()]
     for net, opt in ((model, optim), (reference, plain)):
+        net.reset_iter_state()
         opt.zero_grad()
         loss_fn(net, *_x(1, sharded=True)).backward()
         opt.step()
         opt.zero_grad()
     assert_match(model, reference)
+    assert all(not torch.equal(full(p), b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_grad_scaler_under_accumulate_refused_at_its_step():
