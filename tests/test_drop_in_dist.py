@@ -558,6 +558,9 @@ def _failing_backward_body(sharded: bool) -> None:
                 with pytest.raises(_Boom):
                     _backward(net, step, sharded=sharded)
                 handle.remove()
+                if sharded:
+                    # FSDP2's recovery: without it, neither loop would train again.
+                    net.reset_iter_state()
             assert _state_steps(optim) != before, "the failure came before any bucket stepped"
             with pytest.raises(RuntimeError, match=r"A backward raised after updating them"):
                 optim.zero_grad()
@@ -565,10 +568,15 @@ def _failing_backward_body(sharded: bool) -> None:
             optim.zero_grad()
             plain.step()
             plain.zero_grad()
+            after_failure = [full(p).detach().clone() for p in model.parameters()]
             continue
         _ours_step(model, optim, step, sharded=sharded)
         _plain_step(reference, plain, step, sharded=sharded)
     assert_match(model, reference)
+    moved = [
+        not torch.equal(full(p), b) for p, b in zip(model.parameters(), after_failure, strict=True)
+    ]
+    assert all(moved), "the loop stopped training after the failure"
 
 
 @pytest.mark.parametrize("change", [None, "lr", "weights"])
@@ -1018,6 +1026,7 @@ def _declared_class_resumed_body() -> None:
         (4, _sub_mesh_body, {}),
         (2, _no_collective_for_plain_tensors_body, {}),
         (1, _failing_backward_body, {"sharded": False}),
+        (2, _failing_backward_body, {"sharded": True}),
         (2, _failed_held_backward_body, {"sharded": True, "stepping": "elementwise"}),
         (1, _failed_held_backward_body, {"sharded": False, "stepping": "dtensor"}),
         (1, _failed_held_backward_body, {"sharded": False, "stepping": None}),
@@ -1045,6 +1054,7 @@ def _declared_class_resumed_body() -> None:
         "10-sub-mesh-norms",
         "10-no-collective-plain",
         "3-failing-backward",
+        "3-failing-backward-sharded",
         "3-failed-held-backward-elementwise",
         "3-failed-held-backward-dtensor",
         "3-failed-held-backward-joint",
