@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim import Optimizer
 
+from fused_optim_dist._protocol import describe
+
 __all__ = ["first_step_state_check"]
 
 
@@ -39,7 +41,8 @@ class _Entry(NamedTuple):
     """Whether the option's value asks for the entry."""
     key: str
     like: str
-    """The entry made at the first step, as torch makes the entry of this key."""
+    """An entry of the same shape, dtype and placement, whose ``torch.zeros_like`` is the
+    entry as the first step makes it (the fix the error names)."""
 
 
 def _init_group(cls: type) -> object:
@@ -87,10 +90,10 @@ def _check(
                 if held and param.requires_grad and entry.key not in held:
                     raise RuntimeError(
                         f"param_groups[{index}]['{entry.option}'] is {value!r}, but the state "
-                        f"of a parameter of shape {tuple(param.shape)} in it has no "
-                        f"'{entry.key}': {name} makes that entry only at a parameter's first "
-                        f"step, so the option was set after it (or the state was loaded from "
-                        f"a run without it), and {name}.step() would raise KeyError: "
+                        f"of {describe(param)} in it has no '{entry.key}': {name} makes that "
+                        f"entry only at a parameter's first step, so the option was set after "
+                        f"it (or the state was loaded from a run without it), and "
+                        f"{name}.step() would raise KeyError: "
                         f"'{entry.key}'. Nothing was updated. Set '{entry.option}' before the "
                         f"first step, or add the entry as the first step makes it to every "
                         f"parameter of the group that has state (state[p]['{entry.key}'] = "

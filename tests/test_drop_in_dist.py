@@ -711,6 +711,7 @@ def _first_step_entry_body(
     like: str,
     index: int,
     sharded: bool = True,
+    recovery: str = "entry",
 ) -> None:
     """An option turned on in a group mid-run that needs a state entry the class makes only at
     a parameter's first step: the plain ``step()`` raises ``KeyError`` in that group's
@@ -719,9 +720,11 @@ def _first_step_entry_body(
     after the buckets that the backward reached first had moved, and on FSDP2 with its units
     left mid-backward: where nothing had moved, a loop going on after it stepped nothing, no
     error. Now the backward completes holding its gradients, and ``step()`` raises before
-    anything moves, naming the fix ([Note: a backward held for step()]); with the entry
-    added as it says, ``step()`` steps them and the loops end equal (where the plain step
-    raised before any update: the body's case)."""
+    anything moves, naming the fix ([Note: a backward held for step()]). Then either the
+    entry is added as it says and ``step()`` steps the held gradients (``recovery="entry"``),
+    or the batch is skipped with ``zero_grad()`` and the option set back (``"skip"``): the
+    loops end equal where the plain step raised before any update (the body's case); where
+    it had moved the body first, ours trains on, every parameter moving."""
     model, reference = _pair(sharded=sharded)
     loops = []
     for net in (model, reference):
@@ -753,15 +756,20 @@ def _first_step_entry_body(
     assert all(torch.equal(full(p), b) for p, b in zip(model.parameters(), before, strict=True))
 
     for opt in (optim, plain):
-        for param in opt.param_groups[index]["params"]:
-            opt.state[param][missing] = torch.zeros_like(opt.state[param][like])
-        opt.step()
+        if recovery == "entry":
+            for param in opt.param_groups[index]["params"]:
+                opt.state[param][missing] = torch.zeros_like(opt.state[param][like])
+            opt.step()
+        else:
+            opt.param_groups[index][key] = type(value)()
         opt.zero_grad()
-    if index == 0:
-        assert_match(model, reference)
-        for step in range(3, 5):
-            _ours_step(model, optim, step, sharded=sharded)
+    before = [full(p).detach().clone() for p in model.parameters()]
+    for step in range(3, 5):
+        _ours_step(model, optim, step, sharded=sharded)
+        if index == 0:
             _plain_step(reference, plain, step, sharded=sharded)
+    assert all(not torch.equal(full(p), b) for p, b in zip(model.parameters(), before, strict=True))
+    if index == 0:
         assert_match(model, reference)
         assert_same_state_dict(optim.state_dict(), plain.state_dict(), atol=PLAIN_ATOL)
 
@@ -778,14 +786,15 @@ _FIRST_STEP_ENTRIES = pytest.mark.parametrize(
 
 
 @_FIRST_STEP_ENTRIES
+@pytest.mark.parametrize("recovery", ["entry", "skip"])
 @pytest.mark.parametrize("index", [0, 1], ids=["body-group", "head-group"])
 def test_option_needing_a_first_step_entry_refused_at_step_before_anything_moves(
-    cls, key, value, missing, like, index
+    cls, key, value, missing, like, index, recovery
 ):
     # Dynamo's first compilation in the process wraps every torch.optim class's _init_group
     # (the check's key: it was not recognised after it until found by the full suite).
     torch.compile(torch.neg, backend="eager")(torch.ones(1))
-    _first_step_entry_body(cls, key, value, missing, like, index, sharded=False)
+    _first_step_entry_body(cls, key, value, missing, like, index, sharded=False, recovery=recovery)
 
 
 @_FIRST_STEP_ENTRIES
