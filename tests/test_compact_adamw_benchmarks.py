@@ -12,7 +12,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import compact_adamw_cost, compact_adamw_memory, compact_adamw_quality
+from benchmarks import (
+    compact_adamw_cost,
+    compact_adamw_memory,
+    compact_adamw_momentum_codes,
+    compact_adamw_quality,
+)
 from fused_optim_dist.compact_adamw import CompactAdamW
 from fused_optim_dist_recipes.models import PRESETS, Llama
 
@@ -84,3 +89,32 @@ def test_quality_summary_against_the_reference_spread():
     assert summary["compact"]["final"] == [1.1, 1.5]
     verdict = compact_adamw_quality._within(summary["compact"]["final"], [1.0, 1.2])
     assert verdict == "1/2 inside, 0 below; mean above"
+
+
+def test_momentum_codes_zero_what_linear_levels_cannot_hold():
+    """Elements at 1/300 of their group's largest lie below half a linear level (1/254) and
+    above half a companded one (about 1/508): linear codes lose them, companded ones keep
+    them; a one-dim parameter's elements are groups of one, never zeroed."""
+    momentum = torch.full((2, 64), 1 / 300)
+    momentum[:, ::32] = 1.0
+    norm = torch.tensor([1e-3, -2.0, 5e-7])
+    state = {
+        "layers.0.feed_forward.w1.weight": {"exp_avg": momentum, "exp_avg_sq": momentum.abs()},
+        "layers.0.ffn_norm.weight": {"exp_avg": norm, "exp_avg_sq": norm.square()},
+    }
+    measured = compact_adamw_momentum_codes.measure(state, eps=1e-8)
+    linear, companded = (measured["feed_forward"][c] for c in ("linear", "companded"))
+    assert linear["zeroed"] == 124 / 128 and companded["zeroed"] == 0
+    assert companded["update_error"] < linear["update_error"]
+    assert measured["norm"]["linear"]["zeroed"] == measured["norm"]["companded"]["zeroed"] == 0
+    assert measured["all"]["elements"] == 128 + 3
+    decoded = compact_adamw_momentum_codes.coded(momentum, compand=True)
+    assert decoded[:, ::32].eq(1.0).all() and decoded.gt(0).all()
+    payload = {
+        "config": {"steps": 1, "seed": 0},
+        "machine": compact_adamw_momentum_codes.describe_machine(),
+        "steps": {"1": measured},
+    }
+    table = compact_adamw_momentum_codes.markdown(payload)
+    assert "| 1 | feed_forward | 128 | linear | 96.88% |" in table
+    assert "| 1 | attention |" not in table  # no such parameter
