@@ -51,7 +51,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _toy import batch, bypassed, loss_fn, make_models, rank_slice, shard, swapping_conversions
+from _toy import (
+    GLOBAL_BATCH,
+    batch,
+    bypassed,
+    loss_fn,
+    make_models,
+    rank_slice,
+    shard,
+    swapping_conversions,
+)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -198,6 +207,11 @@ class LoopMachine(RuleBasedStateMachine):
 
     @initialize()
     def build(self) -> None:
+        if self.sharded and not self.reference_sharded:
+            # FSDP2 averages the ranks' gradients of their shares' mean losses: the gradient of
+            # the global batch's mean only where the shares are equal.
+            world = dist.get_world_size()
+            assert GLOBAL_BATCH % world == 0, f"{world} ranks split a batch of {GLOBAL_BATCH}"
         ours_model, plain_model = make_models()
         self.models: tuple[nn.Module, nn.Module] = (
             ours_model.to(self.dtype),
