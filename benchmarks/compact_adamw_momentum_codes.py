@@ -65,7 +65,7 @@ def coded(exp_avg: torch.Tensor, compand: bool) -> torch.Tensor:
     flat = exp_avg.detach().float().reshape(-1)
     code = torch.empty(flat.numel(), dtype=torch.int8)
     scale = torch.empty(groups.count, dtype=torch.bfloat16)
-    encode_momentum(groups.view(flat.clone()), groups, code, scale, compand)
+    encode_momentum(groups.view(flat), groups, code, scale, compand)
     return decode_momentum(code, scale, groups, compand).reshape(exp_avg.shape)
 
 
