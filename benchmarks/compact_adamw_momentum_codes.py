@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -39,6 +37,7 @@ if __package__ in (None, ""):
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from benchmarks.compact_adamw_quality import run_finetune
 from fused_optim_dist._compact_codes import Groups, decode_momentum, encode_momentum
 from fused_optim_dist_recipes.metrics import describe_machine, machine_summary
 
@@ -88,13 +87,18 @@ def sums(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> dict[st
     return totals
 
 
+def _share(part: float, whole: float) -> float:
+    """``part / whole``, 0 where both are (a kind whose momentum is all zeros)."""
+    return part / whole if whole else 0.0
+
+
 def figures(totals: dict[str, float]) -> dict[str, dict[str, float]]:
     """Per coding: the share zeroed and the two relative errors, from summed ``sums``."""
     return {
         coding: {
-            "zeroed": totals[f"{coding}/zeroed"] / max(totals["nonzero"], 1),
-            "momentum_error": (totals[f"{coding}/momentum_sq"] / totals["momentum_sq"]) ** 0.5,
-            "update_error": (totals[f"{coding}/update_sq"] / totals["update_sq"]) ** 0.5,
+            "zeroed": _share(totals[f"{coding}/zeroed"], totals["nonzero"]),
+            "momentum_error": _share(totals[f"{coding}/momentum_sq"], totals["momentum_sq"]) ** 0.5,
+            "update_error": _share(totals[f"{coding}/update_sq"], totals["update_sq"]) ** 0.5,
         }
         for coding in CODINGS
     }
@@ -111,17 +115,6 @@ def measure(optimizer_state: dict[str, dict[str, Any]], eps: float) -> dict[str,
         kind: {"elements": int(totals["elements"]), **figures(totals)}
         for kind, totals in by_kind.items()
     }
-
-
-def _run_job(out: Path, args: argparse.Namespace) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.nproc}", str(REPO / "scripts" / "finetune.py"),
-        "--max-steps", str(args.steps), "--seed", str(args.seed), "--output-dir", str(out),
-        "--save-every", str(args.every), "--keep-last", str(args.steps // args.every),
-        "--log-every", "100", "--sample-tokens", "0", "--eval-every", "0",
-    ]  # fmt: skip
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -168,7 +161,11 @@ def main(argv: list[str] | None = None) -> None:
         "steps": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        _run_job(Path(tmp) / "job", args)
+        run_finetune(
+            Path(tmp) / "job", args.nproc,
+            "--max-steps", str(args.steps), "--seed", str(args.seed),
+            "--save-every", str(args.every), "--keep-last", str(args.steps // args.every),
+        )  # fmt: skip
         for step in range(args.every, args.steps + 1, args.every):
             converted = Path(tmp) / f"step_{step}.pt"
             dcp_to_torch_save(Path(tmp) / "job" / "checkpoints" / f"step_{step:06d}", converted)

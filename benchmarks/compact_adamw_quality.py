@@ -56,16 +56,26 @@ def _results_path(out: Path, steps: int, lr: float) -> Path:
     return out / f"compact_adamw_quality_{steps}_lr{lr:g}.json"
 
 
-def _run(variant: str, seed: int, args: argparse.Namespace, workdir: Path) -> list[float]:
-    out = workdir / f"{variant}-{seed}"
+def run_finetune(out: Path, nproc: int, *flags: str) -> None:
+    """``scripts/finetune.py`` under torchrun on ``nproc`` CPU ranks of one thread each, its
+    outputs in ``out``, without sampling or held-out evaluation (training only), with
+    ``flags``."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.nproc}", str(REPO / "scripts" / "finetune.py"),
-        "--max-steps", str(args.steps), "--lr", str(args.lr), "--seed", str(seed),
-        "--output-dir", str(out), "--save-every", "0", "--log-every", "100",
-        "--sample-tokens", "0", "--eval-every", "0", *VARIANTS[variant],
+        f"--nproc_per_node={nproc}", str(REPO / "scripts" / "finetune.py"),
+        "--output-dir", str(out), "--log-every", "100", "--sample-tokens", "0",
+        "--eval-every", "0", *flags,
     ]  # fmt: skip
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _run(variant: str, seed: int, args: argparse.Namespace, workdir: Path) -> list[float]:
+    out = workdir / f"{variant}-{seed}"
+    run_finetune(
+        out, args.nproc,
+        "--max-steps", str(args.steps), "--lr", str(args.lr), "--seed", str(seed),
+        "--save-every", "0", *VARIANTS[variant],
+    )  # fmt: skip
     with open(out / "metrics.jsonl") as f:
         return [json.loads(line)["loss"] for line in f]
 

@@ -101,13 +101,19 @@ def test_momentum_codes_zero_what_linear_levels_cannot_hold():
     state = {
         "layers.0.feed_forward.w1.weight": {"exp_avg": momentum, "exp_avg_sq": momentum.abs()},
         "layers.0.ffn_norm.weight": {"exp_avg": norm, "exp_avg_sq": norm.square()},
+        # All zeros (a parameter that never had a gradient): nothing to code, nothing lost.
+        "tok_embeddings.weight": {"exp_avg": torch.zeros(2, 32), "exp_avg_sq": torch.zeros(2, 32)},
     }
     measured = compact_adamw_momentum_codes.measure(state, eps=1e-8)
     linear, companded = (measured["feed_forward"][c] for c in ("linear", "companded"))
     assert linear["zeroed"] == 124 / 128 and companded["zeroed"] == 0
     assert companded["update_error"] < linear["update_error"]
     assert measured["norm"]["linear"]["zeroed"] == measured["norm"]["companded"]["zeroed"] == 0
-    assert measured["all"]["elements"] == 128 + 3
+    assert measured["all"]["elements"] == 128 + 3 + 64
+    for coding in ("linear", "companded"):
+        assert measured["embedding"][coding] == dict.fromkeys(
+            ("zeroed", "momentum_error", "update_error"), 0.0
+        )
     decoded = compact_adamw_momentum_codes.coded(momentum, compand=True)
     assert decoded[:, ::32].eq(1.0).all() and decoded.gt(0).all()
     payload = {
