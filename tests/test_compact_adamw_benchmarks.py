@@ -57,10 +57,11 @@ def test_cost_benchmark_runs(tmp_path):
     # The structure and the arithmetic only: timings are for the benchmark to judge.
     result = json.loads((tmp_path / "compact_adamw_cost.json").read_text())["results"]["many-tiny"]
     (round_,) = result["rounds"]
+    medians = round_["median_ms"]
     for method in compact_adamw_cost.compact_methods("cpu"):
-        medians = round_["median_ms"]
-        assert round_["ratio"][method] == medians[method] / medians["adamw-fused"]
-        assert result["ratio_median"][method] == round_["ratio"][method]
+        for key, baseline in (("ratio", "adamw-fused"), ("step_ratio", "adamw-fused-step")):
+            assert round_[key][method] == medians[method] / medians[baseline]
+            assert result[f"{key}_median"][method] == round_[key][method]
     assert result["profile_top"] and 0 < result["kernel_share"] < 1
 
 
