@@ -160,7 +160,8 @@ def _stepped(
     for _ in range(2):  # state created, tables built, graphs compiled
         for optim in optims:
             optim.step()
-    # The step without Optimizer's profiling and hook wrapper, as OptimizerInBackward runs it.
+    # The step without Optimizer's profiling and hook wrapper (OptimizerInBackward runs a class's
+    # step so), for both classes alike.
     unwrapped = cls.step.__wrapped__
 
     def step() -> None:
