@@ -151,11 +151,15 @@ def refuse_freed(param: torch.Tensor | None, operation: str, func: Any) -> NoRet
     if operation == "accumulate":
         raise RuntimeError(
             f"{what} received a gradient, but its gradient from before the last step() was "
-            "never dropped (no zero_grad() since): a plain optimizer would add the two and "
-            "step the sum. OptimizerInBackward stepped that gradient in backward and freed "
-            "it, so it stops here, before this parameter moves. Call optim.zero_grad() (or "
+            "never dropped (no zero_grad() since): a plain optimizer would add the two, and "
+            "step the sum at its next step() unless a zero_grad() drops it first. "
+            "OptimizerInBackward stepped that gradient in backward and freed it, so it stops "
+            "here, before this parameter moves. Call optim.zero_grad() (or "
             "model.zero_grad()) after each step(); to sum gradients over several backwards "
-            "on purpose, run all but the last under `with optim.accumulate():`."
+            "on purpose, run all but the last under `with optim.accumulate():`. If this "
+            "backward's gradients must not reach these parameters at all (an actor's loss "
+            "through a critic the critic's optimizer steps), freeze them around it "
+            "(requires_grad_(False)) or pass backward(inputs=...) the parameters it trains."
         )
     if operation == "zero":
         raise RuntimeError(
@@ -197,18 +201,24 @@ class FreedGradients:
             parameter is waiting for ``step()``).
     """
 
-    __slots__ = ("_made", "_refuse")
+    __slots__ = ("_committed", "_made", "_refuse", "_since_step")
 
     def __init__(self, refuse: Refusal) -> None:
         self._refuse = refuse
         # id(param) -> (the address of its TensorImpl, its freed gradient); the address tells
         # most recycled ids apart, and a parameter given another TensorImpl by swap_tensors.
         self._made: dict[int, tuple[int, torch.Tensor]] = {}
+        # The ids given a freed gradient since the last step(), and those given one before it
+        # that may still hold it (no zero_grad() of ours since). See [Note: gradients a step()
+        # already committed].
+        self._since_step: set[int] = set()
+        self._committed: set[int] = set()
 
     def put(self, params: Iterable[torch.Tensor]) -> None:
         """Set each parameter's ``.grad`` to its freed gradient."""
         with torch._C.DisableTorchFunctionSubclass():
             for param in params:
+                self._since_step.add(id(param))
                 made = self._made.get(id(param))
                 if made is None or made[0] != impl_address(param):
                     made = self._made[id(param)] = self._make(param)
@@ -219,6 +229,46 @@ class FreedGradients:
                     # since (Module.to, a reassigned .data).
                     made = self._made[id(param)] = self._make(param)
                     param.grad = made[1]
+
+    def stepped(self) -> None:
+        """``step()`` committed the updates whose freed gradients were put since the last."""
+        self._committed |= self._since_step
+        self._since_step = set()
+
+    def cleared(self) -> None:
+        """``zero_grad()`` dropped every freed gradient (or made it a zero gradient)."""
+        self._committed.clear()
+        self._since_step.clear()
+
+    def committed(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` still holding the freed gradient of an update that an earlier
+        ``step()`` committed, not given it again since.
+
+        [Note: gradients a step() already committed]
+        A plain optimizer steps every gradient its parameters hold at ``step()``, however old:
+        a loop that calls ``zero_grad()`` once per iteration but ``step()`` twice (one
+        optimizer over an actor and a critic, the critic's loss stepped, then the actor's,
+        whose backward reaches the actor only) steps the critic's gradient a second time at
+        the second ``step()``. Here it was stepped once, in backward, and freed; the next
+        backward to step finds it still in place, and the optimizer refuses there, before
+        anything moves (the second ``step()`` went through before, the critic 3.7e-2 from the
+        plain loop after four iterations, no error). A backward that adds to such a gradient
+        is refused by the gradient itself, and a ``step()`` with no backward since the last by
+        ``step()``. Only the parameters given a freed gradient before the last ``step()`` and
+        not dropped by a ``zero_grad()`` of this optimizer are read: none in the loop that
+        zeroes through the optimizer; after a module's ``zero_grad()``, each once."""
+        if not self._committed:
+            return []
+        with torch._C.DisableTorchFunctionSubclass():
+            held = [
+                param
+                for param in params
+                if id(param) in self._committed
+                and id(param) not in self._since_step
+                and _holds_own_freed(param, param.grad)
+            ]
+        self._committed = {id(param) for param in held}
+        return held
 
     def dropped(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``params``, each given its freed gradient, whose ``.grad`` no longer holds

@@ -73,7 +73,13 @@ from fused_optim_dist._torch_internals import (
     storages,
 )
 
-__all__ = ["PendingUpdates", "StaleCopies", "describe", "refuse_stepping_again"]
+__all__ = [
+    "PendingUpdates",
+    "StaleCopies",
+    "describe",
+    "refuse_committed_again",
+    "refuse_stepping_again",
+]
 
 
 def describe(param: torch.Tensor) -> str:
@@ -89,6 +95,22 @@ def refuse_stepping_again(freed: list[torch.Tensor]) -> None:
         f"{more} still holds the gradient that step committed (no zero_grad() in between). A "
         "plain optimizer would step that gradient a second time; here it was stepped once, in "
         "backward, and freed. Call step() once per backward and zero_grad() after it."
+    )
+
+
+def refuse_committed_again(held: list[torch.Tensor], when: str) -> None:
+    """Raise at ``when`` (``"backward()"``, where a stepping backward starts, before anything
+    moves; or ``"step()"``) where ``held`` still hold the gradients an earlier ``step()``
+    committed. See [Note: gradients a step() already committed] in ``_freed.py``."""
+    more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+    now = " (nothing was stepped now)" if when == "backward()" else ""
+    raise RuntimeError(
+        f"{when}: {describe(held[0])}{more} still holds the gradient an earlier step() "
+        "committed (no zero_grad() since). A plain optimizer's next step() would step it "
+        "again: a second time where this backward does not reach the parameter (a critic's "
+        "gradient stepped again with the actor's loss), or added to this backward's; here it "
+        f"was stepped once, in backward, and freed{now}. Call zero_grad() after each step(), "
+        "or drop that gradient (p.grad = None) before the next backward."
     )
 
 

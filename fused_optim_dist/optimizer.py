@@ -30,6 +30,7 @@ from fused_optim_dist._protocol import (
     PendingUpdates,
     StaleCopies,
     describe,
+    refuse_committed_again,
     refuse_stepping_again,
 )
 from fused_optim_dist._sharing import refuse_shared_memory, refuse_shared_state
@@ -859,6 +860,7 @@ class OptimizerInBackward(Optimizer):
             drop_grads(
                 [p for p, grad in zip(params, read_grads(params), strict=True) if grad is not None]
             )
+        self._freed.cleared()
         self._class_zero_grad(set_to_none)
 
     def _class_zero_grad(self, set_to_none: bool) -> None:
@@ -967,6 +969,8 @@ class OptimizerInBackward(Optimizer):
             freed = [p for p, g in zip(plan.trainable, grads, strict=True) if is_freed(g)]
             if freed:
                 refuse_stepping_again(freed)
+        else:
+            self._refuse_committed_again(plan, "step()")
         ready = [
             p
             for p, grad in zip(plan.trainable, grads, strict=True)
@@ -998,6 +1002,7 @@ class OptimizerInBackward(Optimizer):
         self._gradients.refuse_partly_skipped()
         self._pending.commit()
         self._gradients.end_of_step()
+        self._freed.stepped()
         self._stepped_since_step = self._arrived_since_step = False
         self._saved_through_hooks = False
         self._clipped_backwards.clear()
@@ -1292,6 +1297,14 @@ class OptimizerInBackward(Optimizer):
                 f"parameter before {when}; freeze layers after step(), and call "
                 "model.reshard() before requires_grad_() on an unsharded FSDP2 unit."
             )
+
+    def _refuse_committed_again(self, plan: BucketPlan, when: str) -> None:
+        """Raise if a parameter of ``plan`` still holds the freed gradient of an update an
+        earlier ``step()`` committed. See [Note: gradients a step() already committed] in
+        ``_freed.py``."""
+        held = self._freed.committed(plan.trainable + plan.frozen)
+        if held:
+            refuse_committed_again(held, when)
 
     def _check_alive(self, plan: BucketPlan) -> None:
         # Only module parameters (nn.Parameter) are replaced by fully_shard: free tensors
@@ -1690,9 +1703,9 @@ class OptimizerInBackward(Optimizer):
                 # See [Note: a backward held for step()].
                 self._held_backward = backward_id
                 return
-            self._refuse_frozen_holding_gradients(
-                self._check_first_backward(), "backward()", reducing=True
-            )
+            plan = self._check_first_backward()
+            self._refuse_frozen_holding_gradients(plan, "backward()", reducing=True)
+            self._refuse_committed_again(plan, "backward()")
             current = self._pass = self._new_pass(backward_id)
             current.queue_finish(enclosing.node)
             self._stepped_since_step = True

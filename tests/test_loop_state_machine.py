@@ -83,7 +83,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
-from fused_optim_dist import InBackwardOptions, OptimizerInBackward
+from fused_optim_dist import InBackwardOptions, OptimizerInBackward, is_freed
 from fused_optim_dist.compact_adamw import CompactAdamW
 from fused_optim_dist.training import accumulate_grads, clip_grad_norm_
 
@@ -833,21 +833,26 @@ class LoopMachine(RuleBasedStateMachine):
         self.step += 1
 
     @precondition(lambda self: not self.pending and not self.sharded)
-    @rule()
-    def forget_zero_grad(self) -> None:
-        """A step with no ``zero_grad()`` after it: the plain loop would add the next
-        backward's gradients to the kept ones; ours refuses that backward before anything
-        moves (when every parameter holds a freed gradient: one without would be stepped
-        first). Both loops then zero and go on."""
+    @rule(layer=st.sampled_from([None, *range(LAYERS)]))
+    def forget_zero_grad(self, layer: int | None) -> None:
+        """A step with no ``zero_grad()`` after it, then a backward of the whole model or, as
+        an actor's loss after a critic's step, of one layer only (``backward(inputs=...)``):
+        the plain loop would add the next backward's gradients to the kept ones, and step the
+        kept ones the backward does not reach a second time; ours refuses that backward
+        before anything moves, wherever a parameter holds a gradient it stepped and freed
+        (not where a parameter holds the zeros ``zero_grad(set_to_none=False)`` kept, which
+        it steps as the plain one). Both loops then zero and go on."""
         ours_model, plain_model = self.models
         for model, optim in ((plain_model, self.plain), (ours_model, self.ours)):
             self._backward(model, self.step)
             self._step(optim)
-        refused = self._plain_holds("all")
+        refused = any(is_freed(p.grad) for group in self.ours.param_groups for p in group["params"])
         if refused:
             before = _parameters(ours_model)
-            with pytest.raises(RuntimeError, match=r"never dropped"):
-                self._backward(ours_model, self.step + 1)
+            part = [] if layer is None else ours_model.layers[layer].parameters()
+            inputs = [p for p in part if p.requires_grad] or None
+            with pytest.raises(RuntimeError, match=r"never dropped|an earlier step\(\) commit"):
+                self._loss(ours_model, self.step + 1).backward(inputs=inputs)
             _assert_unchanged(ours_model, before)
         for model, optim in ((ours_model, self.ours), (plain_model, self.plain)):
             optim.zero_grad()

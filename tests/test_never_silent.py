@@ -592,6 +592,52 @@ def test_two_backwards_on_disjoint_parameters_with_a_counting_class(cls, steppin
     assert_match(model, reference)
 
 
+def _critic_then_actor(model: nn.Module, optim: Optimizer, x: torch.Tensor) -> None:
+    """One iteration of an actor-critic loop with one optimizer: ``zero_grad()``, the
+    critic's loss stepped, its gradient dropped, then the actor's loss stepped."""
+    optim.zero_grad()
+    model["critic"](x).square().mean().backward()
+    optim.step()
+    model["critic"].zero_grad()
+    model["actor"](x).square().mean().backward()
+    optim.step()
+
+
+@pytest.mark.parametrize("variant", ["as written", "critic frozen", "inputs=", "critic zeroed"])
+@pytest.mark.parametrize("bucket_numel", [None, 1], ids=["one-bucket", "per-parameter"])
+def test_step_on_part_of_the_model_with_an_earlier_step_gradient_held(variant, bucket_numel):
+    """One optimizer over an actor and a critic, ``zero_grad()`` once per iteration and
+    ``step()`` twice: the critic's loss stepped, then the actor's, whose backward reaches the
+    actor only (or is told so by ``inputs=``, or runs with the critic frozen, as Spinning Up's
+    SAC does). The plain second ``step()`` steps the critic's gradient a second time (it is
+    still held); here it was stepped once and freed, and that ``step()`` went through (the
+    critic 3.7e-2 apart after four iterations, step counters 8 against 4, no error). Refused
+    where the actor's backward starts, before anything moves; with the critic's gradient
+    dropped in between (``critic.zero_grad()``), equal."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    model, reference = _actor_and_critic()
+    optim = OptimizerInBackward(
+        model.parameters(), torch.optim.Adam, lr=1e-2, bucket_numel=bucket_numel
+    )
+    plain = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    if variant != "critic zeroed":
+        optim.zero_grad()
+        model["critic"](x).square().mean().backward()
+        optim.step()
+        if variant == "critic frozen":
+            model["critic"].requires_grad_(False)
+        actor_loss = model["actor"](x).square().mean()
+        inputs = list(model["actor"].parameters()) if variant == "inputs=" else None
+        _refused_unmoved(
+            model, r"an earlier step\(\) committed", lambda: actor_loss.backward(inputs=inputs)
+        )
+        return
+    for _ in range(4):
+        _critic_then_actor(model, optim, x)
+        _critic_then_actor(reference, plain, x)
+    assert_match(model, reference)
+
+
 @pytest.mark.parametrize("second", ["backward", "gradient set by hand"])
 def test_second_pass_before_step_refused_with_clipping(second):
     """An actor's and a critic's loss, two backwards on disjoint parameters (or one backward,
