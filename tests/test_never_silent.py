@@ -1422,6 +1422,32 @@ def _fsdp_two_backwards_body() -> None:
     _assert_unchanged(model, after_first)
 
 
+def _fsdp_step_on_part_body() -> None:
+    """On FSDP2: a ``step()`` with no ``zero_grad()`` after it, every gradient but the first
+    block's then dropped (``p.grad = None``) and that block frozen, and a backward: the plain
+    ``step()`` after it would step the frozen block's held gradient a second time. Refused
+    where the backward starts (the first unit it reduces holds none), before anything moves;
+    with the block's gradient dropped too, equal."""
+    for drop_first in (False, True):
+        model, reference, optim, plain = _adamw_loops(sharded=True)
+        pairs = ((model, optim), (reference, plain))
+        _step_both(pairs, 0, sharded=True, zero=False)
+        for net in (model, reference):
+            for name, param in net.named_parameters():
+                if drop_first or not name.startswith("layers.0."):
+                    param.grad = None
+            net.layers[0].requires_grad_(False)
+        if drop_first:
+            _step_both(pairs, 1, sharded=True, zero=True)
+            assert_match(model, reference)
+        else:
+            _refused_unmoved(
+                model,
+                r"an earlier step\(\) committed",
+                lambda net=model: loss_fn(net, *_x(1, sharded=True)).backward(),
+            )
+
+
 # ------------------------------------------------------------------ 7. GradScaler
 
 
@@ -3051,6 +3077,7 @@ def test_ten_loops_on_distributed_worlds(worlds):
         worlds.run(2, _clip_each_rightly_declared, stepping=stepping)
         worlds.run(3, _clip_each_rightly_declared, stepping=stepping)
     worlds.run(2, _fsdp_two_backwards_body)
+    worlds.run(3, _fsdp_step_on_part_body)
     worlds.run(2, _ddp_late_body)
     worlds.run(2, _grad_scaler_body)
     worlds.run(2, _fsdp1_body, use_orig_params=True)
