@@ -38,6 +38,7 @@ parameters, tells which one an id is.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -240,9 +241,9 @@ class FreedGradients:
         self._committed.clear()
         self._since_step.clear()
 
-    def committed(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """Those of ``params`` still holding the freed gradient of an update that an earlier
-        ``step()`` committed, not given it again since.
+    def committed(self, *params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` (one or more iterables of them) still holding the freed
+        gradient of an update that an earlier ``step()`` committed, not given it again since.
 
         [Note: gradients a step() already committed]
         A plain optimizer steps every gradient its parameters hold at ``step()``, however old:
@@ -262,7 +263,7 @@ class FreedGradients:
         with torch._C.DisableTorchFunctionSubclass():
             held = [
                 param
-                for param in params
+                for param in itertools.chain(*params)
                 if id(param) in self._committed
                 and id(param) not in self._since_step
                 and _holds_own_freed(param, param.grad)

@@ -1302,7 +1302,7 @@ class OptimizerInBackward(Optimizer):
         """Raise if a parameter of ``plan`` still holds the freed gradient of an update an
         earlier ``step()`` committed. See [Note: gradients a step() already committed] in
         ``_freed.py``."""
-        held = self._freed.committed(plan.trainable + plan.frozen)
+        held = self._freed.committed(plan.trainable, plan.frozen)
         if held:
             refuse_committed_again(held, when)
 
