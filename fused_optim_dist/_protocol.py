@@ -100,17 +100,28 @@ def refuse_stepping_again(freed: list[torch.Tensor]) -> None:
 
 def refuse_committed_again(held: list[torch.Tensor], when: str) -> None:
     """Raise at ``when`` (``"backward()"``, where a stepping backward starts, before anything
-    moves; or ``"step()"``) where ``held`` still hold the gradients an earlier ``step()``
-    committed. See [Note: gradients a step() already committed] in ``_freed.py``."""
+    moves; or ``"step()"``, after backwards that stepped nothing, run under ``accumulate()``)
+    where ``held`` still hold the gradients an earlier ``step()`` committed. See [Note:
+    gradients a step() already committed] in ``_freed.py``."""
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
-    now = " (nothing was stepped now)" if when == "backward()" else ""
+    if when == "backward()":
+        again = (
+            "A plain optimizer's next step() would step it again: a second time where this "
+            "backward does not reach the parameter (a critic's gradient stepped again with "
+            "the actor's loss), or added to this backward's"
+        )
+        now = " (nothing was stepped now)"
+    else:
+        again = (
+            "A plain optimizer would step it again here, a second time, beside the gradients "
+            "the backwards since gave"
+        )
+        now = ""
     raise RuntimeError(
         f"{when}: {describe(held[0])}{more} still holds the gradient an earlier step() "
-        "committed (no zero_grad() since). A plain optimizer's next step() would step it "
-        "again: a second time where this backward does not reach the parameter (a critic's "
-        "gradient stepped again with the actor's loss), or added to this backward's; here it "
-        f"was stepped once, in backward, and freed{now}. Call zero_grad() after each step(), "
-        "or drop that gradient (p.grad = None) before the next backward."
+        f"committed (no zero_grad() since). {again}; here it was stepped once, in backward, "
+        f"and freed{now}. Call zero_grad() after each step(), or drop that gradient "
+        "(p.grad = None) before the next backward."
     )
 
 

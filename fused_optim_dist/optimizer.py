@@ -965,7 +965,7 @@ class OptimizerInBackward(Optimizer):
             self._stale_copies.watch(self._pending.gathered_since(plan.gathered_units()))
         self._refuse_frozen_holding_gradients(plan, "step()")
         grads = read_grads(plan.trainable)
-        if not self._stepped_since_step:
+        if not (self._stepped_since_step or self._arrived_since_step):
             freed = [p for p, g in zip(plan.trainable, grads, strict=True) if is_freed(g)]
             if freed:
                 refuse_stepping_again(freed)

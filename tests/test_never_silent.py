@@ -603,7 +603,9 @@ def _critic_then_actor(model: nn.Module, optim: Optimizer, x: torch.Tensor) -> N
     optim.step()
 
 
-@pytest.mark.parametrize("variant", ["as written", "critic frozen", "inputs=", "critic zeroed"])
+@pytest.mark.parametrize(
+    "variant", ["as written", "critic frozen", "inputs=", "accumulate()", "critic zeroed"]
+)
 @pytest.mark.parametrize("bucket_numel", [None, 1], ids=["one-bucket", "per-parameter"])
 def test_step_on_part_of_the_model_with_an_earlier_step_gradient_held(variant, bucket_numel):
     """One optimizer over an actor and a critic, ``zero_grad()`` once per iteration and
@@ -612,8 +614,9 @@ def test_step_on_part_of_the_model_with_an_earlier_step_gradient_held(variant, b
     SAC does). The plain second ``step()`` steps the critic's gradient a second time (it is
     still held); here it was stepped once and freed, and that ``step()`` went through (the
     critic 3.7e-2 apart after four iterations, step counters 8 against 4, no error). Refused
-    where the actor's backward starts, before anything moves; with the critic's gradient
-    dropped in between (``critic.zero_grad()``), equal."""
+    where the actor's backward starts, before anything moves (with that backward under
+    ``accumulate()``, at the ``step()`` after it, which said "no backward since" before);
+    with the critic's gradient dropped in between (``critic.zero_grad()``), equal."""
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     model, reference = _actor_and_critic()
     optim = OptimizerInBackward(
@@ -628,9 +631,13 @@ def test_step_on_part_of_the_model_with_an_earlier_step_gradient_held(variant, b
             model["critic"].requires_grad_(False)
         actor_loss = model["actor"](x).square().mean()
         inputs = list(model["actor"].parameters()) if variant == "inputs=" else None
-        _refused_unmoved(
-            model, r"an earlier step\(\) committed", lambda: actor_loss.backward(inputs=inputs)
-        )
+        refusal = r"an earlier step\(\) committed"
+        if variant == "accumulate()":
+            with optim.accumulate():
+                actor_loss.backward()
+            _refused_unmoved(model, refusal, optim.step)
+        else:
+            _refused_unmoved(model, refusal, lambda: actor_loss.backward(inputs=inputs))
         return
     for _ in range(4):
         _critic_then_actor(model, optim, x)
