@@ -254,8 +254,8 @@ class FreedGradients:
         backward to step finds it still in place, and the optimizer refuses there, before
         anything moves (the second ``step()`` went through before, the critic 3.7e-2 from the
         plain loop after four iterations, no error). A backward that adds to such a gradient
-        is refused by the gradient itself, and a ``step()`` with no backward since the last by
-        ``step()``. Only the parameters given a freed gradient before the last ``step()`` and
+        is refused by the gradient itself; a ``step()`` with no backward since the last, or
+        after backwards under ``accumulate()`` only (which step nothing), by ``step()``. Only the parameters given a freed gradient before the last ``step()`` and
         not dropped by a ``zero_grad()`` of this optimizer are read: none in the loop that
         zeroes through the optimizer; after a module's ``zero_grad()``, each once."""
         if not self._committed:
