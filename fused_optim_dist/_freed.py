@@ -246,18 +246,19 @@ class FreedGradients:
         gradient of an update that an earlier ``step()`` committed, not given it again since.
 
         [Note: gradients a step() already committed]
-        A plain optimizer steps every gradient its parameters hold at ``step()``, however old:
-        a loop that calls ``zero_grad()`` once per iteration but ``step()`` twice (one
+        A plain optimizer steps every gradient its parameters hold at ``step()``, however
+        old: a loop that calls ``zero_grad()`` once per iteration but ``step()`` twice (one
         optimizer over an actor and a critic, the critic's loss stepped, then the actor's,
         whose backward reaches the actor only) steps the critic's gradient a second time at
         the second ``step()``. Here it was stepped once, in backward, and freed; the next
         backward to step finds it still in place, and the optimizer refuses there, before
-        anything moves (the second ``step()`` went through before, the critic 3.7e-2 from the
-        plain loop after four iterations, no error). A backward that adds to such a gradient
-        is refused by the gradient itself; a ``step()`` with no backward since the last, or
-        after backwards under ``accumulate()`` only (which step nothing), by ``step()``. Only the parameters given a freed gradient before the last ``step()`` and
-        not dropped by a ``zero_grad()`` of this optimizer are read: none in the loop that
-        zeroes through the optimizer; after a module's ``zero_grad()``, each once."""
+        anything moves (the second ``step()`` went through before, the critic 3.7e-2 from
+        the plain loop after four iterations, no error). A backward that adds to such a
+        gradient is refused by the gradient itself; a ``step()`` with no backward since the
+        last, or after backwards under ``accumulate()`` only (which step nothing), by
+        ``step()``. Only the parameters given a freed gradient before the last ``step()``
+        and not dropped by a ``zero_grad()`` of this optimizer are read: none in the loop
+        that zeroes through the optimizer; after a module's ``zero_grad()``, each once."""
         if not self._committed:
             return []
         with torch._C.DisableTorchFunctionSubclass():

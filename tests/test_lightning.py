@@ -217,6 +217,59 @@ def test_refused_by_the_callback_before_anything_moves(tmp_path: Path, trainer_k
         assert torch.equal(param, before)
 
 
+def _fit_again(make_optim: MakeOptim, root: Path, how: str, callbacks: list) -> nn.Module:
+    """Two fits on one module (``_fit``'s data, an epoch each): ``Tuner.lr_find`` then ``fit``
+    on one Trainer, the same Trainer's ``fit`` twice (``max_epochs`` raised), or two Trainers
+    in turn, the first still referenced."""
+    from lightning.pytorch.tuner import Tuner
+
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
+    module = Regressor(make_optim, one_cycle=False)
+    trainers = [
+        lightning.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            default_root_dir=root,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        for _ in range(2 if how == "two trainers" else 1)
+    ]
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
+        if how == "lr_find then fit":
+            Tuner(trainers[0]).lr_find(module, loader, num_training=4, update_attr=False)
+        else:
+            trainers[0].fit(module, loader)
+            trainers[-1].fit_loop.max_epochs = 2
+        trainers[-1].fit(module, loader)
+    return module.net
+
+
+@pytest.mark.parametrize("how", ["lr_find then fit", "fit twice", "two trainers"])
+def test_a_second_fit_on_the_module_equal_plain(tmp_path: Path, how: str):
+    """Each fit builds its optimizer (``configure_optimizers``); the last fit's, still
+    referenced by the Trainer, held the parameters in backward, and the next was refused as a
+    second optimizer in backward where the plain ones train. The callback detaches a fit's
+    optimizers when it ends: equal."""
+    ours = _fit_again(
+        lambda m: OptimizerInBackward(m.parameters(), torch.optim.AdamW, lr=1e-2, bucket_numel=1),
+        tmp_path / "ours",
+        how,
+        [InBackward()],
+    )
+    plain = _fit_again(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path / "plain", how, []
+    )
+    assert_same_state_dict(ours.state_dict(), plain.state_dict())
+
+
 class Finetuned(lightning.LightningModule):
     """Transfer learning as Lightning's ``BackboneFinetuning`` callback runs it: the backbone
     (with a batch norm) frozen before ``configure_optimizers``, which takes the trainable

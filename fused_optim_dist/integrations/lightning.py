@@ -26,6 +26,14 @@ makes the first exact and refuses the other two at the start of ``fit``::
   refuses an enabled scaler in ``on_fit_start``, naming ``"bf16-mixed"`` and
   ``skip_nonfinite=True``.
 
+A fit's optimizers step its parameters in backward only while that fit runs: the callback
+detaches them when the fit ends, however it ends (:meth:`OptimizerInBackward.detach`, state
+kept), and attaches them again when a fit starts. Lightning builds a new optimizer at every
+fit (``configure_optimizers``); the last fit's, still referenced by the Trainer, held the
+parameters' hooks, and the next fit on the same module (``Tuner(trainer).lr_find(...)`` then
+``trainer.fit(...)``, the same Trainer's ``fit`` again, a second Trainer) was refused as a
+second optimizer in backward, where the plain ones train.
+
 Which micro-batch ends a window is Lightning's to decide (every ``accumulate_grad_batches``-th
 batch, and the epoch's last). The callback accumulates every batch but the
 ``accumulate_grad_batches``-th ones and the epoch's last where Lightning knows it
@@ -61,8 +69,11 @@ class InBackward(lightning.Callback):
         self._contexts = contextlib.ExitStack()
 
     def on_fit_start(self, trainer: lightning.Trainer, pl_module: Any) -> None:
-        if not _in_backward(trainer):
+        optims = _in_backward(trainer)
+        if not optims:
             return
+        for optim in optims:
+            optim.attach()  # detached by the fit before that used it (see the module's docstring)
         refuse_loss_scaling(trainer.precision_plugin, "Trainer")
         if trainer.gradient_clip_val:
             raise ValueError(
@@ -90,7 +101,16 @@ class InBackward(lightning.Callback):
     def on_after_backward(self, trainer: lightning.Trainer, pl_module: Any) -> None:
         self._contexts.close()
 
+    def teardown(self, trainer: lightning.Trainer, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._detach(trainer)
+
     def on_exception(
         self, trainer: lightning.Trainer, pl_module: Any, exception: BaseException
     ) -> None:
         self._contexts.close()
+        self._detach(trainer)
+
+    def _detach(self, trainer: lightning.Trainer) -> None:
+        for optim in _in_backward(trainer):
+            optim.detach()
