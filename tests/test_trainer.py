@@ -424,6 +424,30 @@ def test_trainer_subclass_with_its_own_loss(tmp_path):
     print(f"compute_loss subclass: {_assert_parity(ours, plain):.2e}")
 
 
+class AuxiliaryBackwardLoss(transformers.Trainer):
+    """A ``compute_loss`` running a backward of its own (an auxiliary loss, the graph kept)
+    and returning the main loss for Trainer's backward: the plain Trainer steps the sum."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        (1e-2 * outputs.logits.float().square().mean()).backward(retain_graph=True)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class AuxiliaryBackwardLossInBackward(InBackwardTrainerMixin, AuxiliaryBackwardLoss):
+    pass
+
+
+def test_trainer_compute_loss_with_a_backward_of_its_own(tmp_path):
+    """The auxiliary backward stepped every bucket it completed on a micro-batch ending a
+    step, and Trainer's backward then failed in autograd's check of the saved weights, after
+    they moved. Run under ``accumulate()`` (the mixin's ``compute_loss``): equal."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=CLIP)
+    plain = _train(AuxiliaryBackwardLoss, tmp_path / "plain", **kwargs)
+    ours = _train(AuxiliaryBackwardLossInBackward, tmp_path / "ours", **kwargs)
+    print(f"compute_loss with its own backward: {_assert_parity(ours, plain):.2e}")
+
+
 def _own_training_step(self, model, inputs, num_items_in_batch=None):
     """A ``training_step`` of a user's subclass: its own backward, not Trainer's step."""
     model.train()

@@ -421,6 +421,27 @@ class InBackwardTrainerMixin:
                 self._in_backward_step_error = e  # for the message of a retry's refusal
                 raise
 
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Trainer's (or the subclass's) ``compute_loss``, under
+        :meth:`~fused_optim_dist.OptimizerInBackward.accumulate` while training.
+
+        [Note: backwards inside compute_loss]
+        A ``compute_loss`` may run a backward of its own, an auxiliary loss's with
+        ``retain_graph=True``, and return the main loss for Trainer's backward; the plain
+        Trainer steps the sum of both. On a micro-batch that ends a step, that own backward
+        stepped every bucket it completed, and Trainer's then failed in autograd's check of
+        the weights the main loss saved ("modified by an inplace operation"), after they had
+        moved. Under ``accumulate()`` it only adds its gradients, and Trainer's backward
+        steps the sum: equal. Without a backward of its own (the usual case) it changes
+        nothing; evaluation calls it with no optimizer, or under ``no_grad``.
+        """
+        if self.optimizer is None:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        with in_backward_optimizer(self.optimizer).accumulate():
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
     def _update_auto_batch_size(self, batch_size: int) -> None:
         """Trainer's set-up of each attempt of ``auto_find_batch_size``, refused on a retry
         after updates were made in backward.
