@@ -503,6 +503,15 @@ class PendingUpdates:
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids
 
+    def standing(self) -> list[torch.Tensor]:
+        """The parameters whose update still stands: neither written in place since nor
+        their data replaced for other values (a model restored, as :meth:`rolled_back`
+        tells)."""
+        settled = [] if self._written is None else self._written.rewritten()
+        written = settled + self._unsettled_written(len(settled))
+        undone = map(operator.or_, written, self._replaced())
+        return [param for param, gone in zip(self._params, undone, strict=True) if not gone]
+
     def params(self) -> list[torch.Tensor]:
         return list(self._params)
 

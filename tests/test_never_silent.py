@@ -645,6 +645,63 @@ def test_step_on_part_of_the_model_with_an_earlier_step_gradient_held(variant, b
     assert_match(model, reference)
 
 
+def _two_phases(make: Callable[[nn.Module], Optimizer], leave: str) -> nn.Module:
+    """Two phases of training, each with an optimizer of its own; the first leaves after a
+    backward with no ``step()`` (its step budget checked after backward), by ``leave``:
+    ``"del"`` (the optimizer dropped), ``"detach"`` (ours detached, then dropped), ``"step
+    after detach"`` (detached, then its ``step()``), ``"load"`` (the weights of before that
+    backward loaded into the model; ``"detach, then load"``) or ``".data"`` (assigned
+    through ``.data``)."""
+    model, _ = make_models()
+    saved = copy.deepcopy(model.state_dict())
+    optim = make(model)
+    for step in range(3):
+        optim.zero_grad()
+        saved = copy.deepcopy(model.state_dict())
+        loss_fn(model, *_x(step)).backward()
+        if step == 2:
+            break
+        optim.step()
+    if "detach" in leave and isinstance(optim, OptimizerInBackward):
+        optim.detach()
+    if leave == "step after detach":
+        optim.step()
+    if leave.endswith("load"):
+        model.load_state_dict(saved)
+    if leave == ".data":
+        for name, param in model.named_parameters():
+            param.data = saved[name].clone()
+    del optim
+    optim = make(model)
+    for step in range(3, 6):
+        optim.zero_grad()
+        loss_fn(model, *_x(step)).backward()
+        optim.step()
+    return model
+
+
+@pytest.mark.parametrize(
+    "leave", ["del", "detach", "step after detach", "load", "detach, then load", ".data"]
+)
+def test_a_new_optimizer_after_a_backward_left_uncommitted(leave):
+    """The plain optimizer never applies the gradients of a backward it leaves without
+    ``step()`` (the next phase's ``zero_grad()`` drops them); here they were applied in
+    backward, and the next phase trained on from other weights (AdamW 1.9e-2 apart after
+    three steps, no error: a warning as the old optimizer was collected). Refused when the
+    next phase's optimizer is built, before it steps anything; equal where the update was
+    committed (``step()`` after ``detach()``, as the plain loop's ``step()``) or the weights
+    of before that backward were loaded."""
+    ours = lambda m: OptimizerInBackward(m.parameters(), torch.optim.AdamW, **ADAMW)  # noqa: E731
+    plain = lambda m: torch.optim.AdamW(m.parameters(), **ADAMW)  # noqa: E731
+    if leave in ("del", "detach"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the collected optimizer's
+            with pytest.raises(ValueError, match="no step\\(\\) committed"):
+                _two_phases(ours, leave)
+        return
+    assert_match(_two_phases(ours, leave), _two_phases(plain, leave))
+
+
 @pytest.mark.parametrize("second", ["backward", "gradient set by hand"])
 def test_second_pass_before_step_refused_with_clipping(second):
     """An actor's and a critic's loss, two backwards on disjoint parameters (or one backward,
