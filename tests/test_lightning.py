@@ -63,21 +63,23 @@ class Regressor(lightning.LightningModule):
         return {"optimizer": optim, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _fit_one_process(
-    module: lightning.LightningModule, root: Path, *tensors: torch.Tensor, **trainer_kwargs
-) -> None:
-    """Two epochs of batches of 8 of ``tensors`` on one CPU process."""
-    trainer = lightning.Trainer(
+def _trainer(**kwargs) -> lightning.Trainer:
+    """A CPU Trainer that logs, prints and checkpoints nothing unless ``kwargs`` say so."""
+    options = dict(
         accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        default_root_dir=root,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **trainer_kwargs,
     )
+    return lightning.Trainer(**(options | kwargs))
+
+
+def _fit_one_process(
+    module: lightning.LightningModule, root: Path, *tensors: torch.Tensor, **trainer_kwargs
+) -> None:
+    """Two epochs of batches of 8 of ``tensors`` on one CPU process."""
+    trainer = _trainer(devices=1, max_epochs=2, default_root_dir=root, **trainer_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
         trainer.fit(module, DataLoader(TensorDataset(*tensors), batch_size=8))
@@ -227,17 +229,7 @@ def _fit_again(make_optim: MakeOptim, root: Path, how: str, callbacks: list) -> 
     x, y = torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
     module = Regressor(make_optim, one_cycle=False)
     trainers = [
-        lightning.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=1,
-            default_root_dir=root,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-        )
+        _trainer(devices=1, max_epochs=1, default_root_dir=root, callbacks=callbacks)
         for _ in range(2 if how == "two trainers" else 1)
     ]
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
@@ -423,16 +415,12 @@ def _fit_sharded(
     module = ShardedRegressor(make_optim, units)
     saves = [ModelCheckpoint(dirpath=root, save_top_k=-1)] if checkpoint else []
     probe = StepProbe()
-    trainer = lightning.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=int(world_size),
         strategy=ModelParallelStrategy(data_parallel_size=int(world_size), tensor_parallel_size=1),
         max_epochs=epochs,
         default_root_dir=root,
-        logger=False,
         enable_checkpointing=checkpoint,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         accumulate_grad_batches=2,
         callbacks=[*saves, probe, *trainer_kwargs.pop("callbacks", [])],
         **trainer_kwargs,
@@ -528,16 +516,7 @@ def _ddp_strategy_body() -> None:
     x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
     module = Regressor(make, one_cycle=False)
     world_size = os.environ["WORLD_SIZE"]
-    trainer = lightning.Trainer(
-        accelerator="cpu",
-        devices=int(world_size),
-        strategy="ddp",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(devices=int(world_size), strategy="ddp", max_epochs=1)
     try:
         refused = pytest.raises(ValueError, match=r"DistributedDataParallel.*fully_shard")
         with refused, warnings.catch_warnings():
