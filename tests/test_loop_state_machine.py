@@ -139,6 +139,10 @@ def _parameters(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return not torch.equal(a, b)
+
+
 def _assert_unchanged(model: nn.Module, before: list[torch.Tensor]) -> None:
     """``model``'s parameters are bitwise those ``_parameters`` took."""
     for param, old in zip(model.parameters(), before, strict=True):
@@ -959,6 +963,38 @@ class LoopMachine(RuleBasedStateMachine):
         for optim, state_dict in zip((self.ours, self.plain), saved, strict=True):
             optim.load_state_dict(state_dict)
         self.schedulers = ()
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def leave_after_backward(self) -> None:
+        """A phase ended after a backward with no ``step()`` (its step budget checked after
+        backward): ours detached and a new ``OptimizerInBackward`` built for the next phase,
+        which is refused wherever that backward moved a weight (the plain loop would drop its
+        gradients). The phase is then ended as it should be: the old optimizer's ``step()``
+        (detached, it commits the update), attached again; the plain loop's ``step()``."""
+        ours_model, plain_model = self.models
+        before = _parameters(ours_model)
+        self._backward(ours_model, self.step)
+        after = _parameters(ours_model)
+        moved = torch.tensor(float(any(map(_differ, after, before))))
+        if self.sharded:
+            dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+        self.ours.detach()
+        groups = [{"params": list(group["params"])} for group in self.ours.param_groups]
+        try:
+            new, _ = self._optimizers(groups, groups)
+        except ValueError as error:
+            assert "no step() committed" in str(error), error
+        else:
+            assert not moved, "a new optimizer built over weights an uncommitted update moved"
+            new.detach()
+        self._step(self.ours)
+        self.ours.attach()
+        self.ours.zero_grad()
+        self._backward(plain_model, self.step)
+        self._step(self.plain)
+        self.plain.zero_grad()
+        self.step += 1
 
     @precondition(lambda self: not self.pending)
     @rule()
