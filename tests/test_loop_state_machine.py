@@ -965,36 +965,50 @@ class LoopMachine(RuleBasedStateMachine):
         self.schedulers = ()
 
     @precondition(lambda self: not self.pending)
-    @rule()
-    def leave_after_backward(self) -> None:
+    @rule(then=st.sampled_from(["step", "load"]))
+    def leave_after_backward(self, then: str) -> None:
         """A phase ended after a backward with no ``step()`` (its step budget checked after
         backward): ours detached and a new ``OptimizerInBackward`` built for the next phase,
         which is refused wherever that backward moved a weight (the plain loop would drop its
-        gradients). The phase is then ended as it should be: the old optimizer's ``step()``
-        (detached, it commits the update), attached again; the plain loop's ``step()``."""
+        gradients). Then the phase is ended as it should be: ``"step"``, the old optimizer's
+        ``step()`` (detached, it commits the update), attached again, and the plain loop's
+        ``step()``; or ``"load"``, the weights of before that backward loaded (the plain loop
+        needs no load: its backward moved nothing) and the next phase given new optimizers on
+        both sides, whose ``zero_grad()`` drops that backward's gradients (a parameter outside
+        the optimizers keeps its own, in both loops)."""
         ours_model, plain_model = self.models
         before = _parameters(ours_model)
+        saved = copy.deepcopy(ours_model.state_dict())
         self._backward(ours_model, self.step)
-        after = _parameters(ours_model)
-        moved = torch.tensor(float(any(map(_differ, after, before))))
+        moved = torch.tensor(float(any(map(_differ, _parameters(ours_model), before))))
         if self.sharded:
             dist.all_reduce(moved, op=dist.ReduceOp.MAX)
         self.ours.detach()
-        groups = [{"params": list(group["params"])} for group in self.ours.param_groups]
+        groups = [
+            [{"params": list(group["params"])} for group in optim.param_groups]
+            for optim in (self.ours, self.plain)
+        ]
         try:
-            new, _ = self._optimizers(groups, groups)
+            new = self._optimizers(*groups)
         except ValueError as error:
             assert "no step() committed" in str(error), error
         else:
             assert not moved, "a new optimizer built over weights an uncommitted update moved"
-            new.detach()
+            new[0].detach()
+        self._backward(plain_model, self.step)
+        self.step += 1
+        if then == "load":
+            ours_model.load_state_dict(saved)
+            self.ours, self.plain = self._optimizers(*groups)
+            self.schedulers = ()
+            for optim in (self.ours, self.plain):
+                optim.zero_grad()
+            return
         self._step(self.ours)
         self.ours.attach()
         self.ours.zero_grad()
-        self._backward(plain_model, self.step)
         self._step(self.plain)
         self.plain.zero_grad()
-        self.step += 1
 
     @precondition(lambda self: not self.pending)
     @rule()
