@@ -977,10 +977,11 @@ class LoopMachine(RuleBasedStateMachine):
         both sides, whose ``zero_grad()`` drops that backward's gradients (a parameter outside
         the optimizers keeps its own, in both loops)."""
         ours_model, plain_model = self.models
-        before = _parameters(ours_model)
+        held = [p for group in self.ours.param_groups for p in group["params"]]
+        before = [p.detach().clone() for p in held]  # the sharded ones, after an evaluation too
         saved = copy.deepcopy(ours_model.state_dict())
         self._backward(ours_model, self.step)
-        moved = torch.tensor(float(any(map(_differ, _parameters(ours_model), before))))
+        moved = torch.tensor(float(any(map(_differ, (p.detach() for p in held), before))))
         if self.sharded:
             dist.all_reduce(moved, op=dist.ReduceOp.MAX)
         self.ours.detach()
