@@ -21,6 +21,7 @@ __all__ = [
     "is_distributed",
     "on_rank0",
     "rank",
+    "release_async_save_group",
     "world_size",
 ]
 
@@ -60,9 +61,10 @@ def agree(error: Exception | None) -> None:
         _raise(cls, message, first_rank if len(gathered) > 1 else None, error)
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
+def on_rank0(fn: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
     """Run ``fn`` on rank 0 only and return its result on every rank; if it raises, every rank
-    raises its exception (as :func:`agree` does). Collective.
+    raises its exception (as :func:`agree` does). Collective over ``group`` (default: the
+    default group).
 
     For checks of shared files: one rank reads them and shares the verdict, instead of every
     rank asking the file system the same questions.
@@ -74,7 +76,7 @@ def on_rank0(fn: Callable[[], T]) -> T:
             outcome = (True, fn())
         except Exception as e:
             outcome, error = (False, _portable(e)), e
-    ok, value = broadcast_from_rank0(outcome)
+    ok, value = broadcast_from_rank0(outcome, group)
     if not ok:
         cls, message = value
         _raise(cls, message, 0 if world_size() > 1 else None, error)
@@ -101,12 +103,13 @@ def _portable(error: Exception) -> tuple[type[Exception], str]:
     return RuntimeError, f"{cls.__name__}: {error}"
 
 
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Return rank 0's ``obj`` on every rank. Collective."""
+def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Return rank 0's ``obj`` on every rank. Collective over ``group`` (default: the default
+    group)."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -125,3 +128,23 @@ def async_save_group() -> dist.ProcessGroup | None:
     if _ASYNC_GROUP is None or _ASYNC_GROUP[0] is not world:
         _ASYNC_GROUP = (world, dist.new_group(backend="gloo"))
     return _ASYNC_GROUP[1]
+
+
+def release_async_save_group() -> None:
+    """Destroy the async-save group (local: no other rank takes part), once its last save is
+    over.
+
+    For a process that exits without destroying its groups. The gloo group's worker threads free
+    each collective's work after the caller has seen it complete, and freeing a work's tensors
+    takes the GIL: if the interpreter is being finalized by then, the thread is ended inside a
+    C++ frame and the process aborts ("terminate called without an active exception",
+    pytorch#179291; seen after the commit's broadcast, the last collective before the exit).
+    Destroying the group while the interpreter is alive joins those threads first.
+    """
+    global _ASYNC_GROUP
+    if _ASYNC_GROUP is None:
+        return
+    world, group = _ASYNC_GROUP
+    _ASYNC_GROUP = None
+    if is_distributed() and dist.group.WORLD is world:
+        dist.destroy_process_group(group)

@@ -64,8 +64,9 @@ Everything else in the package uses public APIs. What this module relies on, for
   ``torch._C._autograd._push_saved_tensors_default_hooks`` directly are not seen.
 * ``torch.distributed.destroy_process_group`` offers no hook: ``before_teardown`` replaces the
   module attribute (``torch.distributed`` re-exports ``distributed_c10d``'s function) with a
-  wrapper that runs the callbacks first; code that imported the function by name earlier
-  keeps the original, so the callbacks also run at interpreter exit (``atexit``).
+  wrapper that runs the callbacks first when the default group is destroyed (not a subgroup,
+  which only its members destroy); code that imported the function by name earlier keeps the
+  original, so the callbacks also run at interpreter exit (``atexit``).
 * ``torch.optim.optimizer._global_optimizer_pre_hooks`` holds the hooks
   ``register_optimizer_step_pre_hook`` registered for every optimizer, and an optimizer keeps
   its own hooks in the instance attributes ``OPTIMIZER_HOOKS`` names (which
@@ -762,8 +763,9 @@ def _run_teardown(destroying: bool = False) -> None:
 
 
 def before_teardown(callback: Callable[[bool], None]) -> None:
-    """Run ``callback(True)`` before ``torch.distributed.destroy_process_group``, on every rank
-    that calls it (so it may run collectives), and ``callback(False)`` at exit."""
+    """Run ``callback(True)`` before ``torch.distributed.destroy_process_group()`` destroys the
+    default group, on every rank that calls it (so it may run collectives), and
+    ``callback(False)`` at exit."""
     if not _TEARDOWN:
         import atexit
 
@@ -771,9 +773,10 @@ def before_teardown(callback: Callable[[bool], None]) -> None:
 
         original = distributed_c10d.destroy_process_group
 
-        def destroy_process_group(*args: object, **kwargs: object) -> None:
-            _run_teardown(destroying=True)
-            original(*args, **kwargs)
+        def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+            if group is None or group == dist.GroupMember.WORLD:
+                _run_teardown(destroying=True)
+            original(group)
 
         destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
         dist.destroy_process_group = destroy_process_group

@@ -71,6 +71,7 @@ from fused_optim_dist._checkpoint_collectives import (
     is_distributed,
     on_rank0,
     rank,
+    release_async_save_group,
     world_size,
 )
 from fused_optim_dist._checkpoint_metadata import (
@@ -116,10 +117,14 @@ _FINISHER: ThreadPoolExecutor | None = None
 # DCP's coordinator (rank 0) writes ``.metadata`` only after every rank has reported its shards
 # written, and its save completes only after that; if any rank failed, every rank's save raises.
 # So when rank 0's background write completes without error, every rank's part is on disk and
-# rank 0 can commit (write checkpoint.json, rename) at once, in a background thread of its own,
-# without asking the other ranks: the checkpoint becomes the newest complete one while training
-# goes on, with no further call. ``SaveHandle.wait()`` is then only how every rank learns the
-# outcome (the next save or load calls it).
+# rank 0 can commit (write checkpoint.json, rename) at once, in a background thread of its own:
+# the checkpoint becomes the newest complete one while training goes on, with no further call.
+# Rank 0 then broadcasts the outcome over the async-save group, from that thread, to the other
+# ranks' commit threads, so that on every rank a save is over only once it is committed (or has
+# failed). A rank leaving first could otherwise take the commit with it: under torchrun, a rank
+# that aborts while exiting (as torch's gloo groups can during interpreter finalization) has
+# its peers terminated, rank 0's pending commit included. ``SaveHandle.wait()`` is then how
+# every rank learns the outcome (the next save or load calls it).
 
 
 class SaveHandle:
@@ -138,14 +143,14 @@ class SaveHandle:
     def __init__(self, path: Path, step: int, finished: Future) -> None:
         self.path = path
         self.step = step
-        # Completes when this rank's part is over: its shards written and, on rank 0, the
-        # checkpoint committed and old ones pruned; holds the error if that failed.
+        # Completes when this rank has written its shards and heard from rank 0 that the
+        # checkpoint is committed and old ones pruned; holds the error if that failed.
         self._finished = finished
         # None while not waited on; then True, or the exception that made the save fail.
         self._outcome: bool | Exception | None = None
 
     def done(self) -> bool:
-        """Whether this rank's part is over (on rank 0: committed or failed). Local."""
+        """Whether the save is over on this rank: committed, or failed. Local."""
         return self._finished.done()
 
     def wait(self) -> Path:
@@ -175,26 +180,39 @@ class SaveHandle:
 
 
 def _finish(
-    write: Future, final: Path, metadata: dict[str, Any], keep_last: int | None, step: int
+    write: Future,
+    final: Path,
+    metadata: dict[str, Any],
+    keep_last: int | None,
+    step: int,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
-    """This rank's end of a save: wait for its write; on rank 0, commit and prune.
+    """This rank's end of a save: wait for its write; rank 0 commits and prunes, and every rank
+    raises if that failed. Collective over ``group``.
 
     See [Note: async commit].
     """
     try:
         write.result()
     except _DCP_ERRORS as e:
-        raise RuntimeError(
+        error = RuntimeError(
             f"writing checkpoint step {step} into {layout.tmp_dir(final)} failed, so it was not "
             f"committed: {e}"
-        ) from None
-    if rank() != 0:
-        return
-    layout.commit(final, metadata)
-    try:
-        layout.prune(final.parent, keep_last)
-    except OSError as e:
-        raise OSError(f"checkpoint {final} was committed, but pruning failed: {e}") from e
+        )
+    else:
+        error = None
+
+    def commit() -> None:
+        if error is not None:
+            raise error
+        layout.commit(final, metadata)
+        try:
+            layout.prune(final.parent, keep_last)
+        except OSError as e:
+            raise OSError(f"checkpoint {final} was committed, but pruning failed: {e}") from e
+
+    # Every rank takes part whatever its own write did: DCP fails every rank's write or none.
+    on_rank0(commit, group)
 
 
 def _finisher() -> ThreadPoolExecutor:
@@ -208,13 +226,14 @@ def _finisher() -> ThreadPoolExecutor:
 # [Note: an async save is never lost silently]
 # A loop that ends with an async save and then destroys the process group, or simply exits,
 # without ``wait()`` would leave the checkpoint half-written (a ``.tmp`` folder) and exit 0.
-# So this rank's part of a pending save is completed first: before ``destroy_process_group``
-# tears down the groups its background write uses, and at interpreter exit. Waiting is local
-# (rank 0 commits once its own write completes, which DCP completes only after every rank
-# wrote), and before ``destroy_process_group`` the ranks then meet in a barrier, so that no rank
-# tears down a group another rank's background write still uses. If the save failed, the error
-# is logged and the process exits with status 1: a
-# checkpoint that silently does not exist is never the outcome.
+# So a pending save is completed first: before ``destroy_process_group`` tears down the groups
+# its background write uses, and at interpreter exit. Every rank waits for its own commit
+# thread, which ends once rank 0 has committed (see [Note: async commit]): no rank leaves while
+# the checkpoint is still uncommitted, and none waits on another rank's main thread, so a rank
+# exiting on an error while its peers train does not hang. Before ``destroy_process_group`` the
+# ranks then meet in a barrier, so that no rank tears down a group another rank's background
+# thread still uses. If the save failed, the error is logged and the process exits with status
+# 1: a checkpoint that silently does not exist is never the outcome.
 
 
 def _finish_pending(destroying: bool) -> None:
@@ -223,9 +242,11 @@ def _finish_pending(destroying: bool) -> None:
         return
     error = pending._finished.exception()
     if error is None:
-        if destroying and dist.is_initialized():
+        if not destroying:
+            release_async_save_group()
+        elif dist.is_initialized():
             # Every rank's part is over before any rank tears down the groups the background
-            # writes used (one rank's write can complete before another's).
+            # threads used (one rank's commit thread can end before another's has heard).
             dist.barrier()
         return
     sys.stderr.write(
@@ -335,8 +356,9 @@ def save(
     state = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
     writer = ChecksumWriter(layout.tmp_dir(final))
     if async_:
-        write = dcp.async_save(state, storage_writer=writer, process_group=async_save_group())
-        finished = _finisher().submit(_finish, write, final, metadata, keep_last, step)
+        group = async_save_group()
+        write = dcp.async_save(state, storage_writer=writer, process_group=group)
+        finished = _finisher().submit(_finish, write, final, metadata, keep_last, step, group)
         _PENDING = SaveHandle(final, step, finished)
         return _PENDING
     write = Future()

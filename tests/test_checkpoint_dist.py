@@ -635,6 +635,51 @@ def test_async_save_overlaps_training_and_matches_a_sync_save(worlds, tmp_path):
     worlds.run(2, _async_body, root=str(tmp_path))
 
 
+def _over_only_once_committed_body(root: str) -> None:
+    root = Path(root)
+    run = _run()
+    _train(run, range(1))
+    commit = layout.commit
+
+    def slow_commit(*args, **kwargs):
+        # Rank 0 commits a while after every rank has written.
+        time.sleep(1.0)
+        commit(*args, **kwargs)
+
+    with mock.patch.object(layout, "commit", slow_commit):
+        handle = checkpoint.save(root, *run[:2], step=1, async_=True)
+        deadline = time.monotonic() + COMMIT_TIMEOUT_S
+        while not handle.done():
+            assert time.monotonic() < deadline, "the async save never ended"
+            time.sleep(0.01)
+        # Over on this rank (rank 1 included: its own write ended a second before): committed.
+        assert checkpoint.latest(root) == layout.step_dir(root, 1)
+    assert handle.wait() == layout.step_dir(root, 1)
+
+
+def test_an_async_save_is_over_on_every_rank_only_once_committed(worlds, tmp_path):
+    """A rank that leaves (or aborts leaving) once its save is over cannot cost the commit: see
+    [Note: async commit]."""
+    worlds.run(2, _over_only_once_committed_body, root=str(tmp_path))
+
+
+def _subgroup_destroyed_body(root: str) -> None:
+    run = _run()
+    _train(run, range(1))
+    handle = checkpoint.save(root, *run[:2], step=1, async_=True)
+    subgroup = dist.new_group([0])
+    if dist.get_rank() == 0:
+        # Only its members destroy a subgroup: the pending save's teardown, which meets every
+        # rank in a barrier, waits for the default group's destruction.
+        dist.destroy_process_group(subgroup)
+    _train(run, range(1, 2))
+    assert handle.wait() == layout.step_dir(Path(root), 1)
+
+
+def test_destroying_a_subgroup_leaves_a_pending_async_save_alone(worlds, tmp_path):
+    worlds.run(2, _subgroup_destroyed_body, root=str(tmp_path))
+
+
 # -- exported weights ---------------------------------------------------------------------------
 
 
