@@ -87,7 +87,7 @@ def test_optimizer_cost_writes_rounds_profile_and_floor(tmp_path: Path) -> None:
     steps, repeats = 8, 2
     _run_script(
         "benchmarks/optimizer_cost.py",
-        *("--shapes", "few-large", "--repeats", str(repeats), "--steps", str(steps)),
+        *("--shapes", "llama-tiny", "--repeats", str(repeats), "--steps", str(steps)),
         *("--out", str(tmp_path)),
     )
 
@@ -95,7 +95,7 @@ def test_optimizer_cost_writes_rounds_profile_and_floor(tmp_path: Path) -> None:
     assert payload["world_size"] == 2
     assert {"load_before", "load_after"} <= payload.keys()
     (record,) = payload["records"]
-    assert record["shape"] == "few-large" and record["steps_per_round"] == steps
+    assert record["shape"] == "llama-tiny" and record["steps_per_round"] == steps
     assert len(record["rounds"]) == repeats
     for round_ in record["rounds"]:
         for method in ("plain", "ours", "ours-update-only", "per-param"):
@@ -124,4 +124,4 @@ def test_optimizer_cost_writes_rounds_profile_and_floor(tmp_path: Path) -> None:
     assert set(record["floors_ms_rank0"]) == {"adamw_fused_step", "fused_kernel"}
     assert all(math.isfinite(v) for v in record["floors_ms_rank0"].values())
     table = (tmp_path / "optimizer_cost.md").read_text()
-    assert table.count("| few-large | 24 |") == repeats
+    assert table.count("| llama-tiny | 21 |") == repeats
