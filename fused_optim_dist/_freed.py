@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from fused_optim_dist._torch_internals import impl_address
+from fused_optim_dist._torch_internals import current_backward_id, impl_address
 
 __all__ = [
     "FreedGradient",
@@ -115,9 +115,11 @@ class FreedGradient(torch.Tensor):
                 dtype=kwargs.get("dtype"),
                 device=kwargs.get("device"),
             )
-        if func in _ACCUMULATING and args and args[0] is freed:
+        if func in _ACCUMULATING and args and args[0] is freed and current_backward_id() != -1:
             # Autograd adds a new gradient to the held one as ``held + new`` (in place or
-            # not); ``param.add_(grad)`` (another optimizer's step) only reads it.
+            # not), inside a backward; ``param.add_(grad)`` (another optimizer's step) only
+            # reads it, and so does an addition outside a backward (the loop's own: noise
+            # added to the gradients between backward and step()).
             operation = "accumulate"
         elif func in _ZEROING:
             operation = "zero"
@@ -186,7 +188,10 @@ def refuse_freed(param: torch.Tensor | None, operation: str, func: Any) -> NoRet
         "nothing here) and read the norm with optim.grad_norm() or "
         "fused_optim_dist.training.clip_grad_norm_(optim, max_norm); in Hugging Face Trainer "
         "use fused_optim_dist.integrations.transformers.in_backward_trainer, in accelerate "
-        "fused_optim_dist.integrations.accelerate. To inspect gradients, run the backward "
+        "fused_optim_dist.integrations.accelerate. To change gradients before their update "
+        "(noise, masks, scaling), register a hook on the parameter (param.register_hook), "
+        "which runs before the gradient is accumulated and stepped. To inspect gradients, "
+        "run the backward "
         "under `with optim.accumulate():` and read them before the step's last backward; "
         "call zero_grad() to drop freed gradients. Another optimizer cannot step parameters "
         "this one steps in backward: give each optimizer its own parameters."

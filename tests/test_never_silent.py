@@ -2503,6 +2503,12 @@ def _freed_gradients_body(sharded: bool = False) -> None:
         torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
     with pytest.raises(RuntimeError, match=r"optim\.grad_norm\(\)"):
         sum(p.grad.square().sum() for p in model.parameters())
+    # Noise added to the gradients between backward and step (gradient-noise training): the
+    # plain loop steps the noisy gradients. Refused as any other use, naming the hook that
+    # does it here, not as a second backward's gradient.
+    grad = model.head.weight.grad
+    with pytest.raises(RuntimeError, match=r"cannot use it.*param\.register_hook"):
+        grad.add_(grad.detach())
     optim.step()
     optim.zero_grad()
     loss_fn(reference, *_x(0, sharded)).backward()
