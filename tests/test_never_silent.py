@@ -2540,6 +2540,27 @@ def test_freed_gradients_refused_where_a_plain_loop_uses_them():
     _freed_gradients_body()
 
 
+def test_gradient_noise_added_by_a_tensor_hook_equals_the_plain_loop_adding_it():
+    """The fix the refusal of an edited gradient names: noise added by ``param.register_hook``
+    reaches the update in backward as the plain loop's ``p.grad.add_(noise)`` reaches its
+    ``step()``."""
+    model, reference, optim, plain = _adamw_loops(sharded=False)
+    noise = {}
+    for i, param in enumerate(model.parameters()):
+        noise[i] = torch.randn(param.shape, generator=torch.Generator().manual_seed(i)) * 1e-2
+        param.register_hook(lambda grad, n=noise[i]: grad + n)
+    for step in range(3):
+        loss_fn(model, *_x(step)).backward()
+        optim.step()
+        optim.zero_grad()
+        loss_fn(reference, *_x(step)).backward()
+        for i, param in enumerate(reference.parameters()):
+            param.grad.add_(noise[i])
+        plain.step()
+        plain.zero_grad()
+    assert_match(model, reference)
+
+
 def test_freed_gradients_converted_with_the_module_and_dropped_by_zero_grad():
     """``Module.to`` converts the gradients it finds (a model cast for export after its last
     step): freed ones stay freed, and still raise when read; ``zero_grad()`` drops them."""
