@@ -195,6 +195,17 @@ class _Shares:
         return out
 
 
+# [Note: a non-finite step]
+# A bucket (or what ``step()`` steps) is not finite where its gradient norm is not: an inf or
+# NaN value, or finite values so large that the float32 sum of their squares overflows (a norm
+# above about 1.8e19, a run already diverging). That is the criterion of
+# ``clip_grad_norm_(..., error_if_nonfinite=True)``, and of a plain loop skipping its step where
+# the norm ``clip_grad_norm_`` returns is not finite, which ``skip_nonfinite`` equals. A loop
+# checking the values instead (GradScaler's ``found_inf``) steps such gradients, clipped by a
+# zero coefficient where it clips; telling the two apart would cost a second pass over every
+# bucket's gradients (their largest magnitude) for a step that only a diverged run takes.
+
+
 def clip_grad_norm(grads: Sequence[torch.Tensor], key: _ReduceKey) -> torch.Tensor:
     """The L2 norm of ``grads`` (local tensors, of DTensors sharded as ``key`` says or of plain
     tensors) computed as ``torch.nn.utils.clip_grad_norm_`` computes it (torch 2.13,
@@ -384,6 +395,7 @@ class GradientProcessor:
                 assert bucket_sq is not None
                 norms.bucket_sq[bucket.key] = bucket_sq
                 norms.reduced = _add(norms.reduced, bucket_sq)
+                # See [Note: a non-finite step].
                 finite = torch.isfinite(bucket_sq)
                 norms.seen = _add(norms.seen, torch.where(finite, bucket_sq, 0.0))
             if self.skip_nonfinite:
@@ -454,7 +466,7 @@ class GradientProcessor:
             total = _add(total, square)
         assert total is not None
         norms.reduced = total
-        norms.finite = torch.isfinite(total)
+        norms.finite = torch.isfinite(total)  # see [Note: a non-finite step]
         of_all = _Shares(params)
         if self.max_grad_norm is not None and of_all.exact:
             norms.exact = clip_grad_norm(self._in_norm_order(params, grads), of_all.key)

@@ -7,6 +7,7 @@ global batch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from _toy import (
     Block,
     assert_match,
@@ -540,6 +542,46 @@ def _nonfinite_body(poison_rank: int) -> int:
 def test_nonfinite_gradient_skips_the_bucket_on_every_rank(worlds):
     counts = worlds.run(4, _nonfinite_body, poison_rank=1)
     assert counts == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
+def test_finite_gradients_whose_norm_overflows_skip_the_step(max_grad_norm):
+    """A step whose gradients are finite but so large that their float32 norm overflows (a
+    diverging run): not finite, as ``clip_grad_norm_(..., error_if_nonfinite=True)`` judges
+    it, so skipped, as the plain loop skipping where the norm is not finite skips it (see
+    [Note: a non-finite step] in ``fused_optim_dist/_gradients.py``). One bucket."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    reference = copy.deepcopy(model)
+    optim = OptimizerInBackward(
+        model.parameters(),
+        torch.optim.AdamW,
+        max_grad_norm=max_grad_norm,
+        skip_nonfinite=True,
+        bucket_numel=1 << 20,
+        **KWARGS,
+    )
+    plain = torch.optim.AdamW(reference.parameters(), **KWARGS)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for step in range(4):
+        scale = 1e22 if step == 1 else 1.0
+        (F.mse_loss(model(x), y) * scale).backward()
+        optim.step()
+        optim.zero_grad()
+        (F.mse_loss(reference(x), y) * scale).backward()
+        grads = [p.grad for p in reference.parameters()]
+        if step == 1:
+            assert all(torch.isfinite(g).all() for g in grads)
+        if max_grad_norm is None:
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+        assert math.isfinite(norm) == (step != 1)
+        if math.isfinite(norm):
+            plain.step()
+        plain.zero_grad()
+        assert_match(model, reference)
+    assert optim.nonfinite_steps == 1
 
 
 def _hand_set_after_skipped_body() -> None:

@@ -274,26 +274,18 @@ class LoopMachine(RuleBasedStateMachine):
     def _backward(self, model: nn.Module, step: int, scale: float = 1.0) -> None:
         self._loss(model, step, scale).backward()
 
-    def _all_finite(self, grads: list[torch.Tensor]) -> bool:
-        """Whether every element of ``grads`` is finite on every rank (a rank whose local
-        shards are all empty holds no NaN of a NaN batch)."""
-        finite = torch.tensor(float(all(bool(_local(g).isfinite().all()) for g in grads)))
-        if self.sharded:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        return bool(finite)
-
     def _step(self, optim: torch.optim.Optimizer) -> None:
         """``optim.step()``, the step's norm first measured (and the plain loop's gradients
         clipped) through ``fused_optim_dist.clip_grad_norm_``; the plain loop with
-        ``skip_nonfinite`` skips the step where a gradient is not finite.
+        ``skip_nonfinite`` skips the step where their norm is not finite.
 
         Ours may refuse to measure after a backward that raised having stepped some
         parameters (``step()`` completes its norm)."""
         if optim is self.plain:
-            params = [p for group in optim.param_groups for p in group["params"]]
-            grads = [p.grad for p in params if p.grad is not None]
-            self.norms["plain"] = clip_grad_norm_(optim, self.max_grad_norm)
-            if self.skip_nonfinite and not self._all_finite(grads):
+            norm = self.norms["plain"] = clip_grad_norm_(optim, self.max_grad_norm)
+            # Not finite: an inf/NaN gradient, or finite ones whose norm overflows (torch's
+            # error_if_nonfinite criterion; see [Note: a non-finite step] in _gradients.py).
+            if self.skip_nonfinite and not bool(torch.isfinite(norm)):
                 return
             optim.step()
             return
