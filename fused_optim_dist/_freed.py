@@ -191,10 +191,9 @@ def refuse_freed(param: torch.Tensor | None, operation: str, func: Any) -> NoRet
         "fused_optim_dist.integrations.accelerate. To change gradients before their update "
         "(noise, masks, scaling), register a hook on the parameter (param.register_hook), "
         "which runs before the gradient is accumulated and stepped. To inspect gradients, "
-        "run the backward "
-        "under `with optim.accumulate():` and read them before the step's last backward; "
-        "call zero_grad() to drop freed gradients. Another optimizer cannot step parameters "
-        "this one steps in backward: give each optimizer its own parameters."
+        "run the backward under `with optim.accumulate():` and read them before the step's "
+        "last backward; call zero_grad() to drop freed gradients. Another optimizer cannot "
+        "step parameters this one steps in backward: give each optimizer its own parameters."
     )
 
 
