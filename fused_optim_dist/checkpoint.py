@@ -147,7 +147,7 @@ class SaveHandle:
         # checkpoint is committed and old ones pruned; holds the error if that failed.
         self._finished = finished
         # None while not waited on; then True, or the exception that made the save fail.
-        self._outcome: bool | Exception | None = None
+        self._outcome: bool | BaseException | None = None
 
     def done(self) -> bool:
         """Whether the save is over on this rank: committed, or failed. Local."""
@@ -155,7 +155,8 @@ class SaveHandle:
 
     def wait(self) -> Path:
         """Wait until the checkpoint is committed and return its path, or raise on every rank
-        why it was not. Collective.
+        why it was not. Local: every rank's end of the save already heard rank 0's outcome
+        (see [Note: async commit]), so every rank returns or raises alike.
 
         Calling it again returns the path (or raises the same error) at once.
 
@@ -165,16 +166,10 @@ class SaveHandle:
         """
         global _PENDING
         if self._outcome is None:
-            try:
-                error = self._finished.exception()
-                agree(error)
-                self._outcome = True
-            except Exception as e:
-                self._outcome = e
-            finally:
-                if _PENDING is self:
-                    _PENDING = None
-        if isinstance(self._outcome, Exception):
+            self._outcome = self._finished.exception() or True
+            if _PENDING is self:
+                _PENDING = None
+        if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self.path
 
