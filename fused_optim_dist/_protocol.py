@@ -37,9 +37,13 @@ loops would train differently without a word. Instead, the updates made in backw
   set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
   and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises;
+* a forward of a module holding an updated parameter (an evaluation, a logging or EMA
+  teacher's forward, a second micro-batch's) would read the updated weights where the plain
+  loop's reads those of before ``step()``: it raises before it starts (see [Note: a forward
+  between backward and step()]);
 * an FSDP2 unit holding updates that was sharded when they were made and holds all-gathered
-  weights at ``step()`` (``model.unshard()``, or a forward, between backward and ``step()``):
-  see [Note: copies gathered before step()];
+  weights at ``step()`` (``model.unshard()`` between backward and ``step()``): see [Note:
+  copies gathered before step()];
 * at ``step()``, a generator that a jointly stepped class's step drew from at the end of
   backward and that was drawn from again since: the plain ``step()`` would draw after the
   loop's draws, here the class drew before them: ``step()`` raises (see [Note: random
@@ -57,16 +61,20 @@ from __future__ import annotations
 import copy
 import functools
 import operator
+import weakref
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fused_optim_dist._generators import GeneratorStates
 from fused_optim_dist._torch_internals import (
     FSDPUnit,
+    current_backward_id,
+    fsdp_units_of,
     held_values,
     holds_values,
     local_tensor,
@@ -272,6 +280,7 @@ class PendingUpdates:
     protocol]."""
 
     __slots__ = (
+        "__weakref__",
         "_added",
         "_buffers",
         "_draws",
@@ -322,6 +331,8 @@ class PendingUpdates:
         return bool(self._ids)
 
     def add(self, params: Iterable[torch.Tensor]) -> None:
+        if not self._ids:
+            _FORWARD_READS.watch(self)
         new = []
         for param in params:
             if id(param) not in self._ids:
@@ -520,6 +531,7 @@ class PendingUpdates:
 
     def commit(self) -> None:
         """``step()``: the pending updates are the step's, as the plain optimizer's would be."""
+        _FORWARD_READS.unwatch(self)
         self._params.clear()
         self._added.clear()
         self._held.clear()
@@ -532,6 +544,37 @@ class PendingUpdates:
         self._gathered = []
         self._buffers.clear()
         self._draws = None
+
+    def refuse_read(self, module: nn.Module) -> None:
+        """Raise for a forward of ``module`` (outside backward) that reads a parameter whose
+        update stands. See [Note: a forward between backward and step()]."""
+        read = [p for p in module._parameters.values() if p is not None and id(p) in self._ids]
+        if isinstance(module, FSDPModule):
+            then = {id(unit.group) for unit in self._gathered}
+            for unit in fsdp_units_of(module):
+                if id(unit.group) in then and unit.holds_gathered_copy():
+                    continue  # the copy of before the update, which the plain loop reads too
+                read += [p for p in unit.params if id(p) in self._ids]
+        if not read:
+            return
+        standing = {id(p) for p in self.standing()}
+        read = [p for p in read if id(p) in standing]
+        if not read:
+            return
+        more = f" (and {len(read) - 1} more)" if len(read) > 1 else ""
+        raise RuntimeError(
+            f"this forward of {type(module).__name__} reads {describe(read[0])}{more}, which "
+            "was updated in backward with no optimizer.step() since. A plain optimizer "
+            "updates it at step(), so the plain loop's forward here reads the weights of "
+            "before the update; this one would read the updated weights. The forward was "
+            "not run. Call optim.step() before it: evaluate, log, or update an EMA teacher "
+            "after step() (after a loop that stopped after a backward, call step() first). "
+            "If this is a second micro-batch's forward (plain-style accumulation) or a "
+            "second loss's, the first backward already made its update alone: run every "
+            "backward but the last of a step under `with optim.accumulate():` (a "
+            "torch.distributed.pipelining schedule's: call schedule.step() under it), and "
+            "restart from the last checkpoint."
+        )
 
     def gathered_since(self, gathered: list[FSDPUnit]) -> list[FSDPUnit]:
         """The units of ``gathered`` (those holding all-gathered weights now) that hold updates
@@ -737,6 +780,61 @@ class PendingUpdates:
             f"zero_grad() called while {count} parameter(s) hold updates made in backward "
             f"with no optimizer.step() since. {cause}"
         )
+
+
+class _ForwardReads:
+    """Refuses a forward that reads a parameter updated in backward before ``step()``.
+
+    [Note: a forward between backward and step()]
+    The plain loop's parameters move at ``step()``; a forward between backward and ``step()``
+    (an evaluation or a logged loss, an EMA teacher's forward reading the student, a second
+    micro-batch's forward in plain-style accumulation, BatchNorm's running statistics or a
+    pruning mask that forward leaves behind) computes with the weights of before it. Here the
+    update was made in backward, and that forward would read the updated weights: another
+    result, no error (an evaluation after a loop that stopped after a backward too). A module's
+    forward is marked: while an optimizer holds updates awaiting ``step()``, a global forward
+    pre-hook (``register_module_forward_pre_hook``, registered only then: the usual loop runs
+    no forward there, and pays nothing at any other time) raises before the forward of a
+    module holding such a parameter starts, where the update stands (neither the parameter
+    written since nor its data replaced: a rollback restores the weights the plain loop
+    reads). An FSDP2 module is checked for the parameters of its units, as its forward
+    gathers them; a unit that held all-gathered weights when it was updated
+    (``set_reshard_after_backward(False)``) and still holds them is read as the plain loop
+    reads it, from before the update. A forward in backward (activation checkpointing's
+    recomputation) reads parameters whose gradients have not arrived yet, and is not
+    checked. Reads outside a module's forward (``p.detach()``, ``torch._foreach_lerp_`` over
+    the parameters: most EMA updates) are not marked and go unseen (docs/differences.md).
+    """
+
+    def __init__(self) -> None:
+        self._watched: weakref.WeakSet[PendingUpdates] = weakref.WeakSet()
+        self._handle: RemovableHandle | None = None
+
+    def watch(self, pending: PendingUpdates) -> None:
+        self._watched.add(pending)
+        if self._handle is None:
+            self._handle = nn.modules.module.register_module_forward_pre_hook(self._check)
+
+    def unwatch(self, pending: PendingUpdates) -> None:
+        self._watched.discard(pending)
+        if not self._watched:
+            self._remove()
+
+    def _remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _check(self, module: nn.Module, _args: Any) -> None:
+        if current_backward_id() != -1:
+            return
+        if not self._watched:  # the optimizers that held updates were collected
+            self._remove()
+        for pending in list(self._watched):
+            pending.refuse_read(module)
+
+
+_FORWARD_READS = _ForwardReads()
 
 
 class StaleCopies:

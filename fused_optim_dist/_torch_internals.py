@@ -225,6 +225,7 @@ __all__ = [
     "fsdp_reduced_params",
     "fsdp_sync_off",
     "fsdp_units",
+    "fsdp_units_of",
     "global_step_pre_hooks",
     "held_values",
     "holds_hook",
@@ -422,23 +423,41 @@ def register_post_accumulate_grad_hook(
         param.requires_grad_(False)
 
 
+def _state_param_groups(state_ref: Any) -> list[Any]:
+    """The FSDP2 units (``FSDPParamGroup``) of the state ``state_ref`` refers to (none where it
+    is not ``fully_shard``'s)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    state = state_ref() if state_ref is not None else None
+    if not isinstance(state, FSDPState):
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch 2.11: one group or None, as ``_fsdp_param_group``
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return list(groups)
+
+
 def _fsdp_param_groups() -> Iterator[Any]:
     """Every FSDP2 unit (``FSDPParamGroup``) of the process, once each."""
     from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     seen: set[int] = set()
     for state_ref in list(_module_state_mapping.values()):
-        state = state_ref()
-        if not isinstance(state, FSDPState):
-            continue
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # torch 2.11: one group or None, as ``_fsdp_param_group``
-            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-        for param_group in groups:
+        for param_group in _state_param_groups(state_ref):
             if id(param_group) not in seen:
                 seen.add(id(param_group))
                 yield param_group
+
+
+def fsdp_units_of(module: nn.Module) -> list[FSDPUnit]:
+    """The FSDP2 units ``fully_shard(module)`` made, with all their parameters (none where
+    ``module`` was not given to ``fully_shard``)."""
+    from torch.distributed._composable_state import _module_state_mapping
+
+    return [
+        FSDPUnit(param_group, list(param_group.fsdp_params))
+        for param_group in _state_param_groups(_module_state_mapping.get(module))
+    ]
 
 
 def fsdp_units(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:

@@ -164,9 +164,10 @@ def test_clip_gradients_unlike_the_optimizer_refused(clip: dict):
 
 
 def test_without_it_what_fabric_does_outside_a_step_is_refused():
-    """Plain ``Fabric``: the second micro-batch of a window, and the clip's read of the freed
-    gradients (after the first backward moved the parameters)."""
-    with pytest.raises(RuntimeError, match="already updated in an earlier backward"):
+    """Plain ``Fabric``: the second micro-batch of a window (its forward, reading the weights
+    the first backward updated), and the clip's read of the freed gradients (after the first
+    backward moved the parameters)."""
+    with pytest.raises(RuntimeError, match=r"updated in backward with no optimizer\.step\(\)"):
         _fit(Fabric, _ours(), 2)
     with pytest.raises(RuntimeError, match="freed"):
         _fit(Fabric, _ours(max_grad_norm=0.05), 1, {"max_norm": 0.05})

@@ -143,19 +143,30 @@ def _sync_off_after_a_stepping_backward_body(flag: str) -> None:
     ``set_requires_gradient_sync`` or HSDP's ``set_requires_all_reduce``: the first was
     stepped in backward, so the second's forward ran on the updated weights (the plain loop's
     on those of before ``step()``; FSDP2 carries its unreduced gradients into the next step:
-    5.6e-3 apart after four steps, 4.5e-3 with the all-reduce flag, no error). No hook runs in
-    a backward with every unit's sync off: refused at ``step()``."""
-    model = _hsdp_model() if flag == "set_requires_all_reduce" else _model()
-    optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+    5.6e-3 apart after four steps, 4.5e-3 with the all-reduce flag, no error). That forward is
+    refused before it runs. With both forwards run first, the second backward gathers the
+    updated weights again; no hook runs in a backward with every unit's sync off: refused at
+    ``step()``."""
     x, y = _batch(0)
-    for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
-        getattr(model, flag)(i == 0)
-        (_loss(model, xm, ym) / 2).backward()
-    with pytest.raises(RuntimeError, match=r"gradient sync off .* ran after a backward"):
-        optim.step()
-    # Left with sync off, this model would make every later backward of the process a
-    # micro-batch (see [Note: FSDP2's micro-batches]).
-    getattr(model, flag)(True)
+    (x0, x1), (y0, y1) = x.chunk(2), y.chunk(2)
+    for forwards_first in (False, True):
+        model = _hsdp_model() if flag == "set_requires_all_reduce" else _model()
+        optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
+        first = _loss(model, x0, y0) / 2
+        second = _loss(model, x1, y1) / 2 if forwards_first else None
+        getattr(model, flag)(True)
+        first.backward()
+        getattr(model, flag)(False)
+        if forwards_first:
+            second.backward()
+            with pytest.raises(RuntimeError, match=r"gradient sync off .* ran after a backward"):
+                optim.step()
+        else:
+            with pytest.raises(RuntimeError, match=r"updated in backward with no optimizer\.step"):
+                _loss(model, x1, y1)
+        # Left with sync off, this model would make every later backward of the process a
+        # micro-batch (see [Note: FSDP2's micro-batches]).
+        getattr(model, flag)(True)
 
 
 def _no_sync_two_optimizers_body() -> None:
@@ -191,12 +202,12 @@ def _gathered_before_step_body() -> None:
     """``model.unshard()`` between backward and ``step()`` (the next forward's all-gather
     started early): the plain loop gathers the weights before its update and its next forward
     runs on that copy; here the update was made in backward (3.4e-3 apart after four steps,
-    no error). Refused at that next forward, before it reads the copy; an evaluation forward
-    there (the root stays gathered) too. Where the copy is dropped before the next forward
+    no error). Refused at that next forward, before it reads the copy. An evaluation forward
+    there reads the updated weights itself: refused before it runs (it was refused at the
+    next forward, the root left gathered). Where the copy is dropped before the next forward
     (``reshard()`` before or after ``step()``, ``model.state_dict()`` after it), or gathered
-    after ``step()``, the plain loop runs on the stepped weights: equal (an evaluation there
-    followed by a save after ``step()`` was refused at ``step()``). A unit gathered in backward
-    after it was reduced (``unshard()`` from a gradient hook) is the same case."""
+    after ``step()``, the plain loop runs on the stepped weights: equal. A unit gathered in
+    backward after it was reduced (``unshard()`` from a gradient hook) is the same case."""
     for between in ("unshard", "forward", "unshard in backward"):
         model = _model()
         optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=LR)
@@ -213,8 +224,9 @@ def _gathered_before_step_body() -> None:
         if between == "unshard":
             model.unshard()
         elif between == "forward":
-            with torch.no_grad():
+            with torch.no_grad(), pytest.raises(RuntimeError, match=r"with no optimizer\.step"):
                 model(_batch(1)[0])
+            continue
         optim.step()
         optim.zero_grad()
         with pytest.raises(RuntimeError, match="would run on the weights FSDP2 all-gathered"):
@@ -229,8 +241,7 @@ def _gathered_before_step_body() -> None:
                 model.reshard()
                 opt.step()
             elif step % 3 == 1:
-                with torch.no_grad():
-                    model(x)
+                model.unshard()
                 opt.step()
                 model.state_dict()
             else:

@@ -155,7 +155,10 @@ def _loss_scaling() -> dict:
 @pytest.mark.parametrize(
     ("trainer_kwargs", "match"),
     [
-        (dict(accumulate_grad_batches=2), r"already updated in an earlier backward.*accumulate"),
+        (
+            dict(accumulate_grad_batches=2),
+            r"updated in backward with no optimizer\.step\(\) since.*accumulate",
+        ),
         (dict(gradient_clip_val=0.05), r"max_grad_norm="),
         (_loss_scaling(), r"backward started from a loss that GradScaler.scale\(\) scaled"),
     ],
@@ -365,10 +368,12 @@ def test_manual_optimization_gan_equal_plain(tmp_path: Path, cls: type[Optimizer
 
 
 def test_manual_optimization_gan_without_toggle_refused(tmp_path: Path):
-    """The generator's backward steps the discriminator's parameters in backward, where the
-    plain optimizer adds that gradient to the discriminator's own: refused at the second."""
+    """The generator's backward steps the discriminator's parameters in backward (not
+    frozen by ``toggle_optimizer``); the discriminator's own loss then runs its forward on the
+    updated weights, where the plain loop's reads them before its ``step()``, which steps the
+    sum of both gradients: refused at that forward."""
     make = lambda net: OptimizerInBackward(net.parameters(), torch.optim.Adam, lr=2e-3)  # noqa: E731
-    with pytest.raises(RuntimeError, match="already updated in an earlier backward"):
+    with pytest.raises(RuntimeError, match=r"updated in backward with no optimizer\.step\(\)"):
         _fit_gan(make, tmp_path, toggle=False)
 
 

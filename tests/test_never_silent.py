@@ -70,6 +70,10 @@ def _refused_unmoved(model: nn.Module, match: str, action: Callable[[], object])
     _assert_unchanged(model, before)
 
 
+_READ_BEFORE_STEP = r"updated in backward with no optimizer\.step\(\) since"
+"""The refusal of a forward reading a parameter updated in backward before ``step()``."""
+
+
 def _x(step: int, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = batch(step)
     return (rank_slice(x), rank_slice(y)) if sharded else (x, y)
@@ -3460,11 +3464,11 @@ _OWN = torch.Generator()
 @pytest.mark.parametrize(
     "draw, after_step, refused",
     [
-        (lambda net, x: torch.rand(()), False, True),
-        (_dropout_forward, False, True),
-        (lambda net, x: torch.rand(()), True, False),
-        (lambda net, x: torch.rand((), generator=_OWN), False, False),
-        (lambda net, x: random.random(), False, False),
+        (lambda net, x: torch.rand(()), False, "step"),
+        (_dropout_forward, False, "draw"),
+        (lambda net, x: torch.rand(()), True, None),
+        (lambda net, x: torch.rand((), generator=_OWN), False, None),
+        (lambda net, x: random.random(), False, None),
     ],
     ids=[
         "torch.rand-between",
@@ -3480,9 +3484,10 @@ def test_undeclared_class_drawing_with_the_loop_drawing_before_step(draw, after_
     ``step()`` (a drop-path decision, a dropout forward for logging) got the class's draws
     before its own: 8.9e-2 apart after four steps, the loop's own draws different too, no
     error. Now refused at that ``step()``, which moves nothing more (the backward's update is
-    made: what the loop draws after backward is not knowable there). The same loop drawing
-    after ``step()``, from a generator of its own, or from Python's ``random`` (not the
-    class's) trains as plain."""
+    made: what the loop draws after backward is not knowable there); the dropout forward is
+    refused before it runs, reading the updated weights. The same loop drawing after
+    ``step()``, from a generator of its own, or from Python's ``random`` (not the class's)
+    trains as plain."""
     model, reference = make_models()
     optims = (OptimizerInBackward(model.parameters(), _SGLD), _SGLD(reference.parameters()))
     drawn: list[list[object]] = [[], []]
@@ -3495,9 +3500,12 @@ def test_undeclared_class_drawing_with_the_loop_drawing_before_step(draw, after_
         for step in range(4):
             x, y = _x(step)
             loss_fn(net, x, y).backward()
+            if refused == "draw" and opt is optims[0]:
+                _refused_unmoved(net, _READ_BEFORE_STEP, lambda: draw(net, x))  # noqa: B023
+                return
             if not after_step:
                 log.append(draw(net, x))
-            if refused and opt is optims[0]:
+            if refused == "step" and opt is optims[0]:
                 _refused_unmoved(net, "drew them at the end of backward", opt.step)
                 return
             opt.step()
@@ -4311,15 +4319,14 @@ def test_head_unfrozen_after_its_group_was_added_steps_in_its_first_backward():
     at the first hooked gradient (after the head's own), it was held to ``step()``; a backward
     retried after that one failed then stepped the head with both gradients before it was
     refused at a layer the failed one had updated (the head moved; found by the random-loop
-    test). Frozen parameters are hooked too now: the failed backward steps the head, the retry
-    is refused at it before anything moves; ``step()`` after the failure steps the partial
-    gradients as the plain optimizer does, and a loop that does not fail trains as plain."""
+    test). Frozen parameters are hooked too now: the failed backward steps the head, and the
+    retry is refused before anything moves (at its forward now, which would read the updated
+    weights); ``step()`` after the failure steps the partial gradients as the plain optimizer
+    does, and a loop that does not fail trains as plain."""
     (model, optim), _ = _head_added_frozen_then_unfrozen()
     _fail_in_layer_0(model)
     assert optim._pending.holds(model.head.weight)
-    _refused_unmoved(
-        model, "already updated in an earlier backward", lambda: loss_fn(model, *_x(0)).backward()
-    )
+    _refused_unmoved(model, _READ_BEFORE_STEP, lambda: loss_fn(model, *_x(0)).backward())
 
     loops = _head_added_frozen_then_unfrozen()
     for model, optim in loops:

@@ -215,18 +215,19 @@ def test_pipeline_equal_plain(
 
 def _refused_body(schedule: str, cause: str) -> None:
     """A one-stage pipeline of plain modules, ``schedule.step()`` without ``accumulate()``:
-    the second micro-batch's backward runs after the first one's was stepped; refused (1F1B:
-    our error, naming ``accumulate()``; GPipe, every forward run before: autograd's check of
-    the weights they saved). ``step()`` then accepts the update made, as after any failed
-    backward: the plain optimizer's step on the first micro-batch's gradients."""
+    the first micro-batch's backward stepped the stage; refused (1F1B, the second micro-batch's
+    forward run after it: our error, naming ``accumulate()``; GPipe, every forward run before:
+    autograd's check, in the second backward, of the weights they saved). ``step()`` then
+    accepts the update made, as after any failed backward: the plain optimizer's step on the
+    first micro-batch's gradients."""
     part, reference = _stage(0, 1), _stage(0, 1)
     stage = PipelineStage(part, 0, 1, torch.device("cpu"))
     optim = OptimizerInBackward(part.parameters(), torch.optim.AdamW, lr=1e-2)
     run = SCHEDULES[schedule](stage, n_microbatches=MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(16, 8), torch.randn(16, 8)
-    with pytest.raises(RuntimeError, match="Failed to run stage backward") as raised:
+    with pytest.raises(RuntimeError) as raised:
         run.step(x, target=y)
-    assert cause in str(raised.value.__cause__)
+    assert cause in str(raised.value) + str(raised.value.__cause__)
     optim.step()
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     first = len(x) // MICRO_BATCHES
@@ -239,7 +240,7 @@ def _refused_body(schedule: str, cause: str) -> None:
 @pytest.mark.parametrize(
     ("schedule", "cause"),
     [
-        ("1f1b", "schedule.step() under `with optim.accumulate():`"),
+        ("1f1b", "call schedule.step() under it"),
         ("gpipe", "modified by an inplace operation"),
     ],
 )

@@ -1,0 +1,242 @@
+"""A forward between backward and ``step()``: refused where it would read weights updated in
+backward, equal to the plain loop where it reads what the plain loop reads.
+
+The plain loop's weights move at ``step()``, so a forward between backward and ``step()`` (an
+evaluation, a logged loss, a second micro-batch, an evaluation after a loop that stopped after
+a backward) computes with the weights of before the update. Ours made the update in backward:
+that forward would read the updated weights (0.999 logged where the plain loop logs 1.043 and
+more), a difference with no error. It is refused before it runs ([Note: a forward between
+backward and step()] in ``fused_optim_dist/_protocol.py``). Each test writes the plain loop
+first and swaps ours in; the ``*_body`` functions run on gloo ranks with FSDP2.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from _toy import assert_match, batch, full, loss_fn, make_models, rank_slice, shard
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
+
+from fused_optim_dist import OptimizerInBackward
+
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+REFUSED = r"updated in backward with no optimizer\.step\(\) since"
+
+
+def _x(step: int, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(step)
+    return (rank_slice(x), rank_slice(y)) if sharded else (x, y)
+
+
+def _loops(sharded: bool = False, **fsdp_kwargs) -> list[tuple[nn.Module, Optimizer]]:
+    """Ours and plain AdamW, each on one of two identical models (sharded alike if
+    ``sharded``)."""
+    model, reference = make_models()
+    if sharded:
+        shard(model, **fsdp_kwargs)
+        shard(reference, **fsdp_kwargs)
+    return [
+        (model, OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)),
+        (reference, torch.optim.AdamW(reference.parameters(), **ADAMW)),
+    ]
+
+
+def _evaluate(model: nn.Module, step: int, sharded: bool = False) -> float:
+    with torch.no_grad():
+        return loss_fn(model, *_x(step + 100, sharded)).item()
+
+
+def _refused_unmoved(model: nn.Module, forward: Callable[[], object]) -> None:
+    """``forward()`` is refused, naming ``step()``, and no parameter of ``model`` moved."""
+    before = [full(p).detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=REFUSED):
+        forward()
+    for param, then in zip(model.parameters(), before, strict=True):
+        assert torch.equal(full(param).detach(), then)
+
+
+# ------------------------------------------------------------------ reads that are refused
+
+_SECOND_MICRO_BATCH = lambda model: loss_fn(model, *_x(1))  # noqa: E731
+_ONE_LAYER = lambda model: model.head(torch.zeros(1, model.head.in_features))  # noqa: E731
+_IN_TRAIN_MODE = lambda model: model.train()(_x(1)[0])  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    "forward",
+    [lambda model: _evaluate(model, 0), _SECOND_MICRO_BATCH, _ONE_LAYER, _IN_TRAIN_MODE],
+    ids=["evaluation", "second-micro-batch", "one-layer", "train-mode-logging"],
+)
+def test_forward_between_backward_and_step_refused_before_it_runs(forward):
+    """An evaluation, a second micro-batch's forward (plain-style accumulation), one layer's
+    forward, a forward for logging in train mode: each read the updated weights (the
+    evaluation logged 0.999 where the plain loop logs 1.043, no error). Refused before it
+    runs, the model unmoved; ``step()`` then commits the update, and the same forward after it
+    reads what the plain loop's reads after its ``step()``."""
+    (model, optim), (reference, plain) = _loops()
+    loss_fn(model, *_x(0)).backward()
+    _refused_unmoved(model, lambda: forward(model))
+    optim.step()
+    loss_fn(reference, *_x(0)).backward()
+    plain.step()
+    assert_match(model, reference)
+    assert _evaluate(model, 0) == pytest.approx(_evaluate(reference, 0), abs=1e-6)
+
+
+def test_evaluation_after_a_loop_that_stopped_after_a_backward_refused():
+    """A step budget checked after backward: the plain loop never applies that backward's
+    gradients, and its evaluation reads the weights of before it; ours applied them in
+    backward (a warning at exit was all before). The evaluation is refused; ``step()`` first
+    keeps the update, as the message says."""
+    (model, optim), _ = _loops()
+    for step in range(3):
+        optim.zero_grad()
+        loss_fn(model, *_x(step)).backward()
+        if step == 2:
+            break
+        optim.step()
+    _refused_unmoved(model, lambda: _evaluate(model, 0))
+    optim.step()
+    _evaluate(model, 0)
+
+
+def test_forward_of_a_module_built_on_another_parameter_object_is_not_a_read():
+    """Modules reading parameters that are not the updated ones: a teacher copy, and the model
+    called through ``torch.func.functional_call`` with its weights of before the update
+    passed in. Neither reads an update: they run, equal to the plain loop."""
+    loops = _loops()
+    teacher = copy.deepcopy(loops[0][0])
+    logged: list[list[float]] = [[], []]
+    for (model, optim), log in zip(loops, logged, strict=True):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for step in range(3):
+            optim.zero_grad()
+            loss_fn(model, *_x(step)).backward()
+            with torch.no_grad():
+                log.append(teacher(_x(step)[0]).sum().item())
+                out = torch.func.functional_call(model, before, (_x(step)[0],))
+                log.append(out.sum().item())
+            optim.step()
+    assert logged[0] == logged[1]
+    assert_match(loops[0][0], loops[1][0])
+
+
+def test_forward_after_a_rollback_reads_the_restored_weights():
+    """A loss spike rolled back: the model and the optimizer restored from a copy taken before
+    the backward, an evaluation (reading the restored weights, as the plain loop's does), then
+    ``zero_grad()`` and on. Equal to the plain loop, the evaluation too."""
+    logged: list[list[float]] = [[], []]
+    loops = _loops()
+    for (model, optim), log in zip(loops, logged, strict=True):
+        for step in range(4):
+            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict())
+            optim.zero_grad()
+            loss_fn(model, *_x(step)).backward()
+            if step == 1:
+                model.load_state_dict(saved[0])
+                optim.load_state_dict(saved[1])
+                log.append(_evaluate(model, step))
+                optim.zero_grad()
+                continue
+            optim.step()
+            log.append(_evaluate(model, step))
+    assert logged[0] == pytest.approx(logged[1], abs=1e-6)
+    assert_match(loops[0][0], loops[1][0])
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_recomputes_forwards_in_backward_as_plain(reentrant):
+    """Activation checkpointing runs the blocks' forwards again in backward, after the blocks
+    above them were stepped: a recomputation reads its own block, not yet updated, and is not
+    a read between backward and ``step()``. Equal to the plain loop."""
+    loops = _loops()
+    for model, optim in loops:
+        for step in range(3):
+            optim.zero_grad()
+            x, y = _x(step)
+            h = model.inp(x)
+            for layer in model.layers:
+                h = checkpoint(layer, h, use_reentrant=reentrant)
+            nn.functional.mse_loss(model.head(h), y).backward()
+            optim.step()
+    assert_match(loops[0][0], loops[1][0])
+
+
+# ------------------------------------------------------------------------------------ FSDP2
+
+
+def _fsdp_evaluation_refused_body() -> None:
+    """FSDP2: the root's forward is refused before it gathers anything, on every rank."""
+    (model, optim), (reference, plain) = _loops(sharded=True)
+    loss_fn(model, *_x(0, sharded=True)).backward()
+    _refused_unmoved(model, lambda: _evaluate(model, 0, sharded=True))
+    _refused_unmoved(model, lambda: model.layers[1](torch.zeros(1, model.inp.out_features)))
+    optim.step()
+    loss_fn(reference, *_x(0, sharded=True)).backward()
+    plain.step()
+    assert _evaluate(model, 0, sharded=True) == pytest.approx(
+        _evaluate(reference, 0, sharded=True), abs=1e-6
+    )
+    assert_match(model, reference)
+
+
+def _fsdp_kept_gathered_body() -> None:
+    """FSDP2 with ``set_reshard_after_backward(False)``: after backward each unit keeps the
+    weights it gathered for it, from before the update, and a forward before ``step()`` reads
+    them in both loops: not refused, equal (the evaluations too). Resharded first
+    (``model.reshard()``), the forward would gather the updated shards where the plain loop
+    gathers those of before ``step()`` (1.0e-2 apart after four steps, no error, before):
+    refused."""
+    loops = _loops(sharded=True)
+    logged: list[list[float]] = [[], []]
+    for (model, optim), log in zip(loops, logged, strict=True):
+        model.set_reshard_after_backward(False)
+        for step in range(3):
+            optim.zero_grad()
+            loss_fn(model, *_x(step, sharded=True)).backward()
+            log.append(_evaluate(model, step, sharded=True))
+            optim.step()
+    assert logged[0] == pytest.approx(logged[1], abs=1e-6)
+    assert_match(loops[0][0], loops[1][0])
+    model, optim = loops[0]
+    optim.zero_grad()
+    loss_fn(model, *_x(3, sharded=True)).backward()
+    model.reshard()
+    _refused_unmoved(model, lambda: _evaluate(model, 3, sharded=True))
+
+
+def test_forward_between_backward_and_step_on_fsdp2(worlds):
+    for world in (2, 3):
+        worlds.run(world, _fsdp_evaluation_refused_body)
+    worlds.run(2, _fsdp_kept_gathered_body)
+
+
+def test_compiled_model_forward_between_backward_and_step_refused():
+    """A ``torch.compile``d model: Dynamo traces module hooks, and the forward pre-hook is
+    registered only while updates await ``step()``, so the loop's forwards find the hooks as
+    they were compiled with (one graph, equal to the plain loop), and a forward between
+    backward and ``step()`` is refused as an eager one is."""
+    from torch._dynamo.utils import counters
+
+    loops = _loops()
+    for model, optim in reversed(loops):  # ours last: its compiled model is used below
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="eager")
+        for step in range(3):
+            optim.zero_grad()
+            nn.functional.mse_loss(compiled(_x(step)[0]), _x(step)[1]).backward()
+            optim.step()
+        assert counters["stats"]["unique_graphs"] == 1
+    assert_match(loops[0][0], loops[1][0])
+    model, optim = loops[0]
+    optim.zero_grad()
+    nn.functional.mse_loss(compiled(_x(3)[0]), _x(3)[1]).backward()
+    with torch.no_grad():
+        _refused_unmoved(model, lambda: compiled(_x(4)[0]))
+    torch._dynamo.reset()
