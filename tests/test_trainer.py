@@ -179,6 +179,23 @@ def test_trainer_matches_plain(tmp_path, accumulation, clip):
     print(f"ga={accumulation} clip={clip}: max parameter difference {difference:.2e}")
 
 
+def test_trainer_with_accumulation_and_a_tight_clip_bit_for_bit(tmp_path):
+    """Accumulation 2 and ``max_grad_norm=0.01``, every step clipped: the clipping coefficient's
+    last bit decides the result (the plain run moves 1.3e-6 for 1e-7 relative of
+    ``max_grad_norm``), and ours was that far apart, the norm summed in Trainer's group order.
+    Taken in the model's order, as Trainer's ``clip_grad_norm_`` takes it: bit for bit, the
+    logged norms too. Twelve steps, CompactAdamW's too."""
+    kwargs = dict(gradient_accumulation_steps=2, max_grad_norm=0.01, max_steps=12)
+    plain = _train(transformers.Trainer, tmp_path / "plain", **kwargs)
+    ours = _train(in_backward_trainer(transformers.Trainer), tmp_path / "ours", **kwargs)
+    assert min(plain["norms"]) > 0.01, plain["norms"]
+    assert max_difference(ours["params"], plain["params"]) == 0.0
+    assert ours["norms"] == plain["norms"]
+    plain, ours = _compact_runs(tmp_path / "compact", **{**kwargs, "max_grad_norm": 0.05})
+    assert max_difference(ours["params"], plain["params"]) == 0.0
+    assert ours["norms"] == plain["norms"]
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_trainer_with_gradient_checkpointing_matches_plain(tmp_path, reentrant):
     """``gradient_checkpointing=True`` (transformers' ``gradient_checkpointing_enable``: each
