@@ -861,6 +861,36 @@ class LoopMachine(RuleBasedStateMachine):
             self._level_forward_side_effects()
         self.step += 2
 
+    @precondition(lambda self: not self.pending and not self.sharded)
+    @rule()
+    def evaluate_between_backward_and_step(self) -> None:
+        """An evaluation forward between backward and ``step()``: the plain loop's reads the
+        weights of before ``step()``. Ours is refused where it holds updates made in backward,
+        before the forward runs and with nothing moved; where it made none (every bucket held
+        for ``step()``), it reads the same weights: the same loss. Both loops then step and
+        zero. (On FSDP2, units still holding the copy gathered before their update are read as
+        plain: ``tests/test_forward_before_step.py``.)"""
+        ours_model, plain_model = self.models
+        self._backward(plain_model, self.step)
+        self._backward(ours_model, self.step)
+        refused = bool(self.ours._pending)
+        with torch.no_grad():
+            plain_loss = self._loss(plain_model, self.step + 100)
+            if refused:
+                before = _parameters(ours_model)
+                with pytest.raises(RuntimeError, match=r"with no optimizer\.step\(\) since"):
+                    self._loss(ours_model, self.step + 100)
+                _assert_unchanged(ours_model, before)
+            else:
+                ours_loss = self._loss(ours_model, self.step + 100)
+                torch.testing.assert_close(ours_loss, plain_loss, rtol=1e-5, atol=1e-6)
+        for optim in (self.ours, self.plain):
+            self._step(optim)
+            optim.zero_grad()
+        if refused:
+            self._level_forward_side_effects()
+        self.step += 1
+
     @precondition(lambda self: not self.pending)
     @rule(kind=st.sampled_from(SNAPSHOTS))
     def snapshot_between_backward_and_step(self, kind: str) -> None:
