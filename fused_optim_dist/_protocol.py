@@ -567,13 +567,16 @@ class PendingUpdates:
             "was updated in backward with no optimizer.step() since. A plain optimizer "
             "updates it at step(), so the plain loop's forward here reads the weights of "
             "before the update; this one would read the updated weights. The forward was "
-            "not run. Call optim.step() before it: evaluate, log, or update an EMA teacher "
-            "after step() (after a loop that stopped after a backward, call step() first). "
-            "If this is a second micro-batch's forward (plain-style accumulation) or a "
-            "second loss's, the first backward already made its update alone: run every "
-            "backward but the last of a step under `with optim.accumulate():` (a "
-            "torch.distributed.pipelining schedule's: call schedule.step() under it), and "
-            "restart from the last checkpoint."
+            "not run. Call optim.step() first: evaluate, log, or update an EMA teacher after "
+            "step() (after a loop that stopped after a backward too). If that backward was "
+            "not meant to update these parameters yet, it already did: change the loop and "
+            "restart from the last checkpoint. Run every backward but the last of a step "
+            "under `with optim.accumulate():` (micro-batches of plain-style accumulation, a "
+            "second loss; a torch.distributed.pipelining schedule: schedule.step() under "
+            "it); freeze the parameters another model's loss flows through for its backward "
+            "(a GAN's discriminator under the generator's loss: requires_grad_(False)); take "
+            "an input's gradient (an adversarial example) with torch.autograd.grad(loss, "
+            "inputs) or backward(inputs=[...]), which leave the parameters alone."
         )
 
     def gathered_since(self, gathered: list[FSDPUnit]) -> list[FSDPUnit]:

@@ -88,6 +88,42 @@ def test_forward_between_backward_and_step_refused_before_it_runs(forward):
     assert _evaluate(model, 0) == pytest.approx(_evaluate(reference, 0), abs=1e-6)
 
 
+def _fgsm(model: nn.Module, x: torch.Tensor, y: torch.Tensor, by_grad: bool) -> torch.Tensor:
+    """FGSM's adversarial example of ``x``: its gradient taken by ``loss.backward()`` (as
+    tutorials write it; the parameters get gradients too, dropped by the next
+    ``zero_grad()``), or by ``torch.autograd.grad``."""
+    x = x.clone().requires_grad_()
+    loss = loss_fn(model, x, y)
+    if by_grad:
+        (grad,) = torch.autograd.grad(loss, x)
+    else:
+        loss.backward()
+        grad = x.grad
+    return (x + 0.1 * grad.sign()).detach()
+
+
+def test_adversarial_training_refused_at_the_adversarial_forward_and_equal_by_grad():
+    """Adversarial training as tutorials write it (FGSM): ``loss.backward()`` for the input's
+    gradient, ``zero_grad()`` dropping the parameters' gradients, then the forward on the
+    adversarial batch, its backward and ``step()``. The first backward updated the parameters
+    here: the adversarial forward is refused, naming ``torch.autograd.grad``; taking the
+    input's gradient with it, the loop is equal to the plain one."""
+    (model, optim), _ = _loops()
+    x, y = _x(0)
+    x_adv = _fgsm(model, x, y, by_grad=False)
+    with pytest.raises(RuntimeError, match=r"torch\.autograd\.grad\(loss, inputs\)"):
+        loss_fn(model, x_adv, y)
+    loops = _loops()
+    for model, optim in loops:
+        for step in range(3):
+            x, y = _x(step)
+            x_adv = _fgsm(model, x, y, by_grad=isinstance(optim, OptimizerInBackward))
+            optim.zero_grad()
+            loss_fn(model, x_adv, y).backward()
+            optim.step()
+    assert_match(loops[0][0], loops[1][0], atol=1e-6)
+
+
 def test_evaluation_after_a_loop_that_stopped_after_a_backward_refused():
     """A step budget checked after backward: the plain loop never applies that backward's
     gradients, and its evaluation reads the weights of before it; ours applied them in

@@ -240,7 +240,7 @@ def _refused_body(schedule: str, cause: str) -> None:
 @pytest.mark.parametrize(
     ("schedule", "cause"),
     [
-        ("1f1b", "call schedule.step() under it"),
+        ("1f1b", "schedule: schedule.step() under it"),
         ("gpipe", "modified by an inplace operation"),
     ],
 )
