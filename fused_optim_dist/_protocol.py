@@ -37,8 +37,8 @@ loops would train differently without a word. Instead, the updates made in backw
   set by hand between backward and ``step()``, in place or by replacing the group's dict, or a
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
   and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises;
-* a forward of a module holding an updated parameter (an evaluation, a logging or EMA
-  teacher's forward, a second micro-batch's) would read the updated weights where the plain
+* a forward of a module holding an updated parameter (an evaluation, a logged loss, a second
+  micro-batch's forward) would read the updated weights where the plain
   loop's reads those of before ``step()``: it raises before it starts (see [Note: a forward
   between backward and step()]);
 * an FSDP2 unit holding updates that was sharded when they were made and holds all-gathered
@@ -790,9 +790,10 @@ class _ForwardReads:
 
     [Note: a forward between backward and step()]
     The plain loop's parameters move at ``step()``; a forward between backward and ``step()``
-    (an evaluation or a logged loss, an EMA teacher's forward reading the student, a second
-    micro-batch's forward in plain-style accumulation, BatchNorm's running statistics or a
-    pruning mask that forward leaves behind) computes with the weights of before it. Here the
+    (an evaluation or a logged loss, a second micro-batch's forward in plain-style
+    accumulation, a discriminator's forward after a generator's backward stepped it, and the
+    BatchNorm statistics or pruning mask such a forward leaves behind) computes with the
+    weights of before it. Here the
     update was made in backward, and that forward would read the updated weights: another
     result, no error (an evaluation after a loop that stopped after a backward too). A module's
     forward is marked: while an optimizer holds updates awaiting ``step()``, a global forward
