@@ -38,9 +38,9 @@ loops would train differently without a word. Instead, the updates made in backw
   parameter moved to a group with other values) would be stepped with by the plain optimizer,
   and a parameter removed from ``param_groups`` not stepped at all: ``step()`` raises;
 * a forward of a module holding an updated parameter (an evaluation, a logged loss, a second
-  micro-batch's forward) would read the updated weights where the plain
-  loop's reads those of before ``step()``: it raises before it starts (see [Note: a forward
-  between backward and step()]);
+  micro-batch's forward) would read the updated weights where the plain loop's reads those of
+  before ``step()``: it raises before it starts (see [Note: a forward between backward and
+  step()]);
 * an FSDP2 unit holding updates that was sharded when they were made and holds all-gathered
   weights at ``step()`` (``model.unshard()`` between backward and ``step()``): see [Note:
   copies gathered before step()];
@@ -790,24 +790,23 @@ class _ForwardReads:
 
     [Note: a forward between backward and step()]
     The plain loop's parameters move at ``step()``; a forward between backward and ``step()``
-    (an evaluation or a logged loss, a second micro-batch's forward in plain-style
-    accumulation, a discriminator's forward after a generator's backward stepped it, and the
-    BatchNorm statistics or pruning mask such a forward leaves behind) computes with the
-    weights of before it. Here the
-    update was made in backward, and that forward would read the updated weights: another
-    result, no error (an evaluation after a loop that stopped after a backward too). A module's
-    forward is marked: while an optimizer holds updates awaiting ``step()``, a global forward
-    pre-hook (``register_module_forward_pre_hook``, registered only then: the usual loop runs
-    no forward there, and pays nothing at any other time) raises before the forward of a
+    (an evaluation or a logged loss, a second micro-batch's forward in plain-style accumulation,
+    a discriminator's forward after a generator's backward stepped it, and the BatchNorm
+    statistics or pruning mask such a forward leaves behind) computes with the weights of before
+    it. Here the update was made in backward, and that forward would read the updated weights:
+    another result, no error (an evaluation after a loop that stopped after a backward too). A
+    module's forward is marked: while an optimizer holds updates awaiting ``step()``, a global
+    forward pre-hook (``register_module_forward_pre_hook``, registered only then: the usual loop
+    runs no forward there, and pays nothing at any other time) raises before the forward of a
     module holding such a parameter starts, where the update stands (neither the parameter
-    written since nor its data replaced: a rollback restores the weights the plain loop
-    reads). An FSDP2 module is checked for the parameters of its units, as its forward
-    gathers them; a unit that held all-gathered weights when it was updated
-    (``set_reshard_after_backward(False)``) and still holds them is read as the plain loop
-    reads it, from before the update. A forward in backward (activation checkpointing's
-    recomputation) reads parameters whose gradients have not arrived yet, and is not
-    checked. Reads outside a module's forward (``p.detach()``, ``torch._foreach_lerp_`` over
-    the parameters: most EMA updates) are not marked and go unseen (docs/differences.md).
+    written since nor its data replaced: a rollback restores the weights the plain loop reads).
+    An FSDP2 module is checked for the parameters of its units, as its forward gathers them; a
+    unit that held all-gathered weights when it was updated
+    (``set_reshard_after_backward(False)``) and still holds them is read as the plain loop reads
+    it, from before the update. A forward in backward (activation checkpointing's recomputation)
+    reads parameters whose gradients have not arrived yet, and is not checked. Reads outside a
+    module's forward (``p.detach()``, ``torch._foreach_lerp_`` over the parameters: most EMA
+    updates) are not marked and go unseen (docs/differences.md).
     """
 
     def __init__(self) -> None:
