@@ -796,12 +796,12 @@ class _ForwardReads:
     it. Here the update was made in backward, and that forward would read the updated weights:
     another result, no error (an evaluation after a loop that stopped after a backward too). A
     module's forward is marked: while an optimizer holds updates awaiting ``step()``, a global
-    forward pre-hook (``register_module_forward_pre_hook``, registered only then: the usual loop
-    runs no forward there, and pays nothing at any other time) raises before the forward of a
-    module holding such a parameter starts, where the update stands (neither the parameter
-    written since nor its data replaced: a rollback restores the weights the plain loop reads).
-    An FSDP2 module is checked for the parameters of its units, as its forward gathers them; a
-    unit that held all-gathered weights when it was updated
+    forward pre-hook (``register_module_forward_pre_hook``, registered only then, about 2.5 us a
+    step to add and remove, measured on the CPU: the usual loop runs no forward there) raises
+    before the forward of a module holding such a parameter starts, where the update stands
+    (neither the parameter written since nor its data replaced: a rollback restores the weights
+    the plain loop reads). An FSDP2 module is checked for the parameters of its units, as its
+    forward gathers them; a unit that held all-gathered weights when it was updated
     (``set_reshard_after_backward(False)``) and still holds them is read as the plain loop reads
     it, from before the update. A forward in backward (activation checkpointing's recomputation)
     reads parameters whose gradients have not arrived yet, and is not checked. Reads outside a
