@@ -635,13 +635,12 @@ class LoopMachine(RuleBasedStateMachine):
         self.step += 1
 
     def _level_forward_side_effects(self) -> None:
-        """After ours refused a backward whose forward the plain loop did not run, or ran
-        before the update (a retry, a second backward, the next backward without
-        ``zero_grad()``): that forward read the updated weights (parameters read between
-        backward and step(), docs/differences.md), so what a forward leaves on a module
-        differs: a pruning hook's masked weight, by which the next pruning ranks the weights
-        (found by random seeds: two entries of a mask apart, norms 2.4% and 7% apart). A
-        forward of both puts it level."""
+        """After ours refused a forward or a backward the plain loop ran between backward and
+        ``step()`` (a retry, a second backward, the next backward without ``zero_grad()``, an
+        evaluation), what that forward left on the plain loop's modules differs from ours: a
+        pruning hook's masked weight, by which the next pruning ranks the weights (found by
+        random seeds: two entries of a mask apart, norms 2.4% and 7% apart). A forward of
+        both puts it level."""
         with torch.no_grad():
             for model in self.models:
                 self._loss(model, self.step)
