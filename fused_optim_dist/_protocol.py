@@ -518,10 +518,15 @@ class PendingUpdates:
         """The parameters whose update still stands: neither written in place since nor
         their data replaced for other values (a model restored, as :meth:`rolled_back`
         tells)."""
+        undone = self._overwritten()
+        return [param for param, gone in zip(self._params, undone, strict=True) if not gone]
+
+    def _overwritten(self, converted: bool = False) -> list[bool]:
+        """Whether each parameter was written in place since its update, or its data replaced
+        for other values (with ``converted``, a dtype conversion is not other values)."""
         settled = [] if self._written is None else self._written.rewritten()
         written = settled + self._unsettled_written(len(settled))
-        undone = map(operator.or_, written, self._replaced())
-        return [param for param, gone in zip(self._params, undone, strict=True) if not gone]
+        return list(map(operator.or_, written, self._replaced(converted=converted)))
 
     def params(self) -> list[torch.Tensor]:
         return list(self._params)
@@ -550,17 +555,32 @@ class PendingUpdates:
         update stands. See [Note: a forward between backward and step()]."""
         read = [p for p in module._parameters.values() if p is not None and id(p) in self._ids]
         if isinstance(module, FSDPModule):
-            then = {id(unit.group) for unit in self._gathered}
+            then = self._gathered_when_updated()
             for unit in fsdp_units_of(module):
                 if id(unit.group) in then and unit.holds_gathered_copy():
                     continue  # the copy of before the update, which the plain loop reads too
                 read += [p for p in unit.params if id(p) in self._ids]
         if not read:
             return
+        if self._loaded:  # a rollback: the restored weights are those the plain loop reads
+            restored = self._overwritten(converted=True)
+            gone = {id(p) for p, undone in zip(self._params, restored, strict=True) if undone}
+            read = [p for p in read if id(p) not in gone]
+            if not read:
+                return
         standing = {id(p) for p in self.standing()}
-        read = [p for p in read if id(p) in standing]
-        if not read:
-            return
+        written = [p for p in read if id(p) not in standing]
+        if written:
+            raise RuntimeError(
+                f"this forward of {type(module).__name__} reads {describe(written[0])}, which was "
+                "updated in backward with no optimizer.step() since and then written (a "
+                "load, an in-place edit, its data replaced or converted). A plain loop's "
+                "forward here reads the written weights of before the update; this one "
+                "would read them written over the update, unless the write restored them. "
+                "The forward was not run. To roll the backward back, load the optimizer's "
+                "state too (model and optimizer from one checkpoint), then run this forward "
+                "and zero_grad(); otherwise write parameters before backward or after step()."
+            )
         more = f" (and {len(read) - 1} more)" if len(read) > 1 else ""
         raise RuntimeError(
             f"this forward of {type(module).__name__} reads {describe(read[0])}{more}, which "
@@ -583,8 +603,13 @@ class PendingUpdates:
         """The units of ``gathered`` (those holding all-gathered weights now) that hold updates
         and did not hold such weights when they were updated. See [Note: copies gathered
         before step()]."""
-        then = {id(unit.group) for unit in self._gathered}
+        then = self._gathered_when_updated()
         return [unit for unit in gathered if id(unit.group) not in then and self._updated(unit)]
+
+    def _gathered_when_updated(self) -> set[int]:
+        """The FSDP2 units (by ``id`` of their group) that held all-gathered weights when the
+        backwards since ``step()`` updated them: their copies hold the weights of before."""
+        return {id(unit.group) for unit in self._gathered}
 
     def _updated(self, unit: FSDPUnit) -> bool:
         """Whether ``unit`` holds a parameter updated in backward since ``step()``."""
@@ -705,13 +730,9 @@ class PendingUpdates:
         values (the checkpoint the plain loop would restore and then drop its gradients, as
         ``zero_grad()`` here; data converted, which still holds the update, is not
         restored)."""
-        if not self._loaded:
-            return False
-        settled = [] if self._written is None else self._written.rewritten()
-        written = settled + self._unsettled_written(len(settled))
         # A dtype conversion keeps the update (rounded): not a restore. (At step() it is
         # refused all the same, as the plain optimizer steps the converted data.)
-        return all(map(operator.or_, written, self._replaced(converted=True)))
+        return self._loaded and all(self._overwritten(converted=True))
 
     def refuse_snapshot(self, what: str) -> None:
         """Raise for ``state_dict()``, a deep copy or a pickle of the optimizer (``what``)
@@ -798,15 +819,17 @@ class _ForwardReads:
     module's forward is marked: while an optimizer holds updates awaiting ``step()``, a global
     forward pre-hook (``register_module_forward_pre_hook``, registered only then, about 2.5 us a
     step to add and remove, measured on the CPU: the usual loop runs no forward there) raises
-    before the forward of a module holding such a parameter starts, where the update stands
-    (neither the parameter written since nor its data replaced: a rollback restores the weights
-    the plain loop reads). An FSDP2 module is checked for the parameters of its units, as its
-    forward gathers them; a unit that held all-gathered weights when it was updated
-    (``set_reshard_after_backward(False)``) and still holds them is read as the plain loop reads
-    it, from before the update. A forward in backward (activation checkpointing's recomputation)
-    reads parameters whose gradients have not arrived yet, and is not checked. Reads outside a
-    module's forward (``p.detach()``, ``torch._foreach_lerp_`` over the parameters: most EMA
-    updates) are not marked and go unseen (docs/differences.md).
+    before the forward of a module holding such a parameter starts, or written since its update
+    (an in-place edit, a load, its data replaced: the plain loop's forward reads the write over
+    the weights of before the update, this one the write over the update, the same only where
+    the write restored them), unless the optimizer's state was loaded too: a rollback, whose
+    restored weights are the plain loop's. An FSDP2 module is checked for the parameters of its
+    units, as its forward gathers them; a unit that held all-gathered weights when it was
+    updated (``set_reshard_after_backward(False)``) and still holds them is read as the plain
+    loop reads it, from before the update. A forward in backward (activation checkpointing's
+    recomputation) reads parameters whose gradients have not arrived yet, and is not checked.
+    Reads outside a module's forward (``p.detach()``, ``torch._foreach_lerp_`` over the
+    parameters: most EMA updates) are not marked and go unseen (docs/differences.md).
     """
 
     def __init__(self) -> None:

@@ -185,6 +185,33 @@ def test_forward_after_a_rollback_reads_the_restored_weights():
     assert_match(loops[0][0], loops[1][0])
 
 
+WRITTEN = r"updated in backward with no optimizer\.step\(\) since and then written"
+
+
+@pytest.mark.parametrize("write", ["in-place edit", "model restored alone"])
+def test_forward_after_a_write_without_the_optimizer_state_refused(write):
+    """A parameter written between backward and ``step()``, then a forward: the plain loop's reads
+    the write over the weights of before ``step()``, ours the write over the update (the
+    input layer halved in place: the evaluation 1.302 where the plain loop's is 1.444, no
+    error until ``step()`` refused the write). Refused at the forward, before it runs,
+    unless the optimizer's state was loaded too (the rollback above, equal). A model
+    restored alone reads what the plain loop reads, but only a rollback is told from a
+    partial write: refused too, naming the rollback."""
+    (model, optim), (reference, plain) = _loops()
+    saved = copy.deepcopy(model.state_dict())
+    for net in (model, reference):
+        loss_fn(net, *_x(0)).backward()
+        if write == "in-place edit":
+            with torch.no_grad():
+                net.inp.weight.mul_(0.5)
+        else:
+            net.load_state_dict(saved)
+    _evaluate(reference, 0)
+    with pytest.raises(RuntimeError, match=WRITTEN):
+        _evaluate(model, 0)
+    del optim, plain  # held to here: a collected optimizer steps nothing in backward
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_activation_checkpointing_recomputes_forwards_in_backward_as_plain(reentrant):
     """Activation checkpointing runs the blocks' forwards again in backward, after the blocks
