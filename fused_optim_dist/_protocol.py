@@ -833,31 +833,33 @@ class _ForwardReads:
     """
 
     def __init__(self) -> None:
-        self._watched: weakref.WeakSet[PendingUpdates] = weakref.WeakSet()
+        # id -> a weak reference to each PendingUpdates holding updates: one whose optimizer
+        # was collected is dropped as it goes, and the hook with the last one.
+        self._watched: dict[int, weakref.ref[PendingUpdates]] = {}
         self._handle: RemovableHandle | None = None
 
     def watch(self, pending: PendingUpdates) -> None:
-        self._watched.add(pending)
+        key = id(pending)
+        self._watched[key] = weakref.ref(pending, lambda _ref: self._drop(key))
         if self._handle is None:
             self._handle = nn.modules.module.register_module_forward_pre_hook(self._check)
 
     def unwatch(self, pending: PendingUpdates) -> None:
-        self._watched.discard(pending)
-        if not self._watched:
-            self._remove()
+        self._drop(id(pending))
 
-    def _remove(self) -> None:
-        if self._handle is not None:
+    def _drop(self, key: int) -> None:
+        self._watched.pop(key, None)
+        if not self._watched and self._handle is not None:
             self._handle.remove()
             self._handle = None
 
     def _check(self, module: nn.Module, _args: Any) -> None:
         if current_backward_id() != -1:
             return
-        if not self._watched:  # the optimizers that held updates were collected
-            self._remove()
-        for pending in list(self._watched):
-            pending.refuse_read(module)
+        for ref in list(self._watched.values()):
+            pending = ref()
+            if pending is not None:
+                pending.refuse_read(module)
 
 
 _FORWARD_READS = _ForwardReads()

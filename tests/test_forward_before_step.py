@@ -13,6 +13,7 @@ first and swaps ours in; the ``*_body`` functions run on gloo ranks with FSDP2.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -286,6 +287,10 @@ def test_compiled_model_forward_between_backward_and_step_refused():
     backward and ``step()`` is refused as an eager one is."""
     from torch._dynamo.utils import counters
 
+    # Optimizers of earlier tests left holding updates in reference cycles take the hook with
+    # them when collected: collected during the loop, after it was compiled with the hook, they
+    # would make it compile again (two graphs, seen in a full run).
+    gc.collect()
     loops = _loops()
     for model, optim in reversed(loops):  # ours last: its compiled model is used below
         torch._dynamo.reset()
