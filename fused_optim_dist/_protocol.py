@@ -85,6 +85,7 @@ __all__ = [
     "PendingUpdates",
     "StaleCopies",
     "describe",
+    "params_read_by",
     "refuse_committed_again",
     "refuse_stepping_again",
 ]
@@ -92,6 +93,23 @@ __all__ = [
 
 def describe(param: torch.Tensor) -> str:
     return f"a parameter of shape {tuple(param.shape)}"
+
+
+def params_read_by(
+    module: nn.Module, wanted: Collection[int], gathered_then: Collection[int]
+) -> list[torch.Tensor]:
+    """The parameters (by ``id``, of ``wanted``) a forward of ``module`` is about to read: its
+    own, and for a module given to ``fully_shard`` its units' sharded ones, before FSDP2
+    gathers them; not those of a unit that held all-gathered weights when it was updated (the
+    ``id`` of its param group in ``gathered_then``) and still holds them: that copy is of
+    before the update, as the plain loop's is. See [Note: a forward between backward and
+    step()]."""
+    read = [p for p in module._parameters.values() if p is not None and id(p) in wanted]
+    if isinstance(module, FSDPModule):
+        for unit in fsdp_units_of(module):
+            if id(unit.group) not in gathered_then or not unit.holds_gathered_copy():
+                read += [p for p in unit.params if id(p) in wanted]
+    return read
 
 
 def refuse_stepping_again(freed: list[torch.Tensor]) -> None:
@@ -553,13 +571,7 @@ class PendingUpdates:
     def refuse_read(self, module: nn.Module) -> None:
         """Raise for a forward of ``module`` (outside backward) that reads a parameter whose
         update stands. See [Note: a forward between backward and step()]."""
-        read = [p for p in module._parameters.values() if p is not None and id(p) in self._ids]
-        if isinstance(module, FSDPModule):
-            then = self._gathered_when_updated()
-            for unit in fsdp_units_of(module):
-                if id(unit.group) in then and unit.holds_gathered_copy():
-                    continue  # the copy of before the update, which the plain loop reads too
-                read += [p for p in unit.params if id(p) in self._ids]
+        read = params_read_by(module, self._ids, self.gathered_when_updated())
         if not read:
             return
         if self._loaded:  # a rollback: the restored weights are those the plain loop reads
@@ -603,10 +615,10 @@ class PendingUpdates:
         """The units of ``gathered`` (those holding all-gathered weights now) that hold updates
         and did not hold such weights when they were updated. See [Note: copies gathered
         before step()]."""
-        then = self._gathered_when_updated()
+        then = self.gathered_when_updated()
         return [unit for unit in gathered if id(unit.group) not in then and self._updated(unit)]
 
-    def _gathered_when_updated(self) -> set[int]:
+    def gathered_when_updated(self) -> set[int]:
         """The FSDP2 units (by ``id`` of their group) that held all-gathered weights when the
         backwards since ``step()`` updated them: their copies hold the weights of before."""
         return {id(unit.group) for unit in self._gathered}
@@ -829,7 +841,9 @@ class _ForwardReads:
     loop reads it, from before the update. A forward in backward (activation checkpointing's
     recomputation) reads parameters whose gradients have not arrived yet, and is not checked.
     Reads outside a module's forward (``p.detach()``, ``torch._foreach_lerp_`` over the
-    parameters: most EMA updates) are not marked and go unseen (docs/differences.md).
+    parameters: most EMA updates) are not marked and go unseen (docs/differences.md). Once the
+    optimizer is collected or detached holding updates, a forward reading them is refused
+    by the same kind of hook: see [Note: updates left uncommitted] in ``_left_updates.py``.
     """
 
     def __init__(self) -> None:

@@ -24,6 +24,7 @@ from fused_optim_dist._engine import BackwardPass, autocast_enabled
 from fused_optim_dist._freed import FreedGradients, Refusal, is_freed, keep_as_zeros, refuse_freed
 from fused_optim_dist._gradients import GradientProcessor, all_zero
 from fused_optim_dist._kinds import Stepping, keeps_state_per_parameter, stepping_of
+from fused_optim_dist._left_updates import LEFT_UPDATES
 from fused_optim_dist._options import InBackwardOptions, split_options
 from fused_optim_dist._plan import BucketPlan
 from fused_optim_dist._protocol import (
@@ -43,11 +44,9 @@ from fused_optim_dist._torch_internals import (
     fsdp_sync_off,
     global_step_pre_hooks,
     holds_hook,
-    holds_values,
     hooked_after,
     impl_address,
     in_scaled_backward,
-    local_tensor,
     observes_only,
     read_grads,
     read_requires_grad,
@@ -70,70 +69,6 @@ __all__ = ["OptimizerInBackward", "in_backward"]
 # parameter would make swap_tensors refuse it (see [Note: tensors swapped whole] in
 # _torch_internals.py). The owner's plan, which holds its parameters, tells a recycled id.
 _OWNERS: dict[int, weakref.ref[OptimizerInBackward]] = {}
-
-
-# id(param) -> (the parameter, weakly; its version counter and its values' storage address)
-# for parameters holding an update made in backward that no step() committed, by an
-# optimizer that no longer drives them (collected, or detached). See [Note: updates left
-# uncommitted].
-_LEFT_UNCOMMITTED: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
-
-
-def _leave_uncommitted(pending: PendingUpdates) -> None:
-    """Note the parameters of ``pending`` whose updates still stand as holding updates no
-    ``step()`` will commit."""
-    for param in pending.standing():
-        _LEFT_UNCOMMITTED[id(param)] = (weakref.ref(param), *_written_state(param))
-
-
-def _written_state(param: torch.Tensor) -> tuple[int, int]:
-    """What a write into ``param`` changes: its version counter (in-place writes,
-    ``load_state_dict``) or its storage (``p.data = saved``)."""
-    local = local_tensor(param)
-    address = local.untyped_storage().data_ptr() if holds_values(local) else 0
-    return param._version, address
-
-
-def _refuse_left_uncommitted(params: Iterable[torch.Tensor]) -> None:
-    """Raise if one of ``params`` still holds, unwritten since, an update another optimizer
-    made in backward and left uncommitted.
-
-    [Note: updates left uncommitted]
-    A loop that leaves an optimizer after a backward with no ``step()`` (a phase of training
-    whose step budget is checked after backward, then a new optimizer for the next phase;
-    the old one deleted, or detached) never applies that backward's gradients with a plain
-    optimizer: the next ``zero_grad()`` drops them. Here they were applied in backward, and
-    the next phase trained on from other weights (AdamW 1.9e-2 apart after three more steps,
-    RMSprop 0.16, no error: a warning as the old optimizer was collected). Refused when an
-    ``OptimizerInBackward`` is built over such a parameter (or given it in a group, or
-    attached to it), before it steps anything; a parameter written since (the weights of
-    before that backward loaded, in place or through ``.data``) is not refused, and neither
-    is one whose optimizer ``step()`` committed the update or drives it again
-    (``attach()``)."""
-    for param in params:
-        left = _LEFT_UNCOMMITTED.get(id(param))
-        if left is None:
-            continue
-        ref, *written = left
-        if ref() is not param or _written_state(param) != tuple(written):
-            del _LEFT_UNCOMMITTED[id(param)]
-            continue
-        raise ValueError(
-            f"a parameter of shape {tuple(param.shape)} holds an update another "
-            "OptimizerInBackward made in backward that no step() committed: that optimizer was "
-            "left after a backward (deleted or detached; a step budget checked after "
-            "backward?). A plain optimizer never applies those gradients (the next zero_grad() "
-            "drops them), so training on from these weights would differ from the plain loop. "
-            "Call step() on that optimizer before leaving it to keep the update, or load the "
-            "weights of before that backward; end a phase before its backward, not after it."
-        )
-
-
-def _forget_left(pending: PendingUpdates) -> None:
-    """The updates of ``pending`` are committed, rolled back, or driven again."""
-    if _LEFT_UNCOMMITTED:
-        for param in pending.params():
-            _LEFT_UNCOMMITTED.pop(id(param), None)
 
 
 # The live optimizers clipping by norm, for _refuse_clipping_beside.
@@ -320,17 +255,19 @@ def _remove_hooks(handles: list[RemovableHandle]) -> None:
 
 def _warn_uncommitted(pending: PendingUpdates) -> None:
     """Warn, as the optimizer is collected or the process exits, if updates made in backward
-    never had their ``step()``; an optimizer built over those parameters later refuses them
-    (see [Note: updates left uncommitted])."""
+    never had their ``step()``; a forward reading those parameters, and an optimizer built over
+    them, are refused from then on (see [Note: updates left uncommitted] in
+    ``_left_updates.py``)."""
     if pending:
-        _leave_uncommitted(pending)
+        LEFT_UPDATES.leave(pending)
         warnings.warn(
             f"OptimizerInBackward ended with {len(pending.params())} parameter(s) holding "
             "updates made in backward that no step() followed: the loop stopped after a "
             "backward (a step budget checked after backward?), where a plain optimizer would "
-            "not have applied that backward's gradients; the weights evaluated or saved since "
-            "hold them. Call step() after every backward whose gradients train, and stop the "
-            "loop before the backward otherwise.",
+            "not have applied that backward's gradients. A forward reading those weights is "
+            "refused from now on, and so is an OptimizerInBackward built over them; a save "
+            "of them holds the update. Call step() after every backward whose gradients "
+            "train, and stop the loop before the backward otherwise.",
             RuntimeWarning,
             stacklevel=1,
         )
@@ -615,7 +552,7 @@ class OptimizerInBackward(Optimizer):
     # ------------------------------------------------------------------ the plan and hooks
 
     def _check_not_driven_elsewhere(self, trainable: list[torch.Tensor]) -> None:
-        _refuse_left_uncommitted(trainable)
+        LEFT_UPDATES.refuse_driven(trainable)
         for param in trainable:
             owner = _owner(param)
             if owner is not None and owner is not self and owner._hook_handles:
@@ -902,7 +839,7 @@ class OptimizerInBackward(Optimizer):
                 self._pending.undo_draws()
                 if self._pass is not None:
                     self._pass.undo_class_state()
-                _forget_left(self._pending)
+                LEFT_UPDATES.forget(self._pending.params())
                 self._pending.commit()
                 self._pass = None
                 self._stepped_since_step = False  # the rolled-back backward is undone
@@ -1071,7 +1008,7 @@ class OptimizerInBackward(Optimizer):
                 # See [Note: group and instance state].
                 self._new_pass(None).finish()
         self._gradients.refuse_partly_skipped()
-        _forget_left(self._pending)
+        LEFT_UPDATES.forget(self._pending.params())
         self._pending.commit()
         self._gradients.end_of_step()
         self._freed.stepped()
@@ -1708,7 +1645,7 @@ class OptimizerInBackward(Optimizer):
         self._hooked.clear()
         self._detached = True
         if self._pending:
-            _leave_uncommitted(self._pending)
+            LEFT_UPDATES.leave(self._pending)
         for group in self.param_groups:
             for param in group["params"]:
                 if _owner(param) is self:
@@ -1724,7 +1661,7 @@ class OptimizerInBackward(Optimizer):
             ValueError: if another live ``OptimizerInBackward`` steps one of them in backward
                 (it stays detached then).
         """
-        _forget_left(self._pending)
+        LEFT_UPDATES.forget(self._pending.params())
         plan = self._current_plan()
         self._detached = False
         try:

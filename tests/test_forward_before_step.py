@@ -13,6 +13,7 @@ first and swaps ours in; the ``*_body`` functions run on gloo ranks with FSDP2.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 from collections.abc import Callable
 
@@ -52,10 +53,11 @@ def _evaluate(model: nn.Module, step: int, sharded: bool = False) -> float:
         return loss_fn(model, *_x(step + 100, sharded)).item()
 
 
-def _refused_unmoved(model: nn.Module, forward: Callable[[], object]) -> None:
-    """``forward()`` is refused, naming ``step()``, and no parameter of ``model`` moved."""
+def _refused_unmoved(model: nn.Module, forward: Callable[[], object], match: str = REFUSED) -> None:
+    """``forward()`` is refused, naming ``step()`` (or ``match``), and no parameter of
+    ``model`` moved."""
     before = [full(p).detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=REFUSED):
+    with pytest.raises(RuntimeError, match=match):
         forward()
     for param, then in zip(model.parameters(), before, strict=True):
         assert torch.equal(full(param).detach(), then)
@@ -140,6 +142,64 @@ def test_evaluation_after_a_loop_that_stopped_after_a_backward_refused():
     _refused_unmoved(model, lambda: _evaluate(model, 0))
     optim.step()
     _evaluate(model, 0)
+
+
+LEFT = r"holds an update an OptimizerInBackward made in backward that no step\(\) committed"
+
+
+def _stopped_loop(model: nn.Module, optim: Optimizer, sharded: bool = False) -> dict:
+    """Three steps whose budget is checked after backward: the third backward has no
+    ``step()``. Returns the model's weights of before that backward."""
+    for step in range(3):
+        optim.zero_grad()
+        saved = copy.deepcopy(model.state_dict())
+        loss_fn(model, *_x(step, sharded)).backward()
+        if step == 2:
+            break
+        optim.step()
+    return saved
+
+
+def _global_forward_pre_hooks() -> int:
+    return len(nn.modules.module._global_forward_pre_hooks)
+
+
+@pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
+@pytest.mark.parametrize("leave", ["collected", "detached"])
+def test_evaluation_once_the_optimizer_of_a_stopped_loop_was_collected_refused(leave):
+    """The loop's function returned after a backward with no ``step()`` and its optimizer was
+    collected (or detached, then collected): the plain loop's evaluation reads the weights of
+    before that backward, ours read the updated ones (a warning at collection was all).
+    Refused before it runs, the model unmoved; with the weights of before that backward
+    loaded, the evaluation is the plain loop's, and with the weights loaded as they are (the
+    update kept on purpose) it runs. The global hook goes with the last such parameter:
+    loaded, or collected with its model."""
+    hooks = _global_forward_pre_hooks()
+    (model, optim), (reference, plain) = _loops()
+    saved = _stopped_loop(model, optim)
+    _stopped_loop(reference, plain)
+    if leave == "detached":
+        optim.detach()
+    del optim, plain
+    gc.collect()
+    _refused_unmoved(model, lambda: _evaluate(model, 0), match=LEFT)
+    model.load_state_dict(saved)
+    assert _evaluate(model, 0) == _evaluate(reference, 0)
+    assert_match(model, reference, atol=0)
+    assert _global_forward_pre_hooks() == hooks
+    for then in ("kept", "collected"):
+        (other, optim), _ = _loops()
+        _stopped_loop(other, optim)
+        del optim
+        gc.collect()
+        assert _global_forward_pre_hooks() == hooks + 1
+        if then == "kept":
+            _refused_unmoved(other, functools.partial(_evaluate, other, 0), match=LEFT)
+            other.load_state_dict(other.state_dict())
+            _evaluate(other, 0)
+        del other
+        gc.collect()
+        assert _global_forward_pre_hooks() == hooks
 
 
 def test_forward_of_a_module_built_on_another_parameter_object_is_not_a_read():
@@ -274,10 +334,36 @@ def _fsdp_kept_gathered_body() -> None:
     _refused_unmoved(model, lambda: _evaluate(model, 3, sharded=True))
 
 
+def _fsdp_stopped_loop_body(kept_gathered: bool) -> None:
+    """FSDP2, a loop stopped after a backward, its optimizer collected: the root's evaluation
+    is refused before it gathers anything, on every rank; with the weights of before that
+    backward loaded, it is the plain loop's. With ``set_reshard_after_backward(False)`` each
+    unit keeps the weights it gathered for that backward, from before the update, and the
+    evaluation reads them in both loops: not refused, equal."""
+    loops = _loops(sharded=True)
+    saved = []
+    for model, optim in loops:
+        model.set_reshard_after_backward(not kept_gathered)
+        saved.append(_stopped_loop(model, optim, sharded=True))
+    (model, _), (reference, _) = loops
+    del loops
+    gc.collect()
+    if kept_gathered:
+        assert _evaluate(model, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
+        model.reshard()
+    _refused_unmoved(model, lambda: _evaluate(model, 0, sharded=True), match=LEFT)
+    model.load_state_dict(saved[0])
+    assert _evaluate(model, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
+    assert_match(model, reference, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
 def test_forward_between_backward_and_step_on_fsdp2(worlds):
     for world in (2, 3):
         worlds.run(world, _fsdp_evaluation_refused_body)
     worlds.run(2, _fsdp_kept_gathered_body)
+    for kept_gathered in (False, True):
+        worlds.run(3, _fsdp_stopped_loop_body, kept_gathered=kept_gathered)
 
 
 def test_compiled_model_forward_between_backward_and_step_refused():
