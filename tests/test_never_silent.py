@@ -2007,9 +2007,10 @@ def test_frozen_between_forward_and_backward_equal():
 def test_loop_ending_after_a_backward_without_step_warns():
     """A loop that stops after a backward with no ``step()`` (a step budget checked after
     backward): the plain optimizer never applies that backward's gradients, here they were
-    applied in backward (AdamW 9.9e-3 apart, a validation loss 0.886 against 0.888). Nothing
-    is left to refuse; a RuntimeWarning says so when the optimizer is collected (or at exit),
-    and none after a loop that ends with ``step()``."""
+    applied in backward (AdamW 9.9e-3 apart, a validation loss 0.886 against 0.888). A
+    RuntimeWarning says so when the optimizer is collected (or at exit), and none after a loop
+    that ends with ``step()``; a forward reading those weights is refused from then on
+    (``tests/test_forward_before_step.py``), a save of them is not."""
     model, _ = make_models()
     optim = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-2)
     _step_both(((model, optim),), 0, zero=True)
