@@ -1400,6 +1400,17 @@ class CompactBFloat16LoopMachine(CompactLoopMachine):
     dtype = torch.bfloat16
 
 
+class CompactClippedSkipNonfiniteLoopMachine(CompactBFloat16LoopMachine):
+    """CompactAdamW on bfloat16 weights, clipped by norm (one bucket), with NaN batches: a
+    skipped step moves no weight, code or scale, and the next one is clipped as the plain
+    loop's."""
+
+    max_grad_norm = 0.05
+    bucket_numel = None
+    skip_nonfinite = True
+    second_pass_refused = True
+
+
 class ShardedCompactBFloat16LoopMachine(CompactBFloat16LoopMachine):
     """CompactAdamW on bfloat16 weights sharded by FSDP2: each rank steps its local rows, in
     backward unit by unit, as the same class steps the sharded model after backward."""
@@ -1544,6 +1555,10 @@ def test_random_loops_bfloat16_parameters():
 
 def test_random_loops_compact_adamw_bfloat16():
     _run(CompactBFloat16LoopMachine, examples=6, steps=10)
+
+
+def test_random_loops_compact_adamw_clipped_skip_nonfinite():
+    _run(CompactClippedSkipNonfiniteLoopMachine, examples=6, steps=12)
 
 
 @pytest.mark.parametrize(
