@@ -169,11 +169,12 @@ def _global_forward_pre_hooks() -> int:
 def test_evaluation_once_the_optimizer_of_a_stopped_loop_was_collected_refused(leave):
     """The loop's function returned after a backward with no ``step()`` and its optimizer was
     collected (or detached, then collected): the plain loop's evaluation reads the weights of
-    before that backward, ours read the updated ones (a warning at collection was all).
-    Refused before it runs, the model unmoved; with the weights of before that backward
-    loaded, the evaluation is the plain loop's, and with the weights loaded as they are (the
-    update kept on purpose) it runs. The global hook goes with the last such parameter:
-    loaded, or collected with its model."""
+    before that backward, ours read the updated ones (a warning at collection was all). Refused
+    before it runs, the model unmoved (so is a next phase's first forward, with a plain
+    optimizer of its own); with the weights of before that backward loaded, the evaluation is
+    the plain loop's, and with the weights loaded as they are (the update kept on purpose) it
+    runs. The global hook goes with the last such parameter: loaded, or collected with its
+    model."""
     hooks = _global_forward_pre_hooks()
     (model, optim), (reference, plain) = _loops()
     saved = _stopped_loop(model, optim)
@@ -183,6 +184,9 @@ def test_evaluation_once_the_optimizer_of_a_stopped_loop_was_collected_refused(l
     del optim, plain
     gc.collect()
     _refused_unmoved(model, lambda: _evaluate(model, 0), match=LEFT)
+    # A next phase with a plain optimizer of its own: refused at its first forward.
+    torch.optim.AdamW(model.parameters(), **ADAMW)
+    _refused_unmoved(model, lambda: loss_fn(model, *_x(3)).backward(), match=LEFT)
     model.load_state_dict(saved)
     assert _evaluate(model, 0) == _evaluate(reference, 0)
     assert_match(model, reference, atol=0)
