@@ -38,6 +38,7 @@ not)."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import pickle
@@ -986,7 +987,7 @@ class LoopMachine(RuleBasedStateMachine):
         self.schedulers = ()
 
     @precondition(lambda self: not self.pending)
-    @rule(then=st.sampled_from(["step", "load"]))
+    @rule(then=st.sampled_from(["step", "load", "evaluate"]))
     def leave_after_backward(self, then: str) -> None:
         """A phase ended after a backward with no ``step()`` (its step budget checked after
         backward): ours detached and a new ``OptimizerInBackward`` built for the next phase,
@@ -996,7 +997,9 @@ class LoopMachine(RuleBasedStateMachine):
         ``step()``; or ``"load"``, the weights of before that backward loaded (the plain loop
         needs no load: its backward moved nothing) and the next phase given new optimizers on
         both sides, whose ``zero_grad()`` drops that backward's gradients (a parameter outside
-        the optimizers keeps its own, in both loops)."""
+        the optimizers keeps its own, in both loops); or ``"evaluate"``, the old optimizer
+        collected, then an evaluation, refused wherever that backward's updates stand (the
+        plain loop's reads the weights of before it), before the load and the new phase."""
         ours_model, plain_model = self.models
         held = [p for group in self.ours.param_groups for p in group["params"]]
         before = [p.detach().clone() for p in held]  # the sharded ones, after an evaluation too
@@ -1019,7 +1022,23 @@ class LoopMachine(RuleBasedStateMachine):
             new[0].detach()
         self._backward(plain_model, self.step)
         self.step += 1
-        if then == "load":
+        if then == "evaluate":
+            self.ours, self.schedulers = None, ()  # type: ignore[assignment]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the collected optimizer's
+                gc.collect()
+            before = _parameters(ours_model)
+            ours_model.eval()
+            try:
+                with torch.no_grad():
+                    self._loss(ours_model, self.step + 100)
+            except RuntimeError as error:
+                assert "no step() committed" in str(error), error
+                _assert_unchanged(ours_model, before)
+            else:
+                assert not moved, "an evaluation of weights an uncommitted update moved"
+            ours_model.train()
+        if then in ("load", "evaluate"):
             ours_model.load_state_dict(saved)
             self.ours, self.plain = self._optimizers(*groups)
             self.schedulers = ()
