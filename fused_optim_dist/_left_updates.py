@@ -84,10 +84,10 @@ class LeftUpdates:
         if self._left and self._handle is None:
             self._handle = nn.modules.module.register_module_forward_pre_hook(self._refuse_read)
 
-    def forget(self, params: Iterable[torch.Tensor]) -> None:
-        """The updates of ``params`` are committed, rolled back, or driven again."""
+    def forget(self, pending: PendingUpdates) -> None:
+        """The updates of ``pending`` are committed, rolled back, or driven again."""
         if self._left:
-            for param in params:
+            for param in pending.params():
                 self._drop(id(param))
 
     def refuse_driven(self, params: Iterable[torch.Tensor]) -> None:

@@ -839,7 +839,7 @@ class OptimizerInBackward(Optimizer):
                 self._pending.undo_draws()
                 if self._pass is not None:
                     self._pass.undo_class_state()
-                LEFT_UPDATES.forget(self._pending.params())
+                LEFT_UPDATES.forget(self._pending)
                 self._pending.commit()
                 self._pass = None
                 self._stepped_since_step = False  # the rolled-back backward is undone
@@ -1008,7 +1008,7 @@ class OptimizerInBackward(Optimizer):
                 # See [Note: group and instance state].
                 self._new_pass(None).finish()
         self._gradients.refuse_partly_skipped()
-        LEFT_UPDATES.forget(self._pending.params())
+        LEFT_UPDATES.forget(self._pending)
         self._pending.commit()
         self._gradients.end_of_step()
         self._freed.stepped()
@@ -1661,7 +1661,7 @@ class OptimizerInBackward(Optimizer):
             ValueError: if another live ``OptimizerInBackward`` steps one of them in backward
                 (it stays detached then).
         """
-        LEFT_UPDATES.forget(self._pending.params())
+        LEFT_UPDATES.forget(self._pending)
         plan = self._current_plan()
         self._detached = False
         try:
