@@ -129,10 +129,8 @@ class LeftUpdates:
                 self._handle = None
 
     def _refuse_read(self, module: nn.Module, _args: Any) -> None:
-        if current_backward_id() != -1:  # a forward recomputed in backward
-            return
         read = [p for p in params_read_by(module, self._left, self._gathered) if self._standing(p)]
-        if not read:
+        if not read or current_backward_id() != -1:  # none, or a forward recomputed in backward
             return
         more = f" (and {len(read) - 1} more)" if len(read) > 1 else ""
         raise RuntimeError(

@@ -398,3 +398,29 @@ def test_compiled_model_forward_between_backward_and_step_refused():
     with torch.no_grad():
         _refused_unmoved(model, lambda: compiled(_x(4)[0]))
     torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
+def test_compiled_model_beside_parameters_left_uncommitted_keeps_one_graph():
+    """While a stopped loop's parameters hold updates no ``step()`` will commit, the forward
+    pre-hook refusing reads of them is registered for every module: another model, compiled
+    then, compiles into one graph with no break (the hook read autograd's graph task id first,
+    which Dynamo cannot trace: two breaks, no graph), and the stopped loop's model, compiled,
+    is refused as an eager one is."""
+    from torch._dynamo.utils import counters
+
+    gc.collect()
+    (stopped, optim), _ = _loops()
+    _stopped_loop(stopped, optim)
+    del optim
+    gc.collect()
+    other, _ = make_models(seed=1)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(other, backend="eager")
+    for step in range(3):
+        _evaluate(compiled, step)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    _refused_unmoved(stopped, lambda: _evaluate(torch.compile(stopped, backend="eager"), 0), LEFT)
+    torch._dynamo.reset()
