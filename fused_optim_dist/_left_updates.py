@@ -21,6 +21,11 @@ into them changes (their version counter, and their values' storage), and:
   ``_protocol.py``): it read the updated weights before, a validation loss of 0.886 where
   the plain loop's is 0.888, with a warning at the optimizer's collection all there was.
 
+The hook costs a module holding none of them a dictionary lookup per parameter, and reads
+nothing Dynamo cannot trace there (autograd's graph task id only for a module that holds one):
+a model compiled meanwhile compiles into one graph with no break (tested); as with any
+global hook, a model compiled before it came, or before it went, compiles again.
+
 A parameter written since is forgotten: the weights of before that backward loaded (in place
 or through ``.data``), the plain loop's, or the weights loaded as they are, to keep the
 update. So is one whose optimizer's ``step()`` committed the update (a detached optimizer's
