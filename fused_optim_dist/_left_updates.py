@@ -30,6 +30,9 @@ A parameter written since is forgotten: the weights of before that backward load
 or through ``.data``), the plain loop's, or the weights loaded as they are, to keep the
 update. So is one whose optimizer's ``step()`` committed the update (a detached optimizer's
 ``step()`` still does) or that it drives again (``attach()``), and one that was collected.
+Once none is noted, the hook goes at the loop's next ``step()`` or construction of an
+``OptimizerInBackward``, not from a garbage collector's callback (see
+``LeftUpdates._remove_hook_if_idle``); until then it finds nothing to refuse.
 Reads outside a module's forward (a save: ``model.state_dict()``) go unseen; the warning at
 the optimizer's collection names them.
 """
@@ -93,7 +96,8 @@ class LeftUpdates:
         """The updates of ``pending`` are committed, rolled back, or driven again."""
         if self._left:
             for param in pending.params():
-                self._drop(id(param))
+                self._left.pop(id(param), None)
+        self._remove_hook_if_idle()
 
     def refuse_driven(self, params: Iterable[torch.Tensor]) -> None:
         """Raise if one of ``params`` still holds an update left uncommitted: an
@@ -110,6 +114,7 @@ class LeftUpdates:
                     "or load the weights of before that backward; end a phase before its "
                     "backward, not after it."
                 )
+        self._remove_hook_if_idle()
 
     def _standing(self, param: torch.Tensor) -> bool:
         """Whether ``param`` holds an update left uncommitted, unwritten since."""
@@ -118,20 +123,24 @@ class LeftUpdates:
             return False
         if left.param() is param and _written_state(param) == left.written:
             return True
-        self._drop(id(param))
+        del self._left[id(param)]
         return False
 
     def _collected(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
         left = self._left.get(key)
         if left is not None and left.param is ref:
-            self._drop(key)
+            del self._left[key]
 
-    def _drop(self, key: int) -> None:
-        if self._left.pop(key, None) is not None and not self._left:
+    def _remove_hook_if_idle(self) -> None:
+        """Remove the hook once nothing is noted: from the loop's own calls only (``step()``,
+        a construction), never from a garbage collector's callback (a parameter collected),
+        which may run while Dynamo compiles a module whose guards name the hook (torch 2.13:
+        an ``InternalTorchDynamoError``, a ``KeyError`` for the hook removed, seen in a full
+        run); nor while compiling."""
+        if self._handle is not None and not self._left and not torch.compiler.is_compiling():
+            self._handle.remove()
+            self._handle = None
             self._gathered.clear()
-            if self._handle is not None:
-                self._handle.remove()
-                self._handle = None
 
     def _refuse_read(self, module: nn.Module, _args: Any) -> None:
         read = [p for p in params_read_by(module, self._left, self._gathered) if self._standing(p)]
