@@ -21,20 +21,24 @@ into them changes (their version counter, and their values' storage), and:
   ``_protocol.py``): it read the updated weights before, a validation loss of 0.886 where
   the plain loop's is 0.888, with a warning at the optimizer's collection all there was.
 
-The hook costs a module holding none of them a dictionary lookup per parameter, and reads
-nothing Dynamo cannot trace there (autograd's graph task id only for a module that holds one):
-a model compiled meanwhile compiles into one graph with no break (tested); as with any
-global hook, a model compiled before it came, or before it went, compiles again.
+The hook costs a module holding none of them a dictionary lookup per parameter. Traced by
+Dynamo it does nothing: a model compiled meanwhile compiles into one graph with no break
+(tested), and a compiled forward is not checked. Reading the records there would make
+Dynamo guard on them, and the garbage collector drops a record as its parameter goes, at
+any time, a compilation's included (torch 2.13 then fails the compilation: an
+``InternalTorchDynamoError``, a ``KeyError`` for the record, seen in a full run); nor is the
+hook removed from such a callback, for the same reason (Dynamo guards on the hooks it
+traced). As with any global hook, a model compiled before it came, or before it went,
+compiles again.
 
 A parameter written since is forgotten: the weights of before that backward loaded (in place
 or through ``.data``), the plain loop's, or the weights loaded as they are, to keep the
 update. So is one whose optimizer's ``step()`` committed the update (a detached optimizer's
 ``step()`` still does) or that it drives again (``attach()``), and one that was collected.
 Once none is noted, the hook goes at the loop's next ``step()`` or construction of an
-``OptimizerInBackward``, not from a garbage collector's callback (see
-``LeftUpdates._remove_hook_if_idle``); until then it finds nothing to refuse.
-Reads outside a module's forward (a save: ``model.state_dict()``) go unseen; the warning at
-the optimizer's collection names them.
+``OptimizerInBackward``; until then it finds nothing to refuse. Reads outside a module's
+forward (a save: ``model.state_dict()``) go unseen, and so does a compiled forward (above);
+the warning at the optimizer's collection names them.
 """
 
 from __future__ import annotations
@@ -143,6 +147,8 @@ class LeftUpdates:
             self._gathered.clear()
 
     def _refuse_read(self, module: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():  # see the note: Dynamo must not guard on the records
+            return
         read = [p for p in params_read_by(module, self._left, self._gathered) if self._standing(p)]
         if not read or current_backward_id() != -1:  # none, or a forward recomputed in backward
             return

@@ -85,7 +85,6 @@ __all__ = [
     "PendingUpdates",
     "StaleCopies",
     "describe",
-    "forward_reads_idle",
     "params_read_by",
     "refuse_committed_again",
     "refuse_stepping_again",
@@ -831,9 +830,7 @@ class _ForwardReads:
     another result, no error (an evaluation after a loop that stopped after a backward too). A
     module's forward is marked: while an optimizer holds updates awaiting ``step()``, a global
     forward pre-hook (``register_module_forward_pre_hook``, registered only then, about 2.5 us a
-    step to add and remove, measured on the CPU: the usual loop runs no forward there; after an
-    optimizer collected holding updates, until the loop's next ``step()`` or construction of
-    one, see ``_ForwardReads.remove_hook_if_idle``) raises
+    step to add and remove, measured on the CPU: the usual loop runs no forward there) raises
     before the forward of a module holding such a parameter starts, or written since its update
     (an in-place edit, a load, its data replaced: the plain loop's forward reads the write over
     the weights of before the update, this one the write over the update, the same only where
@@ -851,46 +848,35 @@ class _ForwardReads:
 
     def __init__(self) -> None:
         # id -> a weak reference to each PendingUpdates holding updates: one whose optimizer
-        # was collected is dropped as it goes.
+        # was collected is dropped as it goes, and the hook with the last one.
         self._watched: dict[int, weakref.ref[PendingUpdates]] = {}
         self._handle: RemovableHandle | None = None
 
     def watch(self, pending: PendingUpdates) -> None:
         key = id(pending)
-        self._watched[key] = weakref.ref(pending, lambda _ref: self._watched.pop(key, None))
+        self._watched[key] = weakref.ref(pending, lambda _ref: self._drop(key))
         if self._handle is None:
             self._handle = nn.modules.module.register_module_forward_pre_hook(self._check)
 
     def unwatch(self, pending: PendingUpdates) -> None:
-        self._watched.pop(id(pending), None)
-        self.remove_hook_if_idle()
+        self._drop(id(pending))
 
-    def remove_hook_if_idle(self) -> None:
-        """Remove the hook once no optimizer holds updates: from the loop's own calls only
-        (``step()``, a construction), never from a garbage collector's callback (an optimizer
-        collected holding updates), which may run while Dynamo compiles a module whose guards
-        name the hook (torch 2.13: an ``InternalTorchDynamoError``, a ``KeyError`` for the
-        hook removed, seen in a full run); nor while compiling. Until then the hook finds
-        nothing to refuse, and reads nothing Dynamo cannot trace."""
-        if self._handle is not None and not self._watched and not torch.compiler.is_compiling():
+    def _drop(self, key: int) -> None:
+        self._watched.pop(key, None)
+        if not self._watched and self._handle is not None:
             self._handle.remove()
             self._handle = None
 
     def _check(self, module: nn.Module, _args: Any) -> None:
-        pendings = [p for p in (ref() for ref in list(self._watched.values())) if p is not None]
-        if not pendings or current_backward_id() != -1:
+        if current_backward_id() != -1:
             return
-        for pending in pendings:
-            pending.refuse_read(module)
+        for ref in list(self._watched.values()):
+            pending = ref()
+            if pending is not None:
+                pending.refuse_read(module)
 
 
 _FORWARD_READS = _ForwardReads()
-
-
-def forward_reads_idle() -> None:
-    """A construction of an ``OptimizerInBackward``: the forward pre-hook goes if no
-    optimizer holds updates (see :meth:`_ForwardReads.remove_hook_if_idle`)."""
-    _FORWARD_READS.remove_hook_if_idle()
 
 
 class StaleCopies:

@@ -31,7 +31,6 @@ from fused_optim_dist._protocol import (
     PendingUpdates,
     StaleCopies,
     describe,
-    forward_reads_idle,
     refuse_committed_again,
     refuse_stepping_again,
 )
@@ -454,7 +453,6 @@ class OptimizerInBackward(Optimizer):
         **kwargs: Any,
     ) -> None:
         watch_wrappers()
-        forward_reads_idle()  # see [Note: a forward between backward and step()]
         watch_loss_scaling()
         watch_saved_tensors_hooks(_note_saved_through_hooks, _refuse_updated_read)
         optimizer_cls = resolve_optimizer_class(optimizer_cls)
