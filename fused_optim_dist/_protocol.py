@@ -840,6 +840,8 @@ class _ForwardReads:
     updated (``set_reshard_after_backward(False)``) and still holds them is read as the plain
     loop reads it, from before the update. A forward in backward (activation checkpointing's
     recomputation) reads parameters whose gradients have not arrived yet, and is not checked.
+    A ``torch.compile``d forward runs the same check outside its graph (which breaks at each
+    module's hook while the hook is registered, between backward and ``step()``).
     Reads outside a module's forward (``p.detach()``, ``torch._foreach_lerp_`` over the
     parameters: most EMA updates) are not marked and go unseen (docs/differences.md). Once the
     optimizer is collected or detached holding updates, a forward reading them is refused
@@ -851,12 +853,18 @@ class _ForwardReads:
         # was collected is dropped as it goes, and the hook with the last one.
         self._watched: dict[int, weakref.ref[PendingUpdates]] = {}
         self._handle: RemovableHandle | None = None
+        # Traced by Dynamo, the check runs outside the graph: Dynamo would guard on the
+        # watched optimizers, which their collection changes at any time (see [Note: updates
+        # left uncommitted] in ``_left_updates.py``).
+        self._check_outside_graph = torch.compiler.disable(
+            self._check, reason="fused_optim_dist checks reads of updates awaiting step()"
+        )
 
     def watch(self, pending: PendingUpdates) -> None:
         key = id(pending)
         self._watched[key] = weakref.ref(pending, lambda _ref: self._drop(key))
         if self._handle is None:
-            self._handle = nn.modules.module.register_module_forward_pre_hook(self._check)
+            self._handle = nn.modules.module.register_module_forward_pre_hook(self._refuse_read)
 
     def unwatch(self, pending: PendingUpdates) -> None:
         self._drop(id(pending))
@@ -867,7 +875,13 @@ class _ForwardReads:
             self._handle.remove()
             self._handle = None
 
-    def _check(self, module: nn.Module, _args: Any) -> None:
+    def _refuse_read(self, module: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            self._check_outside_graph(module)
+        else:
+            self._check(module)
+
+    def _check(self, module: nn.Module) -> None:
         if current_backward_id() != -1:
             return
         for ref in list(self._watched.values()):

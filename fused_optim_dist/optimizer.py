@@ -266,8 +266,10 @@ def _warn_uncommitted(pending: PendingUpdates) -> None:
             "backward (a step budget checked after backward?), where a plain optimizer would "
             "not have applied that backward's gradients. A forward reading those weights is "
             "refused from now on, and so is an OptimizerInBackward built over them; a save "
-            "of them holds the update. Call step() after every backward whose gradients "
-            "train, and stop the loop before the backward otherwise.",
+            "of them holds the update. Until they are loaded or collected, a torch.compile'd "
+            "forward runs that check outside its graph, breaking the graph at each module. "
+            "Call step() after every backward whose gradients train, and stop the loop "
+            "before the backward otherwise.",
             RuntimeWarning,
             stacklevel=1,
         )

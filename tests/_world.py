@@ -89,6 +89,9 @@ def _worker(
             break
         fn, kwargs = task
         try:
+            from _toy import forget_updates_left
+
+            forget_updates_left()
             out = fn(**kwargs)
             dist.barrier()
             # Pickled here, not in the queue's feeder thread, so that an unpicklable result

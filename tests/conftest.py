@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _toy import forget_updates_left
 from _world import WorldPool
 from hypothesis import settings
 
@@ -29,6 +30,13 @@ def worlds():
     pool = WorldPool()
     yield pool
     pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _updates_left_forgotten() -> None:
+    """Each test starts with no parameter noted as holding uncommitted updates (see
+    ``forget_updates_left``)."""
+    forget_updates_left()
 
 
 @pytest.fixture(scope="session")

@@ -182,12 +182,9 @@ def test_evaluation_once_the_optimizer_of_a_stopped_loop_was_collected_refused(l
     the plain loop's, and with the weights loaded as they are (the update kept on purpose) it
     runs. The global hook goes once no such parameter is left (loaded, or collected with its
     model), at the loop's next construction or ``step()``."""
-    # Earlier tests' parameters left so and still alive in this process (kept by a graph
-    # their refused backward did not free) are noted too: counted, and kept hooked.
     gc.collect()
     _loops()  # a construction: a hook left with nothing noted goes
-    others, _ = _left_updates_hooked()
-    assert _left_updates_hooked() == (others, others > 0)
+    assert _left_updates_hooked() == (0, False)
     (model, optim), (reference, plain) = _loops()
     saved = _stopped_loop(model, optim)
     _stopped_loop(reference, plain)
@@ -207,7 +204,7 @@ def test_evaluation_once_the_optimizer_of_a_stopped_loop_was_collected_refused(l
         _stopped_loop(other, optim)
         del optim
         gc.collect()
-        assert _left_updates_hooked() == (others + len(list(other.parameters())), True)
+        assert _left_updates_hooked() == (len(list(other.parameters())), True)
         if then == "kept":
             _refused_unmoved(other, functools.partial(_evaluate, other, 0), match=LEFT)
             other.load_state_dict(other.state_dict())
@@ -217,7 +214,7 @@ def test_evaluation_once_the_optimizer_of_a_stopped_loop_was_collected_refused(l
         # Nothing is left: the hook goes at the next construction (or step()), not from the
         # garbage collector's callback.
         _loops()
-        assert _left_updates_hooked() == (others, others > 0)
+        assert _left_updates_hooked() == (0, False)
 
 
 def test_forward_of_a_module_built_on_another_parameter_object_is_not_a_read():
@@ -352,12 +349,13 @@ def _fsdp_kept_gathered_body() -> None:
     _refused_unmoved(model, lambda: _evaluate(model, 3, sharded=True))
 
 
-def _fsdp_stopped_loop_body(kept_gathered: bool) -> None:
+def _fsdp_stopped_loop_body(kept_gathered: bool, compiled: bool = False) -> None:
     """FSDP2, a loop stopped after a backward, its optimizer collected: the root's evaluation
-    is refused before it gathers anything, on every rank; with the weights of before that
-    backward loaded, it is the plain loop's. With ``set_reshard_after_backward(False)`` each
-    unit keeps the weights it gathered for that backward, from before the update, and the
-    evaluation reads them in both loops: not refused, equal."""
+    is refused before it gathers anything, on every rank, also through ``torch.compile`` of
+    the whole model; with the weights of before that backward loaded, it is the plain loop's.
+    With ``set_reshard_after_backward(False)`` each unit keeps the weights it gathered for
+    that backward, from before the update, and the evaluation reads them in both loops: not
+    refused, equal."""
     loops = _loops(sharded=True)
     saved = []
     for model, optim in loops:
@@ -366,13 +364,15 @@ def _fsdp_stopped_loop_body(kept_gathered: bool) -> None:
     (model, _), (reference, _) = loops
     del loops
     gc.collect()
+    evaluated = torch.compile(model, backend="eager") if compiled else model
     if kept_gathered:
-        assert _evaluate(model, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
+        assert _evaluate(evaluated, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
         model.reshard()
-    _refused_unmoved(model, lambda: _evaluate(model, 0, sharded=True), match=LEFT)
+    _refused_unmoved(model, lambda: _evaluate(evaluated, 0, sharded=True), match=LEFT)
     model.load_state_dict(saved[0])
-    assert _evaluate(model, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
+    assert _evaluate(evaluated, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
     assert_match(model, reference, atol=0)
+    torch._dynamo.reset()
 
 
 @pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
@@ -382,6 +382,7 @@ def test_forward_between_backward_and_step_on_fsdp2(worlds):
     worlds.run(2, _fsdp_kept_gathered_body)
     for kept_gathered in (False, True):
         worlds.run(3, _fsdp_stopped_loop_body, kept_gathered=kept_gathered)
+    worlds.run(2, _fsdp_stopped_loop_body, kept_gathered=False, compiled=True)
 
 
 def test_compiled_model_forward_between_backward_and_step_refused():
@@ -415,27 +416,41 @@ def test_compiled_model_forward_between_backward_and_step_refused():
 
 
 @pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
-def test_compiled_model_beside_parameters_left_uncommitted_keeps_one_graph():
-    """While a stopped loop's parameters hold updates no ``step()`` will commit, the forward
-    pre-hook refusing reads of them is registered for every module: another model, compiled
-    then, compiles into one graph with no break (the hook read autograd's graph task id first,
-    which Dynamo cannot trace: two breaks, no graph; traced, it now does nothing, so that
-    Dynamo guards on no record the garbage collector may drop), and the stopped loop's model
-    is still refused, eager."""
+def test_compiled_evaluation_after_a_stopped_loop_refused():
+    """An evaluation through ``torch.compile`` once a stopped loop's optimizer was collected
+    read the updated weights, no error: Dynamo traced the forward pre-hook as doing nothing.
+    The hook now checks outside the graph while any parameter holds an update left
+    uncommitted, so the compiled evaluation is refused before it runs, and with the weights of
+    before that backward loaded it equals the plain loop's. Another model compiled meanwhile
+    runs, its graph broken at the hooks, with its eager forward's results; once nothing is
+    left (at the loop's next construction) a model compiles into one graph with no break (the
+    hook read autograd's graph task id first, which Dynamo cannot trace, in an earlier
+    version: two breaks, no graph)."""
     from torch._dynamo.utils import counters
 
     gc.collect()
-    (stopped, optim), _ = _loops()
-    _stopped_loop(stopped, optim)
+    _loops()  # a construction: what earlier tests left and wrote since is forgotten
+    assert not LEFT_UPDATES._left, "an earlier test left parameters holding updates alive"
+    (model, optim), (reference, plain) = _loops()
+    other, _ = make_models(seed=1)
+    expected = [_evaluate(other, step) for step in range(2)]
+    torch._dynamo.reset()
+    compiled, compiled_other = (torch.compile(m, backend="eager") for m in (model, other))
+    saved = _stopped_loop(model, optim)
+    _stopped_loop(reference, plain)
     del optim
     gc.collect()
-    other, _ = make_models(seed=1)
+    counters.clear()
+    _refused_unmoved(model, lambda: _evaluate(compiled, 0), LEFT)
+    assert [_evaluate(compiled_other, step) for step in range(2)] == expected
+    assert counters["graph_break"], "the check ran in the graph"
+    model.load_state_dict(saved)
+    assert _evaluate(compiled, 0) == _evaluate(reference, 0)
+    _loops()
+    assert not LEFT_UPDATES._armed
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(other, backend="eager")
-    for step in range(3):
-        _evaluate(compiled, step)
+    assert [_evaluate(torch.compile(other, backend="eager"), step) for step in range(2)] == expected
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"], dict(counters["graph_break"])
-    _refused_unmoved(stopped, lambda: _evaluate(stopped, 0), LEFT)
     torch._dynamo.reset()
