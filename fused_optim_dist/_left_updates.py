@@ -22,21 +22,19 @@ into them changes (their version counter, and their values' storage), and:
   the plain loop's is 0.888, with a warning at the optimizer's collection all there was.
 
 The hook costs a module holding none of them a dictionary lookup per parameter. Traced by
-Dynamo (a ``torch.compile``d forward) it reads one flag (``_armed``) and while it is set
-calls the same check outside the graph (``torch.compiler.disable``): a compiled evaluation
-is refused as an eager one is, and a module compiled meanwhile breaks its graph at each
-module's hook (it runs, its results the same) until none is noted. Dynamo must guard on
-nothing else here: the garbage collector drops a record as its parameter goes, at any time,
-a compilation's included, and torch 2.13 fails a compilation whose guarded values changed
-while it compiled (an ``InternalTorchDynamoError``, a ``KeyError`` for a record, seen in a
-full run, when the records were read there). So the flag changes only where no compilation
-runs: it is set when a parameter is noted (noted from a collector's callback during a
-compilation, at the next eager check or loop call: a compiled forward before that is not
-checked), and cleared by the loop's calls and the checks once none is noted; the hook is
-removed only from the loop's calls (Dynamo guards on the hooks it traced), never from a
-collector's callback. A model compiled with the flag clear and then run with it set compiles
-again, as for any value it guards on, and so does one compiled before the hook came or
-before it went.
+Dynamo (a ``torch.compile``d forward) it reads one flag (``_armed``), set while any is noted,
+and while it is set calls the same check outside the graph (``torch.compiler.disable``): a
+compiled evaluation is refused as an eager one is, and a module compiled meanwhile breaks its
+graph at each module's hook (it runs, its results the same) until none is noted. Dynamo
+guards on the flag's value, so a model compiles again when it changes, and must guard on
+nothing else here: reading the records in the traced hook made it guard on them, and the
+garbage collector drops a record as its parameter goes, at any time, a compilation's
+included (torch 2.13 then failed the compilation: an ``InternalTorchDynamoError``, a
+``KeyError`` for the record, seen in a full run). The flag is set when a parameter is noted,
+and cleared by the loop's calls and the eager checks once none is; the hook is removed only
+from the loop's calls (Dynamo guards on the hooks it traced: removed from a collector's
+callback while a model compiled, it failed the compilation the same way). As with any
+global hook, a model compiled before it came, or before it went, compiles again.
 
 A parameter written since is forgotten: the weights of before that backward loaded (in place
 or through ``.data``), the plain loop's, or the weights loaded as they are, to keep the
@@ -60,12 +58,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fused_optim_dist._protocol import PendingUpdates, describe, params_read_by
-from fused_optim_dist._torch_internals import (
-    current_backward_id,
-    dynamo_compiling,
-    holds_values,
-    local_tensor,
-)
+from fused_optim_dist._torch_internals import current_backward_id, holds_values, local_tensor
 
 __all__ = ["LEFT_UPDATES", "LeftUpdates"]
 
@@ -112,7 +105,7 @@ class LeftUpdates:
         self._gathered |= pending.gathered_when_updated()
         if self._left and self._handle is None:
             self._handle = nn.modules.module.register_module_forward_pre_hook(self._refuse_read)
-        self._arm(bool(self._left))
+        self._armed = bool(self._left)
 
     def forget(self, pending: PendingUpdates) -> None:
         """The updates of ``pending`` are committed, rolled back, or driven again."""
@@ -153,12 +146,6 @@ class LeftUpdates:
         if left is not None and left.param is ref:
             del self._left[key]
 
-    def _arm(self, armed: bool) -> None:
-        """Set or clear the flag a compiled forward's hook reads, unless a compilation is
-        under way (its guards read the flag: see the note)."""
-        if armed != self._armed and not dynamo_compiling():
-            self._armed = armed
-
     def _remove_hook_if_idle(self) -> None:
         """Forget the parameters written since, and remove the hook once nothing is noted:
         from the loop's own calls only (``step()``, a construction), never from a garbage
@@ -169,8 +156,8 @@ class LeftUpdates:
             param = left.param()
             if param is not None:
                 self._standing(param)
-        self._arm(bool(self._left))
-        if self._handle is not None and not self._left and not dynamo_compiling():
+        self._armed = bool(self._left)
+        if self._handle is not None and not self._left and not torch.compiler.is_compiling():
             self._handle.remove()
             self._handle = None
             self._gathered.clear()
@@ -184,7 +171,7 @@ class LeftUpdates:
 
     def _check(self, module: nn.Module) -> None:
         read = [p for p in params_read_by(module, self._left, self._gathered) if self._standing(p)]
-        self._arm(bool(self._left))
+        self._armed = bool(self._left)
         if not read or current_backward_id() != -1:  # none, or a forward recomputed in backward
             return
         more = f" (and {len(read) - 1} more)" if len(read) > 1 else ""

@@ -80,12 +80,6 @@ Everything else in the package uses public APIs. What this module relies on, for
   therefore queues a callback that queues ours: it runs after every callback queued during the
   backward. ``torch._C._current_graph_task_id()`` is ``-1`` outside a backward and stays the
   backward's id while its callbacks run.
-* Dynamo compiles a frame inside ``torch._guards.CompileContext`` (a thread-local context,
-  ``CompileContext.try_get()`` is ``None`` outside one), and checks the guards it built
-  against the frame as soon as it has compiled it, failing the compilation (an
-  ``AssertionError``, "Guard failed on the same frame it was created") if a value it guards on
-  changed meanwhile: a garbage collector's callback may run in between. ``dynamo_compiling``
-  tells code that may run from such a callback that a compilation is under way.
 * ``DTensor._local_tensor`` is the local shard itself: ``to_local()`` returns it through an
   autograd Function (microseconds per call, which adds up over hundreds of small parameters).
   FSDP2 keeps the same local tensor object across steps and replaces it only when it re-creates
@@ -984,9 +978,3 @@ def holds_values(tensor: torch.Tensor) -> bool:
 
 
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
-
-
-def dynamo_compiling() -> bool:
-    """Whether Dynamo is tracing or compiling a frame on this thread, also from code it does
-    not trace (a garbage collector's callback run during a compilation)."""
-    return torch.compiler.is_compiling() or torch._guards.CompileContext.try_get() is not None

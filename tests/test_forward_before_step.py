@@ -217,6 +217,31 @@ def test_evaluation_once_the_optimizer_of_a_stopped_loop_was_collected_refused(l
         assert _left_updates_hooked() == (0, False)
 
 
+@pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
+def test_stopped_loop_optimizer_collected_while_a_model_compiles():
+    """The garbage collector may collect a stopped loop's optimizer while Dynamo compiles
+    another model (here in the backend's call, before Dynamo checks the guards it built):
+    the model compiles, its results those of its eager forward, and the stopped loop's
+    compiled evaluation is refused from then on."""
+    (model, optim), _ = _loops()
+    _stopped_loop(model, optim)
+    held = [optim]
+    del optim
+
+    def backend(graph: torch.fx.GraphModule, _inputs: list) -> Callable:
+        held.clear()  # the last reference: collected now, inside the compilation
+        return graph.forward
+
+    other, _ = make_models(seed=1)
+    expected = _evaluate(other, 0)
+    torch._dynamo.reset()
+    assert _evaluate(torch.compile(other, backend=backend), 0) == expected
+    assert not held and LEFT_UPDATES._armed
+    compiled = torch.compile(model, backend="eager")
+    _refused_unmoved(model, lambda: _evaluate(compiled, 0), LEFT)
+    torch._dynamo.reset()
+
+
 def test_forward_of_a_module_built_on_another_parameter_object_is_not_a_read():
     """Modules reading parameters that are not the updated ones: a teacher copy, and the model
     called through ``torch.func.functional_call`` with its weights of before the update
