@@ -91,7 +91,10 @@ class LeftUpdates:
         # Whether a compiled forward's hook checks, outside its graph: see the note.
         self._armed = False
         self._check_outside_graph = torch.compiler.disable(
-            self._check, reason="fused_optim_dist checks reads of updates left uncommitted"
+            self._check,
+            reason="fused_optim_dist: parameters alive in this process hold updates made in "
+            "backward that no step() committed (a loop that stopped after a backward); forwards "
+            "are checked outside the graph until those parameters are loaded or collected",
         )
 
     def leave(self, pending: PendingUpdates) -> None:

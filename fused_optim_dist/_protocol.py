@@ -857,7 +857,9 @@ class _ForwardReads:
         # watched optimizers, which their collection changes at any time (see [Note: updates
         # left uncommitted] in ``_left_updates.py``).
         self._check_outside_graph = torch.compiler.disable(
-            self._check, reason="fused_optim_dist checks reads of updates awaiting step()"
+            self._check,
+            reason="fused_optim_dist: updates made in backward await step(); forwards are "
+            "checked outside the graph until then",
         )
 
     def watch(self, pending: PendingUpdates) -> None:

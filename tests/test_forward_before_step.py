@@ -447,10 +447,11 @@ def test_compiled_evaluation_after_a_stopped_loop_refused():
     The hook now checks outside the graph while any parameter holds an update left
     uncommitted, so the compiled evaluation is refused before it runs, and with the weights of
     before that backward loaded it equals the plain loop's. Another model compiled meanwhile
-    runs, its graph broken at the hooks, with its eager forward's results; once nothing is
-    left (at the loop's next construction) a model compiles into one graph with no break (the
-    hook read autograd's graph task id first, which Dynamo cannot trace, in an earlier
-    version: two breaks, no graph)."""
+    runs, its graph broken at the hooks, with its eager forward's results (compiled with
+    ``fullgraph=True``, Dynamo refuses it, naming why); once nothing is left (at the loop's
+    next construction) a model compiles into one graph with no break (the hook read
+    autograd's graph task id first, which Dynamo cannot trace, in an earlier version: two
+    breaks, no graph)."""
     from torch._dynamo.utils import counters
 
     gc.collect()
@@ -469,6 +470,10 @@ def test_compiled_evaluation_after_a_stopped_loop_refused():
     _refused_unmoved(model, lambda: _evaluate(compiled, 0), LEFT)
     assert [_evaluate(compiled_other, step) for step in range(2)] == expected
     assert counters["graph_break"], "the check ran in the graph"
+    torch._dynamo.reset()  # else the entries compiled above serve it
+    whole = torch.compile(other, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"no step\(\) committed"):
+        _evaluate(whole, 0)
     model.load_state_dict(saved)
     assert _evaluate(compiled, 0) == _evaluate(reference, 0)
     _loops()
