@@ -41,9 +41,10 @@ or through ``.data``), the plain loop's, or the weights loaded as they are, to k
 update. So is one whose optimizer's ``step()`` committed the update (a detached optimizer's
 ``step()`` still does) or that it drives again (``attach()``), and one that was collected.
 Once none is noted, the hook goes at the loop's next ``step()`` or construction of an
-``OptimizerInBackward``; until then it finds nothing to refuse. Reads outside a module's
-forward (a save: ``model.state_dict()``) go unseen; the warning at the optimizer's collection
-names them.
+``OptimizerInBackward``; until then it finds nothing to refuse. This library's saves of them
+(``checkpoint.save``, ``export_weights``) are refused too (``uncommitted_weights_error`` in
+``optimizer.py``); other reads outside a module's forward (``torch.save(model.state_dict())``)
+go unseen, and the warning at the optimizer's collection names them.
 """
 
 from __future__ import annotations
@@ -133,6 +134,10 @@ class LeftUpdates:
                     "backward, not after it."
                 )
         self._remove_hook_if_idle()
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` holds an update left uncommitted, unwritten since."""
+        return self._standing(param)
 
     def _standing(self, param: torch.Tensor) -> bool:
         """Whether ``param`` holds an update left uncommitted, unwritten since."""

@@ -86,7 +86,7 @@ from fused_optim_dist._checkpoint_metadata import (
 from fused_optim_dist._checkpoint_reading import Inspection, inspect, verify_share
 from fused_optim_dist._checkpoint_rendezvous import init_process_group
 from fused_optim_dist._torch_internals import before_teardown
-from fused_optim_dist.optimizer import OptimizerInBackward
+from fused_optim_dist.optimizer import OptimizerInBackward, uncommitted_weights_error
 
 __all__ = [
     "SaveHandle",
@@ -327,11 +327,16 @@ def save(
     Raises:
         ValueError: for a bad ``step`` or ``keep_last``, an unpicklable ``extra``, or an
             optimizer holding a parameter the model does not have.
+        RuntimeError: on every rank, before anything is written, if a weight of ``model``
+            holds an update made in backward that no ``step()`` committed (a save between
+            backward and ``step()``, or after a loop that stopped after a backward): the plain
+            loop's weights there are those of before it.
         FileExistsError: if the checkpoint of ``step`` already exists.
         RuntimeError, OSError: if writing or committing failed (earlier checkpoints are intact).
     """
     global _PENDING
     _check_save_args(step, keep_last)
+    agree(uncommitted_weights_error(model, "checkpoint.save()"))
     directory = Path(directory)
     _wait_pending()
     final = layout.step_dir(directory, step)
@@ -521,7 +526,10 @@ def export_weights(model: nn.Module, path: str | os.PathLike) -> None:
 
     Raises:
         OSError: on every rank, if rank 0 could not write the file.
+        RuntimeError: on every rank, before anything is written, if a weight holds an update
+            made in backward that no ``step()`` committed (as :func:`save`).
     """
+    agree(uncommitted_weights_error(model, "export_weights()"))
     path = Path(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)

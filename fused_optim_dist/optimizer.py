@@ -91,6 +91,41 @@ def _owner(param: torch.Tensor) -> OptimizerInBackward | None:
     return owner
 
 
+def uncommitted_weights_error(model: nn.Module, what: str) -> RuntimeError | None:
+    """The refusal of ``what``, a save of ``model``'s weights, where one of them holds an update
+    made in backward that no ``step()`` committed: awaiting its optimizer's ``step()``, or left
+    by an optimizer collected or detached after a backward ([Note: updates left
+    uncommitted]). The plain loop's weights there are those of before that backward, so the
+    file would hold weights the plain loop's does not. ``None`` where none does."""
+    standing: dict[int, set[int]] = {}
+    for param in model.parameters():
+        owner = _owner(param)
+        if owner is not None and owner._pending.holds(param):
+            key = id(owner)
+            if key not in standing:
+                standing[key] = {id(p) for p in owner._pending.standing()}
+            if id(param) in standing[key]:
+                return RuntimeError(
+                    f"{what} would save {describe(param)}, updated in backward with no "
+                    "optimizer.step() since. A plain optimizer updates it at step(), so the "
+                    f"plain loop's {what} here saves the weights of before the update. Nothing "
+                    "was saved. Call optim.step() first, and save after it."
+                )
+        if LEFT_UPDATES.holds(param):
+            return RuntimeError(
+                f"{what} would save {describe(param)}, which holds an update an "
+                "OptimizerInBackward made in backward that no step() committed: that optimizer "
+                "was collected or detached after a backward (a loop that stopped after a "
+                "backward: a step budget checked after backward?). A plain optimizer never "
+                f"applies that backward's gradients, so the plain loop's {what} saves the "
+                "weights of before it. Nothing was saved. Load the weights of before that "
+                "backward (the last checkpoint) to save what the plain loop would, or load "
+                "these weights as they are (model.load_state_dict(model.state_dict())) to keep "
+                "the update; end a loop before a backward, or call step() after it."
+            )
+    return None
+
+
 def _forget_owner(ids: set[int]) -> None:
     """Drop the entries of ``ids`` whose owner is gone (the optimizer was collected)."""
     for key in ids:
@@ -265,11 +300,11 @@ def _warn_uncommitted(pending: PendingUpdates) -> None:
             "updates made in backward that no step() followed: the loop stopped after a "
             "backward (a step budget checked after backward?), where a plain optimizer would "
             "not have applied that backward's gradients. A forward reading those weights is "
-            "refused from now on, and so is an OptimizerInBackward built over them; a save "
-            "of them holds the update. Until they are loaded or collected, a torch.compile'd "
-            "forward runs that check outside its graph, breaking the graph at each module. "
-            "Call step() after every backward whose gradients train, and stop the loop "
-            "before the backward otherwise.",
+            "refused from now on, and so are an OptimizerInBackward built over them and "
+            "fused_optim_dist's saves of them; torch.save of them holds the update. Until "
+            "they are loaded or collected, a torch.compile'd forward runs that check outside "
+            "its graph, breaking the graph at each module. Call step() after every backward "
+            "whose gradients train, and stop the loop before the backward otherwise.",
             RuntimeWarning,
             stacklevel=1,
         )

@@ -15,10 +15,12 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import os
 from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 from _toy import assert_match, batch, full, loss_fn, make_models, rank_slice, shard
 from torch import nn
 from torch.optim import Optimizer
@@ -26,6 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import OptimizerInBackward
 from fused_optim_dist._left_updates import LEFT_UPDATES
+from fused_optim_dist.checkpoint import export_weights, latest
+from fused_optim_dist.checkpoint import save as save_checkpoint
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 REFUSED = r"updated in backward with no optimizer\.step\(\) since"
@@ -146,6 +150,8 @@ def test_evaluation_after_a_loop_that_stopped_after_a_backward_refused():
 
 
 LEFT = r"holds an update an OptimizerInBackward made in backward that no step\(\) committed"
+SAVE_PENDING = r"would save .* updated in backward with no optimizer\.step\(\) since"
+SAVE_LEFT = r"would save .* no step\(\) committed"
 
 
 def _stopped_loop(model: nn.Module, optim: Optimizer, sharded: bool = False) -> dict:
@@ -374,12 +380,13 @@ def _fsdp_kept_gathered_body() -> None:
     _refused_unmoved(model, lambda: _evaluate(model, 3, sharded=True))
 
 
-def _fsdp_stopped_loop_body(kept_gathered: bool, compiled: bool = False) -> None:
+def _fsdp_stopped_loop_body(kept_gathered: bool, compiled: bool = False, path: str = "") -> None:
     """FSDP2, a loop stopped after a backward, its optimizer collected: the root's evaluation
     is refused before it gathers anything, on every rank, also through ``torch.compile`` of
-    the whole model; with the weights of before that backward loaded, it is the plain loop's.
-    With ``set_reshard_after_backward(False)`` each unit keeps the weights it gathered for
-    that backward, from before the update, and the evaluation reads them in both loops: not
+    the whole model, and so is an export of the weights to ``path``; with the weights of
+    before that backward loaded, both are the plain loop's. With
+    ``set_reshard_after_backward(False)`` each unit keeps the weights it gathered for that
+    backward, from before the update, and the evaluation reads them in both loops: not
     refused, equal."""
     loops = _loops(sharded=True)
     saved = []
@@ -394,19 +401,30 @@ def _fsdp_stopped_loop_body(kept_gathered: bool, compiled: bool = False) -> None
         assert _evaluate(evaluated, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
         model.reshard()
     _refused_unmoved(model, lambda: _evaluate(evaluated, 0, sharded=True), match=LEFT)
+    if path:
+        _refused_unmoved(model, lambda: export_weights(model, path), match=SAVE_LEFT)
+        assert not os.path.exists(path)
     model.load_state_dict(saved[0])
     assert _evaluate(evaluated, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
     assert_match(model, reference, atol=0)
+    if path:
+        export_weights(model, path)
+        expected = {name: full(param).detach() for name, param in reference.named_parameters()}
+        if dist.get_rank() == 0:
+            exported = torch.load(path, weights_only=True)
+            for name, value in expected.items():
+                assert torch.equal(exported[name], value), name
     torch._dynamo.reset()
 
 
 @pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
-def test_forward_between_backward_and_step_on_fsdp2(worlds):
+def test_forward_between_backward_and_step_on_fsdp2(worlds, tmp_path):
     for world in (2, 3):
         worlds.run(world, _fsdp_evaluation_refused_body)
     worlds.run(2, _fsdp_kept_gathered_body)
     for kept_gathered in (False, True):
-        worlds.run(3, _fsdp_stopped_loop_body, kept_gathered=kept_gathered)
+        path = "" if kept_gathered else str(tmp_path / "weights.pt")
+        worlds.run(3, _fsdp_stopped_loop_body, kept_gathered=kept_gathered, path=path)
     worlds.run(2, _fsdp_stopped_loop_body, kept_gathered=False, compiled=True)
 
 
@@ -438,6 +456,47 @@ def test_compiled_model_forward_between_backward_and_step_refused():
     with torch.no_grad():
         _refused_unmoved(model, lambda: compiled(_x(4)[0]))
     torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
+def test_saves_of_weights_holding_uncommitted_updates_refused(tmp_path):
+    """``export_weights`` and ``checkpoint.save`` of weights updated in backward that no
+    ``step()`` committed wrote the updated weights, which the plain loop's file does not hold
+    (between backward and ``step()``; after a loop that stopped after a backward, with a
+    plain optimizer for the next phase). Refused before anything is written; after
+    ``step()``, and with the weights of before that backward loaded, the files hold the plain
+    loop's weights."""
+    (model, optim), (reference, plain) = _loops()
+    path = tmp_path / "weights.pt"
+    loss_fn(model, *_x(0)).backward()
+    _refused_unmoved(model, lambda: export_weights(model, path), match=SAVE_PENDING)
+    _refused_unmoved(
+        model, lambda: save_checkpoint(tmp_path / "run", model, optim, step=0), SAVE_PENDING
+    )
+    optim.step()
+    loss_fn(reference, *_x(0)).backward()
+    plain.step()
+    export_weights(model, path)
+    exported = torch.load(path, weights_only=True)
+    for name, param in reference.named_parameters():
+        assert torch.equal(exported[name], param.detach()), name
+    saved = _stopped_loop(model, optim)
+    _stopped_loop(reference, plain)
+    optim = None  # collected
+    gc.collect()
+    path.unlink()
+    _refused_unmoved(model, lambda: export_weights(model, path), match=SAVE_LEFT)
+    next_phase = torch.optim.SGD(model.parameters(), lr=0.1)
+    _refused_unmoved(
+        model, lambda: save_checkpoint(tmp_path / "run", model, next_phase, step=1), SAVE_LEFT
+    )
+    assert not path.exists() and latest(tmp_path / "run") is None
+    model.load_state_dict(saved)
+    save_checkpoint(tmp_path / "run", model, next_phase, step=1)
+    export_weights(model, path)
+    exported = torch.load(path, weights_only=True)
+    for name, param in reference.named_parameters():
+        assert torch.equal(exported[name], param.detach()), name
 
 
 @pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
