@@ -122,7 +122,7 @@ class LeftUpdates:
         """Raise if one of ``params`` still holds an update left uncommitted: an
         ``OptimizerInBackward`` is about to drive it."""
         for param in params:
-            if self._standing(param):
+            if self.holds(param):
                 raise ValueError(
                     f"{describe(param)} holds an update another OptimizerInBackward made in "
                     "backward that no step() committed: that optimizer was left after a "
@@ -136,10 +136,6 @@ class LeftUpdates:
         self._remove_hook_if_idle()
 
     def holds(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` holds an update left uncommitted, unwritten since."""
-        return self._standing(param)
-
-    def _standing(self, param: torch.Tensor) -> bool:
         """Whether ``param`` holds an update left uncommitted, unwritten since."""
         left = self._left.get(id(param))
         if left is None:
@@ -163,7 +159,7 @@ class LeftUpdates:
         for left in list(self._left.values()):
             param = left.param()
             if param is not None:
-                self._standing(param)
+                self.holds(param)
         self._armed = bool(self._left)
         if self._handle is not None and not self._left and not torch.compiler.is_compiling():
             self._handle.remove()
@@ -178,7 +174,7 @@ class LeftUpdates:
         self._check(module)
 
     def _check(self, module: nn.Module) -> None:
-        read = [p for p in params_read_by(module, self._left, self._gathered) if self._standing(p)]
+        read = [p for p in params_read_by(module, self._left, self._gathered) if self.holds(p)]
         self._armed = bool(self._left)
         if not read or current_backward_id() != -1:  # none, or a forward recomputed in backward
             return
