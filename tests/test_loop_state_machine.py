@@ -45,7 +45,8 @@ import pickle
 import shutil
 import tempfile
 import warnings
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import pytest
@@ -85,6 +86,7 @@ from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
 from fused_optim_dist import InBackwardOptions, OptimizerInBackward, is_freed
+from fused_optim_dist.checkpoint import export_weights
 from fused_optim_dist.compact_adamw import CompactAdamW
 from fused_optim_dist.training import accumulate_grads, clip_grad_norm_
 
@@ -157,6 +159,23 @@ def _take(optim: torch.optim.Optimizer, kind: str) -> dict | torch.optim.Optimiz
     if kind == "deepcopy":
         return copy.deepcopy(optim)
     return pickle.loads(pickle.dumps(optim))
+
+
+@contextmanager
+def _export_of(model: nn.Module) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+    """A call exporting ``model``'s weights (``export_weights``, collective) into a temporary
+    file, returning what rank 0 wrote (an empty dict on the other ranks)."""
+    directory = tempfile.mkdtemp(prefix="loop-export-")
+    path = os.path.join(directory, "weights.pt")
+
+    def export() -> dict[str, torch.Tensor]:
+        export_weights(model, path)
+        return torch.load(path, weights_only=True) if os.path.exists(path) else {}
+
+    try:
+        yield export
+    finally:
+        shutil.rmtree(directory)
 
 
 def _state_dict_of(snapshot: dict | torch.optim.Optimizer) -> dict:
@@ -880,6 +899,16 @@ class LoopMachine(RuleBasedStateMachine):
             else:
                 ours_loss = self._loss(ours_model, self.step + 100)
                 torch.testing.assert_close(ours_loss, plain_loss, rtol=1e-5, atol=1e-6)
+        # An export of the weights there: refused as that forward is, or the plain loop's.
+        with _export_of(ours_model) as export:
+            if refused:
+                with pytest.raises(RuntimeError, match=r"with no optimizer\.step\(\) since"):
+                    export()
+                _assert_unchanged(ours_model, before)
+            else:
+                plain_state = plain_model.state_dict()
+                for name, value in export().items():
+                    _assert_close(value, plain_state[name], name)
         for optim in (self.ours, self.plain):
             self._step(optim)
             optim.zero_grad()
@@ -1038,6 +1067,14 @@ class LoopMachine(RuleBasedStateMachine):
             else:
                 assert not moved, "an evaluation of weights an uncommitted update moved"
             ours_model.train()
+            with _export_of(ours_model) as export:  # refused as that evaluation is
+                try:
+                    export()
+                except RuntimeError as error:
+                    assert "no step() committed" in str(error), error
+                    _assert_unchanged(ours_model, before)
+                else:
+                    assert not moved, "an export of weights an uncommitted update moved"
         if then in ("load", "evaluate"):
             ours_model.load_state_dict(saved)
             self.ours, self.plain = self._optimizers(*groups)
