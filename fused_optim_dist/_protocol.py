@@ -568,18 +568,22 @@ class PendingUpdates:
         self._buffers.clear()
         self._draws = None
 
+    def refused_reads(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` whose update awaits ``step()``, unless a rollback (the
+        optimizer's state loaded too) restored them: what a forward or a save must not read."""
+        read = [param for param in params if id(param) in self._ids]
+        if read and self._loaded:  # a rollback: the restored weights are the plain loop's
+            restored = self._overwritten(converted=True)
+            gone = {id(p) for p, undone in zip(self._params, restored, strict=True) if undone}
+            read = [param for param in read if id(param) not in gone]
+        return read
+
     def refuse_read(self, module: nn.Module) -> None:
         """Raise for a forward of ``module`` (outside backward) that reads a parameter whose
         update stands. See [Note: a forward between backward and step()]."""
-        read = params_read_by(module, self._ids, self.gathered_when_updated())
+        read = self.refused_reads(params_read_by(module, self._ids, self.gathered_when_updated()))
         if not read:
             return
-        if self._loaded:  # a rollback: the restored weights are those the plain loop reads
-            restored = self._overwritten(converted=True)
-            gone = {id(p) for p, undone in zip(self._params, restored, strict=True) if undone}
-            read = [p for p in read if id(p) not in gone]
-            if not read:
-                return
         standing = {id(p) for p in self.standing()}
         written = [p for p in read if id(p) not in standing]
         if written:

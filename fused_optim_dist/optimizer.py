@@ -93,36 +93,37 @@ def _owner(param: torch.Tensor) -> OptimizerInBackward | None:
 
 def uncommitted_weights_error(model: nn.Module, what: str) -> RuntimeError | None:
     """The refusal of ``what``, a save of ``model``'s weights, where one of them holds an update
-    made in backward that no ``step()`` committed: awaiting its optimizer's ``step()``, or left
-    by an optimizer collected or detached after a backward ([Note: updates left
-    uncommitted]). The plain loop's weights there are those of before that backward, so the
-    file would hold weights the plain loop's does not. ``None`` where none does."""
-    standing: dict[int, set[int]] = {}
-    for param in model.parameters():
-        owner = _owner(param)
-        if owner is not None and owner._pending.holds(param):
-            key = id(owner)
-            if key not in standing:
-                standing[key] = {id(p) for p in owner._pending.standing()}
-            if id(param) in standing[key]:
-                return RuntimeError(
-                    f"{what} would save {describe(param)}, updated in backward with no "
-                    "optimizer.step() since. A plain optimizer updates it at step(), so the "
-                    f"plain loop's {what} here saves the weights of before the update. Nothing "
-                    "was saved. Call optim.step() first, and save after it."
-                )
-        if LEFT_UPDATES.holds(param):
+    made in backward that no ``step()`` committed: awaiting its optimizer's ``step()`` (written
+    since or not, as a forward there: [Note: a forward between backward and step()] in
+    ``_protocol.py``), or left by an optimizer collected or detached after a backward ([Note:
+    updates left uncommitted]). The plain loop's weights there are those of before that
+    backward, so the file would hold weights the plain loop's does not. ``None`` where none
+    does."""
+    params = list(model.parameters())
+    owners = {id(owner): owner for owner in map(_owner, params) if owner is not None}
+    for owner in owners.values():
+        read = owner._pending.refused_reads(params)
+        if read:
             return RuntimeError(
-                f"{what} would save {describe(param)}, which holds an update an "
-                "OptimizerInBackward made in backward that no step() committed: that optimizer "
-                "was collected or detached after a backward (a loop that stopped after a "
-                "backward: a step budget checked after backward?). A plain optimizer never "
-                f"applies that backward's gradients, so the plain loop's {what} saves the "
-                "weights of before it. Nothing was saved. Load the weights of before that "
-                "backward (the last checkpoint) to save what the plain loop would, or load "
-                "these weights as they are (model.load_state_dict(model.state_dict())) to keep "
-                "the update; end a loop before a backward, or call step() after it."
+                f"{what} would save {describe(read[0])}, updated in backward with no "
+                "optimizer.step() since. A plain optimizer updates it at step(), so the plain "
+                f"loop's {what} here saves the weights of before the update (or a write over "
+                "them). Nothing was saved. Call optim.step() first, and save after it; to roll "
+                "the backward back, load the model and the optimizer's state first."
             )
+    left = [param for param in params if LEFT_UPDATES.holds(param)]
+    if left:
+        return RuntimeError(
+            f"{what} would save {describe(left[0])}, which holds an update an "
+            "OptimizerInBackward made in backward that no step() committed: that optimizer was "
+            "collected or detached after a backward (a loop that stopped after a backward: a "
+            "step budget checked after backward?). A plain optimizer never applies that "
+            f"backward's gradients, so the plain loop's {what} saves the weights of before it. "
+            "Nothing was saved. Load the weights of before that backward (the last checkpoint) "
+            "to save what the plain loop would, or load these weights as they are "
+            "(model.load_state_dict(model.state_dict())) to keep the update; end a loop before "
+            "a backward, or call step() after it."
+        )
     return None
 
 

@@ -500,6 +500,27 @@ def test_saves_of_weights_holding_uncommitted_updates_refused(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
+def test_export_after_a_write_over_an_update_refused_after_a_rollback_as_plain(tmp_path):
+    """Between backward and ``step()``, a weight halved in place and then exported: the plain
+    loop's file holds half the weight of before the update, ours half the updated one.
+    Refused, as a forward there is; after a rollback (the model and the optimizer's state
+    loaded from before the backward) the export holds the plain loop's weights."""
+    (model, optim), (reference, _) = _loops()
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict())
+    path = tmp_path / "weights.pt"
+    loss_fn(model, *_x(0)).backward()
+    with torch.no_grad():
+        model.head.weight.mul_(0.5)
+    _refused_unmoved(model, lambda: export_weights(model, path), match=SAVE_PENDING)
+    model.load_state_dict(saved[0])
+    optim.load_state_dict(saved[1])
+    export_weights(model, path)
+    exported = torch.load(path, weights_only=True)
+    for name, param in reference.named_parameters():
+        assert torch.equal(exported[name], param.detach()), name
+
+
+@pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
 def test_compiled_evaluation_after_a_stopped_loop_refused():
     """An evaluation through ``torch.compile`` once a stopped loop's optimizer was collected
     read the updated weights, no error: Dynamo traced the forward pre-hook as doing nothing.
