@@ -380,11 +380,14 @@ def _fsdp_kept_gathered_body() -> None:
     _refused_unmoved(model, lambda: _evaluate(model, 3, sharded=True))
 
 
-def _fsdp_stopped_loop_body(kept_gathered: bool, compiled: bool = False, path: str = "") -> None:
+def _fsdp_stopped_loop_body(
+    kept_gathered: bool, compiled: bool = False, directory: str = ""
+) -> None:
     """FSDP2, a loop stopped after a backward, its optimizer collected: the root's evaluation
     is refused before it gathers anything, on every rank, also through ``torch.compile`` of
-    the whole model, and so is an export of the weights to ``path``; with the weights of
-    before that backward loaded, both are the plain loop's. With
+    the whole model, and so are an export of the weights and a checkpoint saved with a plain
+    optimizer for the next phase, into ``directory``; with the weights of before that backward
+    loaded, the evaluation and the export are the plain loop's. With
     ``set_reshard_after_backward(False)`` each unit keeps the weights it gathered for that
     backward, from before the update, and the evaluation reads them in both loops: not
     refused, equal."""
@@ -401,13 +404,18 @@ def _fsdp_stopped_loop_body(kept_gathered: bool, compiled: bool = False, path: s
         assert _evaluate(evaluated, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
         model.reshard()
     _refused_unmoved(model, lambda: _evaluate(evaluated, 0, sharded=True), match=LEFT)
-    if path:
+    path = os.path.join(directory, "weights.pt")
+    if directory:
         _refused_unmoved(model, lambda: export_weights(model, path), match=SAVE_LEFT)
-        assert not os.path.exists(path)
+        next_phase = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = os.path.join(directory, "run")
+        save = functools.partial(save_checkpoint, run, model, next_phase, step=1)
+        _refused_unmoved(model, save, match=SAVE_LEFT)
+        assert not os.path.exists(path) and latest(run) is None
     model.load_state_dict(saved[0])
     assert _evaluate(evaluated, 0, sharded=True) == _evaluate(reference, 0, sharded=True)
     assert_match(model, reference, atol=0)
-    if path:
+    if directory:
         export_weights(model, path)
         expected = {name: full(param).detach() for name, param in reference.named_parameters()}
         if dist.get_rank() == 0:
@@ -423,8 +431,8 @@ def test_forward_between_backward_and_step_on_fsdp2(worlds, tmp_path):
         worlds.run(world, _fsdp_evaluation_refused_body)
     worlds.run(2, _fsdp_kept_gathered_body)
     for kept_gathered in (False, True):
-        path = "" if kept_gathered else str(tmp_path / "weights.pt")
-        worlds.run(3, _fsdp_stopped_loop_body, kept_gathered=kept_gathered, path=path)
+        directory = "" if kept_gathered else str(tmp_path)
+        worlds.run(3, _fsdp_stopped_loop_body, kept_gathered=kept_gathered, directory=directory)
     worlds.run(2, _fsdp_stopped_loop_body, kept_gathered=False, compiled=True)
 
 
@@ -501,16 +509,18 @@ def test_saves_of_weights_holding_uncommitted_updates_refused(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:OptimizerInBackward ended with:RuntimeWarning")
 def test_export_after_a_write_over_an_update_refused_after_a_rollback_as_plain(tmp_path):
-    """Between backward and ``step()``, a weight halved in place and then exported: the plain
-    loop's file holds half the weight of before the update, ours half the updated one.
-    Refused, as a forward there is; after a rollback (the model and the optimizer's state
-    loaded from before the backward) the export holds the plain loop's weights."""
+    """Between backward and ``step()``, every weight halved in place and then exported: the
+    plain loop's file holds half the weights of before the update, ours half the updated ones
+    (written since their update, none of them holds it as it was: the export went through
+    before). Refused, as a forward there is; after a rollback (the model and the optimizer's
+    state loaded from before the backward) the export holds the plain loop's weights."""
     (model, optim), (reference, _) = _loops()
     saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict())
     path = tmp_path / "weights.pt"
     loss_fn(model, *_x(0)).backward()
     with torch.no_grad():
-        model.head.weight.mul_(0.5)
+        for param in model.parameters():
+            param.mul_(0.5)
     _refused_unmoved(model, lambda: export_weights(model, path), match=SAVE_PENDING)
     model.load_state_dict(saved[0])
     optim.load_state_dict(saved[1])
